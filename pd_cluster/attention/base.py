@@ -1,0 +1,52 @@
+"""Attention backend interface and the registry that picks one by name."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+from pd_cluster.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Writes a step's new K/V into the paged cache and attends over it.
+
+    No per-request dense KV is kept between steps: everything is read from ``kv_cache``.
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """key/value: [num_tokens, num_kv_heads, head_dim]; slots from ``meta.slot_mapping``."""
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """query: [num_tokens, num_heads, head_dim] -> output of the same shape (causal)."""
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register_backend(name: str) -> Callable:
+    def wrap(factory: Callable[[], AttentionBackend]) -> Callable[[], AttentionBackend]:
+        _BACKENDS[name] = factory
+        return factory
+    return wrap
+
+
+def create_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` means Triton on CUDA, torch elsewhere."""
+    # Importing registers the built-in backends; the Triton module imports no CUDA at load.
+    from pd_cluster.attention import torch_backend  # noqa: F401
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from pd_cluster.attention import triton_backend  # noqa: F401
+    if name not in _BACKENDS:
+        raise ValueError(f"attention_backend: unknown backend {name!r}; "
+                         f"choose one of {sorted(_BACKENDS) + ['auto']}")
+    return _BACKENDS[name]()

@@ -1,0 +1,175 @@
+"""Paged KV block allocation: free pool, per-request block tables, ref counts, prefix cache.
+
+A full block is identified by the hash of its tokens chained with its parent's hash, so equal
+prefixes map to the same blocks. Freed blocks keep their hash and stay findable until the pool
+hands them out again; the pool is ordered by release time, so the least recently used cached
+block is evicted first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pd_cluster.request import Request
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None  # kept to rule out hash collisions on a hit
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_blocks: int = 0
+    hit_blocks: int = 0
+
+
+def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.tables: dict[str, list[int]] = {}
+        # Per request: how many leading blocks are hashed, and the chain hash of the last one.
+        self.hashed: dict[str, tuple[int, int | None]] = {}
+        self.stats = PrefixCacheStats()
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _prefix_hits(self, request: Request) -> list[int]:
+        """Cached blocks matching the request's leading full blocks. The last token is never
+        served from cache: the model must run on at least one token to produce logits."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent: int | None = None
+        tokens = request.all_token_ids
+        for start in range(0, (len(tokens) - 1) // self.block_size * self.block_size,
+                           self.block_size):
+            chunk = tuple(tokens[start:start + self.block_size])
+            parent = chain_hash(parent, chunk)
+            block_id = self.hash_to_block.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            hits.append(block_id)
+        return hits
+
+    # ---- admission -----------------------------------------------------------------------
+    def can_allocate(self, request: Request, use_prefix_cache: bool = True) -> bool:
+        hits = self._prefix_hits(request) if use_prefix_cache else []
+        free_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        needed = self.blocks_needed(request.num_tokens) - len(hits)
+        return needed <= self.num_free_blocks - free_hits
+
+    def allocate(self, request: Request, use_prefix_cache: bool = True) -> int:
+        """Give the request blocks for all its current tokens; returns prefix-cached tokens."""
+        assert request.request_id not in self.tables, f"{request.request_id} already allocated"
+        hits = self._prefix_hits(request) if use_prefix_cache else []
+        if self.enable_prefix_caching and use_prefix_cache:
+            self.stats.queried_blocks += (request.num_tokens - 1) // self.block_size
+            self.stats.hit_blocks += len(hits)
+        for block_id in hits:
+            self._take(block_id)
+        table = hits + [self._pop_free() for _ in
+                        range(self.blocks_needed(request.num_tokens) - len(hits))]
+        self.tables[request.request_id] = table
+        self.hashed[request.request_id] = (
+            len(hits), self.blocks[hits[-1]].block_hash if hits else None)
+        request.block_ids = table
+        return len(hits) * self.block_size
+
+    # ---- growth --------------------------------------------------------------------------
+    def can_append(self, request: Request, num_new_tokens: int) -> bool:
+        total = request.num_computed_tokens + num_new_tokens
+        return self.blocks_needed(total) - len(request.block_ids) <= self.num_free_blocks
+
+    def append_slots(self, request: Request, num_new_tokens: int) -> None:
+        table = self.tables[request.request_id]
+        total = request.num_computed_tokens + num_new_tokens
+        while len(table) < self.blocks_needed(total):
+            table.append(self._pop_free())
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register hashes of blocks whose KV is now fully computed, for later prefix hits."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        table = self.tables[rid]
+        done, parent = self.hashed[rid]
+        full = min(request.num_computed_tokens // self.block_size, len(table))
+        if full <= done:
+            return
+        tokens = request.token_ids_range(done * self.block_size, full * self.block_size)
+        for i in range(done, full):
+            chunk = tuple(tokens[(i - done) * self.block_size:(i - done + 1) * self.block_size])
+            parent = chain_hash(parent, chunk)
+            block = self.blocks[table[i]]
+            # If the same content is already cached in another block, ours stays unhashed;
+            # the chain still continues from the content hash so later blocks match.
+            if block.block_hash is None and parent not in self.hash_to_block:
+                block.block_hash, block.token_ids = parent, chunk
+                self.hash_to_block[parent] = block.block_id
+        self.hashed[rid] = (full, parent)
+
+    # ---- release -------------------------------------------------------------------------
+    def free(self, request: Request) -> None:
+        table = self.tables.pop(request.request_id, None)
+        self.hashed.pop(request.request_id, None)
+        request.block_ids = []
+        if table is None:
+            return
+        # Tail blocks are released first so they are evicted before the shared prefix.
+        for block_id in reversed(table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.tables
+
+    def check_no_leaks(self) -> None:
+        """Raise AssertionError unless every block is free and no request holds a table."""
+        leaked = [b.block_id for b in self.blocks if b.ref_count != 0]
+        if self.tables or leaked or len(self.free_queue) != self.num_blocks:
+            raise AssertionError(f"KV blocks leaked: requests holding tables="
+                                 f"{sorted(self.tables)[:10]}, blocks with refs={leaked[:20]}, "
+                                 f"free={len(self.free_queue)}/{self.num_blocks}")
+
+    # ---- internals -----------------------------------------------------------------------
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict: the block is about to hold other tokens
+            if self.hash_to_block.get(block.block_hash) == block_id:
+                del self.hash_to_block[block.block_hash]
+            block.block_hash, block.token_ids = None, None
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,122 @@
+"""The engine: step() = schedule -> run the model -> process outputs."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from pd_cluster.config import EngineConfig, read_hf_config
+from pd_cluster.engine.block_manager import BlockManager
+from pd_cluster.engine.model_runner import ModelRunner
+from pd_cluster.engine.output_processor import OutputProcessor
+from pd_cluster.engine.scheduler import Scheduler
+from pd_cluster.outputs import RequestOutput
+from pd_cluster.request import Request, RequestStatus
+from pd_cluster.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    """Streaming interface: add requests, call step() for incremental outputs, abort any time."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        hf_config = read_hf_config(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.vocab_size = hf_config["vocab_size"]
+        max_pos = hf_config.get("max_position_embeddings", 2048)
+        self.max_model_len = config.max_model_len or max_pos
+        if self.max_model_len > max_pos:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_pos}")
+        self.eos_token_id = hf_config.get("eos_token_id", self.tokenizer.eos_token_id)
+        if isinstance(self.eos_token_id, list):
+            self.eos_token_id = self.eos_token_id[0]
+        self.runner = ModelRunner(config, hf_config)
+        num_blocks = self.runner.init_kv_cache()
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+
+    # ---- requests ------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt: expected str, list of token ids or dict, got "
+                         f"{type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    kv_transfer_params: dict[str, Any] | None = None) -> Request:
+        text, token_ids = self.tokenize(prompt)
+        self._validate(token_ids, params)
+        request = Request(request_id, token_ids, params, self.eos_token_id,
+                          kv_transfer_params=kv_transfer_params)
+        self.scheduler.add_request(request)
+        self.outputs.add(request, text)
+        return request
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt_token_ids: every id must be an int in [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        max_total = min(len(token_ids) + (params.max_tokens or self.max_model_len),
+                        self.max_model_len)
+        capacity = self.block_manager.num_blocks * self.config.block_size
+        if max_total > capacity:
+            raise ValueError(f"prompt + max_tokens: up to {max_total} tokens do not fit the KV "
+                             f"cache ({capacity} tokens); lower max_tokens or add num_kv_blocks")
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        aborted = self.scheduler.abort(list(request_ids))
+        return [self.outputs.finished_output(r) for r in aborted]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.scheduler.sending)
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        result = self.runner.execute(sched_out)
+        updated = self.scheduler.update_from_output(sched_out, result)
+        outputs, to_finish = self.outputs.process(updated)
+        for request, status in to_finish:
+            self.scheduler.finish(request, status)
+        return outputs
+
+    # ---- introspection -------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {"num_waiting": len(self.scheduler.waiting),
+                "num_running": len(self.scheduler.running),
+                "num_waiting_for_remote_kv": len(self.scheduler.remote_waiting),
+                "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
+                "kv_blocks_free": bm.num_free_blocks,
+                "prefix_cache_queried_blocks": bm.stats.queried_blocks,
+                "prefix_cache_hit_blocks": bm.stats.hit_blocks,
+                "num_preemptions": self.scheduler.num_preemptions}
+
+    def check_no_leaks(self) -> None:
+        """AssertionError unless no request is left and every KV block is free."""
+        self.scheduler.check_no_leaks()
+        if self.outputs.states:
+            raise AssertionError(f"output state left for {sorted(self.outputs.states)[:10]}")
+
+
+__all__ = ["LLMEngine", "PromptType", "RequestStatus"]

@@ -1,0 +1,140 @@
+"""Turns a SchedulerOutput into one forward pass and sampled tokens (a ModelRunnerOutput)."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from pd_cluster.attention import AttentionMetadata, create_backend
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine.cache_engine import (KVCacheSpec, allocate_kv_caches,
+                                            determine_num_blocks)
+from pd_cluster.engine.sampler import Sampler, apply_min_tokens_mask
+from pd_cluster.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pd_cluster.models.llama import ForwardContext
+from pd_cluster.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config: dict[str, Any]):
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.model = load_model(config.model, hf_config, self.dtype, self.device)
+        args = self.model.args
+        self.kv_spec = KVCacheSpec(args.num_layers, config.block_size, args.num_kv_heads,
+                                   args.head_dim, self.dtype)
+        self.backend = create_backend(config.attention_backend, self.device)
+        self.sampler = Sampler(seed=config.seed)
+        self.kv_caches: list[torch.Tensor] = []
+        self.connector: Any = None  # worker-side KV connector
+
+    # ---- set-up --------------------------------------------------------------------------
+    def init_kv_cache(self) -> int:
+        peak = self._profile_peak_bytes() if (
+            self.device.type == "cuda" and self.config.num_kv_blocks is None) else 0
+        num_blocks = determine_num_blocks(
+            self.kv_spec, self.device, self.config.num_kv_blocks, self.config.kv_cache_memory,
+            self.config.gpu_memory_utilization, peak)
+        self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
+        return num_blocks
+
+    def _profile_peak_bytes(self) -> int:
+        """Run one forward of max_num_batched_tokens on a throwaway cache to size activations."""
+        n = self.config.max_num_batched_tokens
+        bs = self.config.block_size
+        blocks = -(-n // bs)
+        caches = allocate_kv_caches(self.kv_spec, blocks, self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        meta = self._metadata(slots=torch.arange(n), query_start=[0, n], seq_lens=[n],
+                              tables=torch.arange(blocks)[None], num_decodes=0)
+        ctx = ForwardContext(meta, caches, self.backend)
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
+                                torch.arange(n, device=self.device), ctx)
+            self.model.compute_logits(hidden[-1:])
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del caches, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        result = ModelRunnerOutput()
+        if self.connector is not None and out.kv_connector_metadata is not None:
+            self.connector.bind_connector_metadata(out.kv_connector_metadata)
+            self.connector.start_load_kv(self.kv_caches)
+        try:
+            if out.scheduled:
+                self._forward_and_sample(out.scheduled, result)
+            if self.connector is not None:
+                self.connector.wait_for_save()
+        finally:
+            if self.connector is not None:
+                self.connector.clear_connector_metadata()
+        if self.connector is not None:
+            sending, recving = self.connector.get_finished(
+                {s.request.request_id for s in out.scheduled if s.request.is_finished})
+            result.finished_sending, result.finished_recving = set(sending), set(recving)
+        return result
+
+    def _forward_and_sample(self, scheduled: list[ScheduledRequest],
+                            result: ModelRunnerOutput) -> None:
+        # Decodes first: backends batch the one-token queries at the front.
+        batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        tokens: list[int] = []
+        positions: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        sampling: list[int] = []  # batch indices whose step ends at the sequence end
+        for i, item in enumerate(batch):
+            req, start = item.request, item.request.num_computed_tokens
+            end = start + item.num_new_tokens
+            tokens.extend(req.token_ids_range(start, end))
+            positions.extend(range(start, end))
+            query_start.append(query_start[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            if end == req.num_tokens:
+                sampling.append(i)
+        width = max(len(s.request.block_ids) for s in batch)
+        tables = torch.tensor([s.request.block_ids + [0] * (width - len(s.request.block_ids))
+                               for s in batch], dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.long)
+        req_index = torch.repeat_interleave(
+            torch.arange(len(batch)), torch.tensor([s.num_new_tokens for s in batch]))
+        bs = self.config.block_size
+        slots = tables[req_index, pos // bs].long() * bs + pos % bs
+        num_decodes = sum(1 for s in batch if s.num_new_tokens == 1)
+        meta = self._metadata(slots, query_start, seq_lens, tables, num_decodes)
+        ctx = ForwardContext(meta, self.kv_caches, self.backend, self.connector)
+        hidden = self.model(torch.tensor(tokens, device=self.device), pos.to(self.device), ctx)
+        if not sampling:
+            return
+        last = torch.tensor([query_start[i + 1] - 1 for i in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[last])
+        reqs = [batch[i].request for i in sampling]
+        if any(r.sampling_params.min_tokens for r in reqs):
+            logits = apply_min_tokens_mask(logits, [r.sampling_params for r in reqs],
+                                           [r.num_output_tokens for r in reqs], reqs[0].eos_token_id)
+        sampled = self.sampler.sample(logits, [r.sampling_params for r in reqs],
+                                      [r.generator for r in reqs])
+        for req, token, logprobs in zip(reqs, sampled.token_ids, sampled.logprobs):
+            result.sampled_token_ids[req.request_id] = token
+            result.logprobs[req.request_id] = logprobs
+
+    def _metadata(self, slots: torch.Tensor, query_start: list[int], seq_lens: list[int],
+                  tables: torch.Tensor, num_decodes: int) -> AttentionMetadata:
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev, torch.int32), num_decodes=num_decodes,
+            max_query_len=max(b - a for a, b in zip(query_start, query_start[1:])),
+            max_seq_len=max(seq_lens), block_size=self.config.block_size,
+            query_start_loc_cpu=list(query_start), seq_lens_cpu=list(seq_lens))

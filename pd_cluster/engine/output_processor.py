@@ -1,0 +1,95 @@
+"""Per-request detokenization and stop checks, turning engine updates into RequestOutputs."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pd_cluster.engine.detokenizer import IncrementalDetokenizer
+from pd_cluster.engine.stop_checker import FINISH_STOP, StopChecker
+from pd_cluster.outputs import CompletionOutput, RequestOutput
+from pd_cluster.request import Request, RequestStatus
+
+_FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
+
+
+@dataclass
+class _RequestState:
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopChecker
+    num_seen_tokens: int = 0
+    first_token_time: float | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.states: dict[str, _RequestState] = {}
+
+    def add(self, request: Request, prompt: str | None) -> None:
+        params = request.sampling_params
+        self.states[request.request_id] = _RequestState(
+            prompt, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                           params.skip_special_tokens),
+            StopChecker(params, request.eos_token_id, num_prompt_tokens=request.num_prompt_tokens,
+                        max_model_len=self.max_model_len))
+
+    def process(self, updated: list[Request]) -> tuple[list[RequestOutput], list[tuple[Request, RequestStatus]]]:
+        """Outputs for requests with new tokens, and the ones that must finish now."""
+        outputs, to_finish = [], []
+        now = time.monotonic()
+        for request in updated:
+            state = self.states[request.request_id]
+            detok, checker = state.detokenizer, state.stop_checker
+            new_tokens = request.output_token_ids[state.num_seen_tokens:]
+            old_len = len(detok.text)
+            reason, by_string = None, False
+            for i in range(len(new_tokens)):
+                reason = checker.check_token(request.output_token_ids[:state.num_seen_tokens + i + 1])
+                if reason == FINISH_STOP:
+                    break  # a stop token's text never appears in the output
+                delta = detok.append(new_tokens[i])
+                if request.sampling_params.stop:
+                    stop_str, pos = checker.check_text(detok.text, len(delta),
+                                                       state.num_seen_tokens + i + 1)
+                    if stop_str is not None:
+                        detok.truncate(pos)
+                        reason, by_string = FINISH_STOP, True
+                        break
+                if reason:
+                    break
+            state.num_seen_tokens = len(request.output_token_ids)
+            state.first_token_time = state.first_token_time or now
+            if reason:
+                if not by_string:
+                    detok.flush()  # emit bytes held back waiting for a character to complete
+                request.stop_reason = checker.stop_reason
+                to_finish.append((request, _FINISH_STATUS[reason]))
+                request.finish_reason = reason
+            outputs.append(self._output(request, state, detok.text[old_len:], new_tokens,
+                                        finished=reason is not None))
+        return outputs, to_finish
+
+    def finished_output(self, request: Request) -> RequestOutput:
+        """Final output for a request finished from outside (abort)."""
+        state = self.states[request.request_id]
+        return self._output(request, state, "", [], finished=True)
+
+    def _output(self, request: Request, state: _RequestState, delta_text: str,
+                delta_tokens: list[int], finished: bool) -> RequestOutput:
+        params = request.sampling_params
+        completion = CompletionOutput(
+            index=0, text=state.detokenizer.text, token_ids=list(request.output_token_ids),
+            finish_reason=request.finish_reason if finished else None,
+            stop_reason=request.stop_reason if finished else None,
+            logprobs=list(request.output_logprobs) if params.logprobs is not None else None,
+            delta_text=delta_text, delta_token_ids=list(delta_tokens))
+        metrics = {"arrival_time": request.arrival_time}
+        if state.first_token_time is not None:
+            metrics["first_token_time"] = state.first_token_time
+        if finished:
+            self.states.pop(request.request_id, None)
+        return RequestOutput(request.request_id, state.prompt, request.prompt_token_ids,
+                             [completion], finished, request.num_cached_tokens, metrics)

@@ -1,0 +1,213 @@
+"""Continuous batching with chunked prefill, preemption by recompute, and remote-KV parking.
+
+Each step gives every scheduled request a number of new tokens to compute (a whole or partial
+prompt, or one decode token), within ``max_num_batched_tokens`` and ``max_num_seqs``. Running
+requests go first; when blocks run out the newest running request is preempted (its blocks
+freed, recomputed later from scratch), so the oldest requests always make progress.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine.block_manager import BlockManager
+from pd_cluster.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    kv_connector_metadata: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, float] | None] = field(default_factory=dict)
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 connector: Any = None):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.connector = connector  # scheduler-side KV connector, or None when colocated
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.remote_waiting: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
+        self.sending: dict[str, Request] = {}  # finished, blocks pinned until the send completes
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.remote_waiting)
+
+    def abort(self, request_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished:
+                self.finish(request, RequestStatus.FINISHED_ABORTED)
+                aborted.append(request)
+        return aborted
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take the request out of every queue and release (or pin) its blocks."""
+        request.status = status
+        request.finish_reason = status.value
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.remote_waiting.pop(request.request_id, None)
+        delay_free = False
+        if self.connector is not None:
+            delay_free, _ = self.connector.request_finished(request, request.block_ids)
+        if delay_free and self.block_manager.holds(request.request_id):
+            self.sending[request.request_id] = request
+        else:
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.block_manager.free(request)
+        self.requests.pop(request.request_id, None)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.can_append(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            self.block_manager.append_slots(request, num_new)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            scheduled_ids.add(request.request_id)
+            budget -= num_new
+            i += 1
+
+        while (self.waiting and budget > 0 and not out.preempted_ids
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            num_external, load_async = 0, False
+            if self.connector is not None and request.status is RequestStatus.WAITING:
+                num_external, load_async = self.connector.get_num_new_matched_tokens(
+                    request, request.num_computed_tokens)
+            use_cache = num_external == 0
+            if not self.block_manager.can_allocate(request, use_prefix_cache=use_cache):
+                break
+            self.waiting.popleft()
+            cached = self.block_manager.allocate(request, use_prefix_cache=use_cache)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = cached
+            request.num_computed_tokens = cached
+            if self.connector is not None and num_external:
+                self.connector.update_state_after_alloc(request, request.block_ids, num_external)
+            if load_async:
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.remote_waiting[request.request_id] = request
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s (recompute)", request.request_id)
+
+    # ---- results -------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance computed tokens, append sampled tokens; returns requests with a new token."""
+        updated = []
+        for item in out.scheduled:
+            request = item.request
+            if request.is_finished:  # aborted between schedule and update
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
+            token = result.sampled_token_ids.get(request.request_id)
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            request.output_logprobs.append(result.logprobs.get(request.request_id))
+            updated.append(request)
+        for rid in result.finished_recving:
+            updated.extend(self._remote_kv_ready(rid))
+        for rid in result.finished_sending:
+            request = self.sending.pop(rid, None)
+            if request is not None:
+                self._release(request)
+        return updated
+
+    def _remote_kv_ready(self, request_id: str) -> list[Request]:
+        request = self.remote_waiting.pop(request_id, None)
+        if request is None:
+            return []
+        first_token = self.connector.take_received_token(request) if self.connector else None
+        if first_token is None:
+            # KV did not (fully) arrive: prefill locally into the blocks we already hold.
+            self.block_manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED  # skips the connector on re-admission
+            self.waiting.appendleft(request)
+            return []
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.block_manager.cache_full_blocks(request)
+        request.output_token_ids.append(first_token)
+        request.output_logprobs.append(None)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return [request]
+
+    # ---- introspection -------------------------------------------------------------------
+    def check_no_leaks(self) -> None:
+        if self.requests or self.has_unfinished() or self.sending:
+            raise AssertionError(f"requests left in scheduler: {sorted(self.requests)[:10]}")
+        self.block_manager.check_no_leaks()

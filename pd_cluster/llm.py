@@ -1,0 +1,68 @@
+"""Offline batch API mirroring vLLM: ``LLM(model=...).generate(prompts, sampling_params)``."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine.llm_engine import LLMEngine, PromptType
+from pd_cluster.outputs import RequestOutput
+from pd_cluster.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        if model is None:
+            from pd_cluster.model_maker import default_model_path
+            model = str(default_model_path())
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"sampling_params: got {len(params_list)} for "
+                                 f"{len(prompt_list)} prompts")
+        ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
+        added: list[str] = []
+        try:
+            for rid, prompt, params in zip(ids, prompt_list, params_list):
+                self.engine.add_request(rid, prompt, params)
+                added.append(rid)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(added)  # leave nothing behind on error or Ctrl-C
+            raise
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        while len(finished) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finished[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts

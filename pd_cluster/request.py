@@ -1,0 +1,81 @@
+"""A request inside one engine: its tokens, status and KV blocks."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pd_cluster.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks allocated, KV arriving from a peer
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Connector instructions from the proxy (e.g. "send KV to D", "KV comes from P").
+    kv_transfer_params: dict[str, Any] | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_range(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output without concatenating whole lists."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

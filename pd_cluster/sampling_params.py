@@ -1,0 +1,118 @@
+"""Per-request sampling parameters (a vLLM-compatible subset).
+
+The params travel between processes (API server -> prefill/decode workers), so
+they serialise to a plain msgpack-able dict via ``to_dict`` / ``from_dict``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# Below this temperature sampling is treated as greedy: dividing logits by a
+# near-zero temperature overflows and is numerically meaningless anyway.
+_GREEDY_EPS = 1e-5
+# Same cap as vLLM's default max_logprobs; keeps the per-token payload small.
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 disables top-k
+    max_tokens: int | None = 16
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = field(default=None)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        # Normalise first so that validation and every consumer see one shape.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.top_k == 0:
+            self.top_k = -1  # one canonical "disabled" value
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, cond: str, value: Any) -> ValueError:
+            return ValueError(f"{name} must be {cond}, got {value!r}")
+
+        if _is_bool(self.n) or not isinstance(self.n, int) or self.n != 1:
+            raise bad("n", "1 (only n=1 is supported)", self.n)
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", ">= 0", self.temperature)
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]", self.top_p)
+        if _is_bool(self.top_k) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "-1 (disabled), 0 (disabled) or >= 1", self.top_k)
+        if self.max_tokens is not None and (
+            _is_bool(self.max_tokens) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise bad("max_tokens", ">= 1 or None", self.max_tokens)
+        if self.seed is not None and (_is_bool(self.seed) or not isinstance(self.seed, int)):
+            raise bad("seed", "an int or None", self.seed)
+        if not all(isinstance(s, str) for s in self.stop):
+            raise bad("stop", "a str or a list of str", self.stop)
+        if any(s == "" for s in self.stop):
+            raise bad("stop", "non-empty strings", self.stop)
+        if not all(isinstance(t, int) and not _is_bool(t) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of int", self.stop_token_ids)
+        if self.logprobs is not None and (
+            _is_bool(self.logprobs)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"in [0, {MAX_LOGPROBS}] or None", self.logprobs)
+        if _is_bool(self.min_tokens) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", ">= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "a bool", getattr(self, name))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def max_stop_len(self) -> int:
+        """Longest stop string; bounds the text window searched per step."""
+        return max((len(s) for s in self.stop), default=0)  # type: ignore[union-attr]
+
+    def to_dict(self) -> dict[str, Any]:
+        # Only builtin scalars / lists, so msgpack and json can carry it as-is.
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, list) else v
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            # Silently dropping keys would hide client typos (e.g. "top-p").
+            raise ValueError(f"unknown SamplingParams field(s): {', '.join(unknown)}")
+        return cls(**d)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
