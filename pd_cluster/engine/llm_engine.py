@@ -40,8 +40,32 @@ class LLMEngine:
         num_blocks = self.runner.init_kv_cache()
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        scheduler_connector = self._create_connector(hf_config)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
+                                   scheduler_connector)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+
+    def _create_connector(self, hf_config: dict[str, Any]) -> Any:
+        if not self.config.kv_transfer:
+            return None
+        from connectors.factory import create_connector
+        from connectors.pd_connector import model_fingerprint
+        spec = self.runner.kv_spec
+        info = {"model_id": model_fingerprint(self.config.model), "dtype": str(spec.dtype),
+                "block_size": spec.block_size, "num_layers": spec.num_layers,
+                "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
+        scheduler_connector, worker_connector = create_connector(self.config.kv_transfer, info)
+        worker_connector.register_kv_caches(self.runner.kv_caches)
+        self.runner.connector = worker_connector
+        return scheduler_connector
+
+    def kv_endpoint(self) -> str | None:
+        """Where producers send this engine's prompt KV (None without a consumer connector)."""
+        return self.runner.connector.endpoint() if self.runner.connector else None
+
+    def close(self) -> None:
+        if self.runner.connector is not None:
+            self.runner.connector.close()
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -110,7 +134,9 @@ class LLMEngine:
                 "kv_blocks_free": bm.num_free_blocks,
                 "prefix_cache_queried_blocks": bm.stats.queried_blocks,
                 "prefix_cache_hit_blocks": bm.stats.hit_blocks,
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions,
+                "kv_fallbacks": self.scheduler.num_kv_fallbacks,
+                **(self.runner.connector.stats() if self.runner.connector else {})}
 
     def check_no_leaks(self) -> None:
         """AssertionError unless no request is left and every KV block is free."""

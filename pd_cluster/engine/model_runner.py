@@ -78,9 +78,8 @@ class ModelRunner:
             if self.connector is not None:
                 self.connector.clear_connector_metadata()
         if self.connector is not None:
-            sending, recving = self.connector.get_finished(
-                {s.request.request_id for s in out.scheduled if s.request.is_finished})
-            result.finished_sending, result.finished_recving = set(sending), set(recving)
+            sending, recving = self.connector.get_finished(set())
+            result.finished_sending, result.finished_recving = set(sending), dict(recving)
         return result
 
     def _forward_and_sample(self, scheduled: list[ScheduledRequest],

@@ -41,7 +41,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, float] | None] = field(default_factory=dict)
     finished_sending: set[str] = field(default_factory=set)
-    finished_recving: set[str] = field(default_factory=set)
+    # request id -> first token sampled by the producer, or None when the transfer failed
+    finished_recving: dict[str, int | None] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -57,6 +58,7 @@ class Scheduler:
         self.sending: dict[str, Request] = {}  # finished, blocks pinned until the send completes
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_kv_fallbacks = 0
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -178,20 +180,21 @@ class Scheduler:
             request.output_token_ids.append(token)
             request.output_logprobs.append(result.logprobs.get(request.request_id))
             updated.append(request)
-        for rid in result.finished_recving:
-            updated.extend(self._remote_kv_ready(rid))
+        for rid, first_token in result.finished_recving.items():
+            updated.extend(self._remote_kv_ready(rid, first_token))
         for rid in result.finished_sending:
             request = self.sending.pop(rid, None)
             if request is not None:
                 self._release(request)
         return updated
 
-    def _remote_kv_ready(self, request_id: str) -> list[Request]:
+    def _remote_kv_ready(self, request_id: str, first_token: int | None) -> list[Request]:
         request = self.remote_waiting.pop(request_id, None)
         if request is None:
             return []
-        first_token = self.connector.take_received_token(request) if self.connector else None
         if first_token is None:
+            self.num_kv_fallbacks += 1
+            logger.warning("KV for %s did not arrive; prefilling locally", request_id)
             # KV did not (fully) arrive: prefill locally into the blocks we already hold.
             self.block_manager.free(request)
             request.num_computed_tokens = 0

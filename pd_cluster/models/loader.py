@@ -29,7 +29,8 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
     # transformers 5 nests rope settings in rope_parameters; 4.x keeps rope_theta/rope_scaling.
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    rope_type = next((t for t in (scaling.get("rope_type"), scaling.get("type"), params.get("rope_type"))
+                      if t not in (None, "default")), None)  # HF: a legacy rope_scaling wins
     if rope_type not in (None, "default"):
         raise ValueError(f"rope scaling type {rope_type!r} is not supported "
                          f"(only unscaled RoPE is implemented)")

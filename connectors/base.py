@@ -1,0 +1,81 @@
+"""KV connector interfaces, split by role as in vLLM v1 (names from the seeds / DESIGN.md).
+
+The scheduler half decides *what* moves (no tensors); the worker half moves it, beside the
+model. In one engine process both halves exist; they talk only through KVConnectorMetadata
+(scheduler -> worker, once per step) and get_finished() (worker -> scheduler).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from connectors.metadata import KVConnectorMetadata
+
+
+class KVConnectorBase_Scheduler(ABC):  # noqa: N801 (vLLM's name)
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        """(tokens that will come from outside, whether they arrive asynchronously). Pure."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        """Record where the external tokens must land (the request's fresh blocks)."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """The step's transfer plan; resets per-step state."""
+
+    @abstractmethod
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """(delay freeing the blocks until the worker reports the send done, params)."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+class KVConnectorBase_Worker(ABC):  # noqa: N801
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None: ...
+
+    @abstractmethod
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None: ...
+
+    @abstractmethod
+    def clear_connector_metadata(self) -> None: ...
+
+    @abstractmethod
+    def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
+        """Consumer: begin loading the step's KV (a push design has nothing to start)."""
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Consumer: block until ``layer``'s KV needed by this step is in the cache."""
+
+    @abstractmethod
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        """Producer: ``layer``'s KV is final; start shipping it (must not block on the wire)."""
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Producer: bound how far sends lag the forward (called at the end of a step)."""
+
+    @abstractmethod
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str], dict[str, int | None]]:
+        """(requests whose send completed -> blocks may be freed,
+        requests whose receive completed -> first token, or None if the transfer failed)."""
+
+    def endpoint(self) -> str | None:
+        """Address producers connect to, for a consumer."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,166 @@
+"""Consumer state of the P/D connector: writes arriving layers into the request's blocks.
+
+Messages may arrive before the scheduler has registered the request (the producer can be
+faster than the consumer's next step); those wait in a bounded staging area.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from connectors.metadata import FinHeader, KVLayerHeader, RecvSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Receiving:
+    spec: RecvSpec
+    block_index: torch.Tensor  # int64 block ids, for index_copy_
+    deadline: float
+    received: list[set[int]]  # per layer: block positions written
+    fin: FinHeader | None = None
+    peer: str | None = None
+    first_layer_time: float | None = None
+
+
+@dataclass
+class _Staged:
+    arrived: float
+    items: list[tuple[KVLayerHeader | FinHeader, torch.Tensor | None, str]] = field(
+        default_factory=list)
+
+
+class KVReceiver:
+    def __init__(self, num_layers: int, block_size: int, timeout: float, max_staging_bytes: int):
+        self.num_layers, self.block_size = num_layers, block_size
+        self.timeout, self.max_staging_bytes = timeout, max_staging_bytes
+        self.kv_caches: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self._active: dict[str, _Receiving] = {}
+        self._staged: OrderedDict[str, _Staged] = OrderedDict()
+        self._staged_bytes = 0
+        self._done: dict[str, int | None] = {}
+        self._acks: list[tuple[str, str, bool]] = []  # (peer, request id, ok) to send
+        # Wall-clock arrival of each request's first layer, for overlap measurements (bounded).
+        self.first_layer_times: OrderedDict[str, float] = OrderedDict()
+        self.bytes_received = 0
+        self.num_dropped = 0
+
+    # ---- scheduler-driven ----------------------------------------------------------------
+    def register(self, spec: RecvSpec) -> None:
+        blocks = -(-spec.num_prompt_tokens // self.block_size)
+        state = _Receiving(spec, torch.tensor(spec.block_ids[:blocks], dtype=torch.long),
+                           time.monotonic() + self.timeout, [set() for _ in range(self.num_layers)])
+        with self._lock:
+            if spec.request_id in self._active:
+                logger.warning("duplicate receive registration for %s dropped", spec.request_id)
+                return
+            self._active[spec.request_id] = state
+            staged = self._staged.pop(spec.request_id, None)
+            if staged:
+                for header, tensor, peer in staged.items:
+                    self._staged_bytes -= tensor.nbytes if tensor is not None else 0
+                    self._apply(state, header, tensor, peer)
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._active.pop(request_id, None)
+            self._done.pop(request_id, None)
+            self._drop_staged(request_id)
+
+    def take_finished(self) -> dict[str, int | None]:
+        """Completed receives (first token) and expired ones (None: fall back)."""
+        now = time.monotonic()
+        with self._lock:
+            for rid, state in list(self._active.items()):
+                if now > state.deadline:
+                    logger.warning("KV for %s incomplete after %.1fs: falling back", rid,
+                                   self.timeout)
+                    del self._active[rid]
+                    self._done[rid] = None
+            for rid in [r for r, s in self._staged.items() if now - s.arrived > self.timeout]:
+                self._drop_staged(rid)  # never claimed: unknown or already-finished request
+            done, self._done = self._done, {}
+            return done
+
+    def take_acks(self) -> list[tuple[str, str, bool]]:
+        with self._lock:
+            acks, self._acks = self._acks, []
+            return acks
+
+    # ---- receiver-thread-driven ----------------------------------------------------------
+    def on_message(self, header: KVLayerHeader | FinHeader, tensor: torch.Tensor | None,
+                   peer: str) -> None:
+        with self._lock:
+            state = self._active.get(header.request_id)
+            if state is not None:
+                self._apply(state, header, tensor, peer)
+                return
+            size = tensor.nbytes if tensor is not None else 0
+            if self._staged_bytes + size > self.max_staging_bytes:
+                self.num_dropped += 1
+                logger.warning("staging full: dropped %s for %s", type(header).__name__,
+                               header.request_id)
+                return
+            self._staged.setdefault(header.request_id, _Staged(time.monotonic())).items.append(
+                (header, tensor, peer))
+            self._staged_bytes += size
+
+    # ---- internals (lock held) -----------------------------------------------------------
+    def _apply(self, state: _Receiving, header: KVLayerHeader | FinHeader,
+               tensor: torch.Tensor | None, peer: str) -> None:
+        rid = state.spec.request_id
+        if isinstance(header, FinHeader):
+            state.fin, state.peer = header, peer
+            if header.first_token is None:  # producer aborted: fall back now
+                del self._active[rid]
+                self._done[rid] = None
+                return
+        else:
+            try:
+                self._write_layer(state, header, tensor)
+            except ValueError as e:
+                self.num_dropped += 1
+                logger.warning("dropped KV for %s layer %s: %s", rid, header.layer, e)
+                return
+        total = len(state.block_index)
+        if state.fin is not None and all(len(r) == total for r in state.received):
+            del self._active[rid]
+            self._done[rid] = state.fin.first_token
+            self._acks.append((state.peer, rid, True))
+
+    def _write_layer(self, state: _Receiving, header: KVLayerHeader,
+                     tensor: torch.Tensor | None) -> None:
+        if not 0 <= header.layer < self.num_layers or tensor is None:
+            raise ValueError("bad layer index or missing payload")
+        cache = self.kv_caches[header.layer]
+        n = tensor.shape[1] if tensor.dim() == 5 else -1
+        end = min(header.first_block + n, len(state.block_index))
+        expected = (2, n, *cache.shape[2:])
+        if n <= 0 or tuple(tensor.shape) != expected or tensor.dtype != cache.dtype:
+            raise ValueError(f"payload {tuple(tensor.shape)} {tensor.dtype} does not match "
+                             f"the cache layout {expected} {cache.dtype}")
+        if header.first_block >= end:
+            raise ValueError(f"blocks from {header.first_block} are past the prompt")
+        # Trailing blocks past the prompt (never sent in practice) are ignored.
+        count = end - header.first_block
+        targets = state.block_index[header.first_block:end].to(cache.device)
+        cache.index_copy_(1, targets, tensor[:, :count].to(cache.device, non_blocking=True))
+        state.received[header.layer].update(range(header.first_block, end))
+        self.bytes_received += tensor.nbytes
+        if state.first_layer_time is None:
+            state.first_layer_time = time.time()
+            self.first_layer_times[state.spec.request_id] = state.first_layer_time
+            if len(self.first_layer_times) > 4096:
+                self.first_layer_times.popitem(last=False)
+
+    def _drop_staged(self, request_id: str) -> None:
+        staged = self._staged.pop(request_id, None)
+        if staged:
+            self._staged_bytes -= sum(t.nbytes for _, t, _ in staged.items if t is not None)

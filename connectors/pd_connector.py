@@ -1,0 +1,231 @@
+"""Worker half of the P/D connector (push, per layer) and its registration.
+
+Producer: after each attention layer, the request's new blocks of that layer are gathered
+into one contiguous tensor and handed to the pipe without waiting, so layer i is on the wire
+while layer i+1 computes. When the request finishes, a FIN carries the first sampled token;
+the consumer's ACK (or the timeout) releases the producer's blocks.
+Consumer: a receiver thread writes arriving layers into pre-allocated blocks (KVReceiver).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from connectors.base import KVConnectorBase_Worker
+from connectors.config import KVTransferConfig
+from connectors.factory import ConnectorPair, register_connector
+from connectors.kv_receiver import KVReceiver
+from connectors.metadata import (AckHeader, FinHeader, KVConnectorMetadata, KVLayerHeader,
+                                 decode_header, encode_header)
+from connectors.pd_scheduler import PDConnectorScheduler
+from connectors.pipes.base import HandshakeError, PipeConfig, PipeError, create_pipe
+
+logger = logging.getLogger(__name__)
+_HANDSHAKE_KEYS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+
+
+def model_fingerprint(model_dir: str) -> str:
+    """Identifies the checkpoint across hosts: config plus the head of the weights."""
+    h = hashlib.sha1(Path(model_dir, "config.json").read_bytes())
+    for f in sorted(Path(model_dir).glob("*.safetensors"))[:1]:
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+class PDConnectorWorker(KVConnectorBase_Worker):
+    def __init__(self, config: KVTransferConfig, engine_info: dict[str, Any]):
+        self.config = config
+        self.hello = {k: engine_info[k] for k in _HANDSHAKE_KEYS}
+        self.pipe = create_pipe(config.pipe, PipeConfig.from_dict(config.pipe_config))
+        self.receiver = KVReceiver(engine_info["num_layers"], engine_info["block_size"],
+                                   config.kv_transfer_timeout, config.max_staging_bytes)
+        self._endpoint = None
+        if config.is_consumer:
+            self.pipe.set_handshake_validator(self._validate_hello, info=self.hello)
+            self._endpoint = self.pipe.listen()
+        self._meta: KVConnectorMetadata | None = None
+        self._peer_errors: dict[str, str] = {}  # peer -> why it cannot be used
+        self._connected: set[str] = set()
+        self._step_futures: list[Future] = []
+        self._awaiting_ack: dict[str, float] = {}  # request id -> deadline
+        self._failed_sends: set[str] = set()
+        self._done_sending: set[str] = set()
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.num_send_timeouts = 0
+        self.last_layer_times: OrderedDict[str, float] = OrderedDict()
+        self._running = True
+        self._thread = threading.Thread(target=self._recv_loop, name="kv-recv", daemon=True)
+        self._thread.start()
+
+    # ---- set-up --------------------------------------------------------------------------
+    def endpoint(self) -> str | None:
+        return self._endpoint
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+        self.receiver.kv_caches = kv_caches
+
+    def _validate_hello(self, hello: dict) -> str | None:
+        diffs = [f"{k}: ours={self.hello[k]!r} theirs={hello.get(k)!r}" for k in _HANDSHAKE_KEYS
+                 if hello.get(k) != self.hello[k]]
+        return ("KV layout mismatch between prefill and decode engines: " + "; ".join(diffs)
+                if diffs else None)
+
+    def connect_peer(self, peer: str) -> None:
+        """Handshake with a consumer; raises HandshakeError/PipeError with the reason."""
+        if peer in self._connected:
+            return
+        self.pipe.connect(peer, dict(self.hello))
+        self._connected.add(peer)
+
+    def _usable(self, peer: str) -> bool:
+        if peer in self._connected:
+            return True
+        if peer in self._peer_errors:
+            return False
+        try:
+            self.connect_peer(peer)
+            return True
+        except (HandshakeError, PipeError) as e:
+            logger.error("cannot send KV to %s: %s", peer, e)
+            self._peer_errors[peer] = str(e)
+            return False
+
+    # ---- per step ------------------------------------------------------------------------
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        self._meta = metadata
+        for spec in metadata.recvs:
+            self.receiver.register(spec)
+        for rid in metadata.cancels:
+            self.receiver.cancel(rid)
+        for fin in metadata.finishes:
+            self._send_fin(fin)
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = None
+
+    def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
+        pass  # push design: the receiver thread writes as layers arrive
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        pass  # requests run only after their whole prompt KV arrived
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        if self._meta is None or not self._meta.sends:
+            return
+        for spec in self._meta.sends:
+            if spec.request_id in self._failed_sends or not self._usable(spec.peer):
+                self._failed_sends.add(spec.request_id)
+                continue
+            ids = torch.tensor(spec.block_ids, dtype=torch.long, device=kv_layer.device)
+            payload = kv_layer.index_select(1, ids)  # a copy: later steps may reuse the blocks
+            if payload.device.type != "cpu" and self.config.pipe != "nccl":
+                payload = payload.to("cpu")
+            header = encode_header(KVLayerHeader(spec.request_id, layer, spec.first_block))
+            try:
+                self._step_futures.append(self.pipe.send_tensor(spec.peer, header, payload))
+                self.bytes_sent += payload.nbytes
+            except PipeError as e:
+                logger.error("send of %s layer %d failed: %s", spec.request_id, layer, e)
+                self._failed_sends.add(spec.request_id)
+        if layer == len(self.kv_caches) - 1:
+            now = time.time()
+            for spec in self._meta.sends:
+                self.last_layer_times[spec.request_id] = now
+            while len(self.last_layer_times) > 4096:
+                self.last_layer_times.popitem(last=False)
+
+    def wait_for_save(self) -> None:
+        if not self._step_futures:
+            return
+        _, pending = wait(self._step_futures, timeout=self.config.kv_transfer_timeout)
+        if pending:
+            self.num_send_timeouts += 1
+            logger.error("%d KV sends still pending after %.1fs", len(pending),
+                         self.config.kv_transfer_timeout)
+        self._step_futures = []
+
+    def _send_fin(self, fin: Any) -> None:
+        ok = fin.request_id not in self._failed_sends and fin.first_token is not None
+        self._failed_sends.discard(fin.request_id)
+        if self._usable(fin.peer):
+            header = FinHeader(fin.request_id, fin.first_token if ok else None,
+                               fin.num_prompt_tokens)
+            try:
+                self.pipe.send_tensor(fin.peer, encode_header(header), None)
+            except PipeError as e:
+                logger.error("FIN for %s failed: %s", fin.request_id, e)
+                ok = False
+        with self._lock:
+            if ok:
+                self._awaiting_ack[fin.request_id] = (time.monotonic()
+                                                      + self.config.kv_transfer_timeout)
+            else:
+                self._done_sending.add(fin.request_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], dict[str, int | None]]:
+        for peer, rid, ok in self.receiver.take_acks():
+            try:
+                self.pipe.send_tensor(peer, encode_header(AckHeader(rid, ok)), None)
+            except PipeError as e:
+                logger.warning("ACK for %s not sent: %s", rid, e)
+        now = time.monotonic()
+        with self._lock:
+            for rid, deadline in list(self._awaiting_ack.items()):
+                if now > deadline:
+                    logger.warning("no ACK for %s within %.1fs: freeing its blocks", rid,
+                                   self.config.kv_transfer_timeout)
+                    self.num_send_timeouts += 1
+                    del self._awaiting_ack[rid]
+                    self._done_sending.add(rid)
+            sending, self._done_sending = self._done_sending, set()
+        return sending, self.receiver.take_finished()
+
+    # ---- receiver thread -----------------------------------------------------------------
+    def _recv_loop(self) -> None:
+        while self._running:
+            try:
+                msg = self.pipe.recv_tensor(timeout=0.05)
+            except PipeError:
+                if self._running:
+                    logger.exception("KV pipe receive failed")
+                return
+            if msg is None:
+                continue
+            peer, raw, tensor = msg
+            try:
+                header = decode_header(raw)
+            except ValueError as e:
+                logger.warning("dropped malformed KV message from %s: %s", peer, e)
+                continue
+            if isinstance(header, AckHeader):
+                with self._lock:
+                    if self._awaiting_ack.pop(header.request_id, None) is not None:
+                        self._done_sending.add(header.request_id)
+            else:
+                self.receiver.on_message(header, tensor, peer)
+
+    def stats(self) -> dict[str, Any]:
+        return {"kv_bytes_sent": self.bytes_sent, "kv_bytes_received": self.receiver.bytes_received,
+                "kv_send_timeouts": self.num_send_timeouts,
+                "kv_dropped_messages": self.receiver.num_dropped}
+
+    def close(self) -> None:
+        self._running = False
+        self.pipe.close()
+        self._thread.join(timeout=2)
+
+
+@register_connector("pd")
+def _make_pd(config: KVTransferConfig, engine_info: dict[str, Any]) -> ConnectorPair:
+    return PDConnectorScheduler(engine_info["block_size"]), PDConnectorWorker(config, engine_info)

@@ -1,0 +1,299 @@
+"""Generate small, deterministic Hugging Face checkpoints (weights + tokenizer) offline.
+
+The engine has no model hub to download from, so tests and benchmarks use models made here.
+The weights are random but shaped so that greedy decoding is a robust correctness oracle:
+logits are far from flat (clear top-1/top-2 gaps) and greedy continuations stay varied.
+
+Tokenizer: byte-level BPE trained on ``_corpus.CORPUS``; ids 0..3 are ``<unk> <s> </s> <pad>``.
+``encode``/``__call__`` add NO special tokens (no BOS/EOS), so ``decode(encode(s)) == s``.
+If the corpus cannot supply ``vocab_size`` BPE tokens (e.g. 4096), the tokenizer is padded with
+special ``<unused_N>`` tokens so ``len(tokenizer) == config.vocab_size``; their embedding and
+lm_head rows are zero, so greedy decoding never emits them (sampling rarely can).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ._corpus import CORPUS
+
+# Bump when anything that changes the generated files changes; cached presets are regenerated.
+GENERATOR_VERSION = 1
+MAKER_FILE = "pd_cluster_model.json"
+ARCHS = ("llama", "qwen2", "mistral")
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0, 1, 2, 3
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS) + 40  # byte alphabet + specials + some merges
+PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+                     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+# Init scales (see _init_weights): residual stream RMS ~1, sublayers O(1), logits std ~LOGIT_STD.
+EMBED_STD = 1.0
+LINEAR_GAIN = 1.0
+QK_GAIN = 1.5  # sharper attention -> position/context-dependent outputs, fewer greedy loops
+BIAS_STD = 0.1  # non-zero q/k/v biases (qwen2) so an engine that drops them is caught
+NORM_STD = 0.1  # norm weights 1 + N(0, NORM_STD) so an engine that ignores them is caught
+LOGIT_STD = 6.0
+# Tied lm_head = embedding: logits contain <h, e_current>, so a large embedding share of the
+# residual makes the model echo its input token forever; boost the sublayer outputs instead.
+TIED_RESID_GAIN = 8.0
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": {"arch": "llama"},
+    "tiny-qwen2": {"arch": "qwen2"},
+    "tiny-mistral": {"arch": "mistral"},
+    # ~51M params; 12 layers (not 8) so per-layer KV streaming has realistic granularity.
+    "bench-50m": {"arch": "llama", "vocab_size": 4096, "hidden_size": 512, "num_layers": 12,
+                  "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 2048},
+}
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def _validate(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+              num_kv_heads: int, head_dim: int | None, intermediate_size: int,
+              max_position_embeddings: int, rope_theta: float) -> None:
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB} (byte alphabet + specials), got {vocab_size}")
+    for name, v in (("hidden_size", hidden_size), ("num_layers", num_layers), ("num_heads", num_heads),
+                    ("num_kv_heads", num_kv_heads), ("intermediate_size", intermediate_size),
+                    ("max_position_embeddings", max_position_embeddings)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if head_dim is None:
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}) "
+                             "unless head_dim is given")
+        head_dim = hidden_size // num_heads
+    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs), got {head_dim!r}")
+    if not rope_theta > 0:
+        raise ValueError(f"rope_theta must be > 0, got {rope_theta!r}")
+
+
+def build_tokenizer(vocab_size: int):
+    """Byte-level BPE trained deterministically on the built-in corpus, padded to vocab_size."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    # Exactly the pipeline transformers 5's Qwen2Tokenizer rebuilds (AutoTokenizer forces that class
+    # for model_type qwen2, ignoring tokenizer.json's pre-tokenizer), so every arch encodes
+    # identically. add_prefix_space=False keeps decode(encode(s)) == s.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=0, show_progress=False,
+                                  special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    n = tok.get_vocab_size()
+    if n < vocab_size:  # corpus exhausted its merges: fill with never-produced special tokens
+        tok.add_special_tokens([AddedToken(f"<unused_{i}>", special=True) for i in range(vocab_size - n)])
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>", clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE), n
+
+
+def _init_weights(model, n_real_tokens: int, seed: int) -> None:
+    """Re-initialise every parameter from our own seeded generator (independent of HF init)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    tied = getattr(cfg, "tie_word_embeddings", False)
+    head_std = LOGIT_STD / math.sqrt(cfg.hidden_size)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied lm_head appears once, as embed_tokens
+            if name.endswith("embed_tokens.weight"):
+                std = head_std if tied else EMBED_STD
+            elif name.startswith("lm_head."):
+                std = head_std
+            elif name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + NORM_STD * torch.randn(p.shape, generator=gen))
+                continue
+            elif name.endswith(".bias"):
+                std = BIAS_STD
+            else:
+                gain = QK_GAIN if (".q_proj." in name or ".k_proj." in name) else LINEAR_GAIN
+                if tied and (".o_proj." in name or ".down_proj." in name):
+                    gain *= TIED_RESID_GAIN
+                std = gain / math.sqrt(p.shape[1])
+            p.copy_(std * torch.randn(p.shape, generator=gen))
+            if "embed_tokens" in name or name.startswith("lm_head."):
+                p[n_real_tokens:] = 0.0  # padded <unused_N> ids: never chosen by greedy decoding
+            if name.startswith("lm_head."):
+                p[[0, 1, 3]] = 0.0  # <unk>, <s>, <pad> are never predicted (</s> may be)
+
+
+def make_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, *, vocab_size: int = 512,
+               hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+               head_dim: int | None = None, intermediate_size: int = 128, tie_word_embeddings: bool = False,
+               max_position_embeddings: int = 2048, rope_theta: float = 10000.0) -> Path:
+    """Write a deterministic HF checkpoint (config, model.safetensors, tokenizer) to out_dir."""
+    _validate(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, head_dim,
+              intermediate_size, max_position_embeddings, rope_theta)
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    tokenizer, n_real = build_tokenizer(vocab_size)
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in
+           (("bos_token_id", "<s>"), ("eos_token_id", "</s>"), ("pad_token_id", "<pad>"))}
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings,
+        rope_theta=float(rope_theta), rms_norm_eps=1e-6, hidden_act="silu", **ids)
+    if head_dim is not None:
+        common["head_dim"] = head_dim
+    if arch == "llama":
+        config = LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+    elif arch == "qwen2":  # HF Qwen2 always has q/k/v biases
+        config = Qwen2Config(use_sliding_window=False, sliding_window=None, **common)
+    else:  # sliding_window=None: plain full attention, same math as llama
+        config = MistralConfig(sliding_window=None, **common)
+    config.dtype = torch.float32
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    _init_weights(model, n_real, seed)
+    model.generation_config = GenerationConfig(do_sample=False, **ids)
+
+    out = Path(out_dir).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _patch_config(tmp / "config.json", rope_theta)
+        _patch_tokenizer_config(tmp / "tokenizer_config.json", max_position_embeddings)
+        meta = dict(generator_version=GENERATOR_VERSION, arch=arch, seed=seed,
+                    tokenizer_trained_vocab=n_real, num_params=param_count(tmp))
+        (tmp / MAKER_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.iterdir():  # mkdtemp / HF temp files are 0600-ish: make it shareable like a normal dir
+            f.chmod(0o666 & ~umask)
+        tmp.chmod(0o777 & ~umask)
+        _atomic_replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _patch_config(path: Path, rope_theta: float) -> None:
+    # transformers 5 writes rope_parameters/dtype only; keep the legacy keys too for
+    # hand-written loaders (and transformers 4.x). AutoConfig accepts both.
+    cfg = json.loads(path.read_text())
+    cfg.setdefault("rope_theta", float(rope_theta))
+    cfg["torch_dtype"] = cfg["dtype"] = "float32"
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _patch_tokenizer_config(path: Path, max_len: int) -> None:
+    # transformers 5 saves the template only as chat_template.jinja; 4.x and hand-written servers
+    # read tokenizer_config.json["chat_template"]; 5.x accepts both.
+    cfg = json.loads(path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # 5.x's "TokenizersBackend" is unknown to 4.x
+    cfg["model_max_length"] = max_len
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _atomic_replace(src: Path, dst: Path) -> None:
+    """rename(2) src into dst; an existing dst is moved aside first and deleted after."""
+    old = None
+    if dst.exists() or dst.is_symlink():
+        if dst.is_dir() and not any(dst.iterdir()):
+            dst.rmdir()
+        else:
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+            os.replace(dst, old / "x")
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def param_count(model_dir: str | os.PathLike) -> int:
+    """Number of parameters stored in model_dir/model.safetensors (tied weights counted once)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def _is_current(path: Path) -> bool:
+    try:
+        meta = json.loads((path / MAKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("generator_version") == GENERATOR_VERSION and (path / "model.safetensors").is_file()
+
+
+def default_model_path(name: str = "tiny-llama") -> Path:
+    """Cached preset checkpoint dir ($PD_CLUSTER_CACHE or ~/.cache/pd_cluster)/models/name; made on first use."""
+    if name not in PRESETS:
+        raise ValueError(f"name must be one of {preset_names()}, got {name!r}")
+    root = Path(os.environ.get("PD_CLUSTER_CACHE") or Path.home() / ".cache" / "pd_cluster")
+    path = root / "models" / name
+    if _is_current(path):
+        return path
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.parent / f".{name}.lock")):  # racing processes: one builds, others reuse
+        if not _is_current(path):
+            make_model(path, **PRESETS[name])
+    return path
+
+
+def add_make_model_args(parser: argparse.ArgumentParser) -> None:
+    """Flags for `pd-cluster make-model`; size flags default to None = take preset/make_model default."""
+    parser.add_argument("--out", required=True, help="output checkpoint directory")
+    parser.add_argument("--preset", choices=preset_names(), default=None, help="start from a named preset")
+    parser.add_argument("--arch", choices=ARCHS, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    for flag in ("vocab-size", "hidden-size", "num-layers", "num-heads", "num-kv-heads", "head-dim",
+                 "intermediate-size", "max-position-embeddings"):
+        parser.add_argument(f"--{flag}", type=int, default=None)
+    parser.add_argument("--rope-theta", type=float, default=None)
+    parser.add_argument("--tie-word-embeddings", action="store_true", default=None)
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    import sys
+
+    kwargs: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
+    for key in ("arch", "seed", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "intermediate_size", "max_position_embeddings", "rope_theta",
+                "tie_word_embeddings"):
+        if getattr(args, key, None) is not None:
+            kwargs[key] = getattr(args, key)
+    try:
+        out = make_model(args.out, **kwargs)
+    except ValueError as e:
+        print(f"make-model: {e}", file=sys.stderr)
+        return 2
+    n = param_count(out)
+    print(f"wrote {out} ({kwargs.get('arch', 'llama')}, {n:,} parameters = {n / 1e6:.2f}M)")
+    return 0
