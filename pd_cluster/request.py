@@ -45,11 +45,18 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # Seeded requests draw token i from a generator seeded by (seed, i): the result does not
+    # depend on where earlier tokens were sampled (another engine, before a preemption).
     generator: torch.Generator | None = None
 
-    def __post_init__(self) -> None:
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+    def generator_for_next_token(self, device: torch.device) -> torch.Generator | None:
+        seed = self.sampling_params.seed
+        if seed is None:
+            return None
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device)
+        mixed = (seed * 0x9E3779B97F4A7C15 + self.num_output_tokens) % (1 << 63)
+        return self.generator.manual_seed(mixed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -121,7 +121,7 @@ class ModelRunner:
             logits = apply_min_tokens_mask(logits, [r.sampling_params for r in reqs],
                                            [r.num_output_tokens for r in reqs], reqs[0].eos_token_id)
         sampled = self.sampler.sample(logits, [r.sampling_params for r in reqs],
-                                      [r.generator for r in reqs])
+                                      [r.generator_for_next_token(logits.device) for r in reqs])
         for req, token, logprobs in zip(reqs, sampled.token_ids, sampled.logprobs):
             result.sampled_token_ids[req.request_id] = token
             result.logprobs[req.request_id] = logprobs

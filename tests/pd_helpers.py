@@ -1,0 +1,55 @@
+"""Shared helpers for the P/D connector tests: engine pairs and a colocated reference."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pd_cluster import LLM, SamplingParams
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine.llm_engine import LLMEngine
+
+
+def kv_config(role: str, timeout: float = 10.0, **pipe: Any) -> dict[str, Any]:
+    return {"role": role, "kv_transfer_timeout": timeout, **pipe}
+
+
+def prompts_of_lengths(lengths: list[int], vocab: int = 500) -> list[list[int]]:
+    return [[4 + (i * 31 + j * 7) % (vocab - 4) for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def producer_params(params: SamplingParams) -> SamplingParams:
+    d = params.to_dict()
+    d.update(max_tokens=1, min_tokens=0)
+    return SamplingParams.from_dict(d)
+
+
+def submit_pair(p: Any, d: Any, rid: str, prompt: list[int], params: SamplingParams,
+                endpoint: str) -> None:
+    """Same request id on both sides, as the proxy does."""
+    d.add_request(rid, prompt, params, {"do_remote_prefill": True})
+    p.add_request(rid, prompt, producer_params(params),
+                  {"do_remote_decode": True, "remote_kv_addr": endpoint})
+
+
+def run_in_process(p: LLMEngine, d: LLMEngine, timeout: float = 60.0) -> dict[str, list[int]]:
+    """Step both engines until idle; returns the consumer's final tokens per request."""
+    done: dict[str, list[int]] = {}
+    deadline = time.monotonic() + timeout
+    while p.has_unfinished_requests() or d.has_unfinished_requests():
+        assert time.monotonic() < deadline, "P/D pair did not finish in time"
+        p.step()
+        for out in d.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+def colocated_tokens(model: str, prompts: list[list[int]], params: list[SamplingParams],
+                     **engine_args: Any) -> list[list[int]]:
+    outs = LLM(model=model, **engine_args).generate(prompts, params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def engine(model: str, role: str | None, timeout: float = 10.0, **args: Any) -> LLMEngine:
+    kv = kv_config(role, timeout) if role else None
+    return LLMEngine(EngineConfig(model=model, kv_transfer=kv, **args))

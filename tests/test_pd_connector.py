@@ -1,0 +1,147 @@
+"""P/D connector with producer and consumer engines in one process (fast, deterministic)."""
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from connectors.pipes.base import HandshakeError
+from pd_cluster import SamplingParams
+from pd_cluster.request import RequestStatus
+from tests.pd_helpers import (colocated_tokens, engine, prompts_of_lengths, run_in_process,
+                              submit_pair)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from pd_cluster.model_maker import make_model
+    return str(make_model(tmp_path_factory.mktemp("pd") / "m", arch="llama", num_layers=3))
+
+
+def test_pd_matches_colocated_with_chunked_prefill_and_seeds(model):
+    prompts = prompts_of_lengths([1, 7, 8, 9, 16, 40, 100, 3, 64, 65, 23, 5, 130, 12, 31, 2])
+    params = [GREEDY if i % 2 else SamplingParams(temperature=0.9, seed=100 + i, max_tokens=10,
+                                                  ignore_eos=True) for i in range(len(prompts))]
+    d = engine(model, "consumer", block_size=8)
+    p = engine(model, "producer", block_size=8, max_num_batched_tokens=24)
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        submit_pair(p, d, f"r{i}", prompt, sp, d.kv_endpoint())
+    got = run_in_process(p, d)
+    assert [got[f"r{i}"] for i in range(len(prompts))] == colocated_tokens(model, prompts, params,
+                                                                            block_size=8)
+    assert d.stats()["kv_fallbacks"] == 0
+    assert p.stats()["kv_bytes_sent"] == d.stats()["kv_bytes_received"] > 0
+    p.check_no_leaks(), d.check_no_leaks()
+    p.close(), d.close()
+
+
+def test_consumer_blocks_bitwise_equal_to_producer(model):
+    d = engine(model, "consumer", block_size=8, enable_prefix_caching=False)
+    p = engine(model, "producer", block_size=8, enable_prefix_caching=False,
+               max_num_batched_tokens=16)
+    prompt = prompts_of_lengths([45])[0]
+    submit_pair(p, d, "x", prompt, SamplingParams(temperature=0, max_tokens=1), d.kv_endpoint())
+    d.step()  # allocates D's blocks and parks the request
+    d_blocks = list(d.scheduler.remote_waiting["x"].block_ids)
+    p.step()
+    p_blocks = list(p.scheduler.requests["x"].block_ids)
+    run_in_process(p, d)
+    for pc, dc in zip(p.runner.kv_caches, d.runner.kv_caches):
+        ours = pc[:, p_blocks].flatten(1, 2)[:, :45]
+        theirs = dc[:, d_blocks].flatten(1, 2)[:, :45]
+        assert torch.equal(ours, theirs)
+    p.check_no_leaks(), d.check_no_leaks()
+    p.close(), d.close()
+
+
+def test_consumer_timeout_falls_back_to_local_prefill(model):
+    d = engine(model, "consumer", timeout=0.5, block_size=16)
+    prompt = prompts_of_lengths([37])[0]
+    d.add_request("lonely", prompt, GREEDY, {"do_remote_prefill": True})
+    d.step()
+    assert d.scheduler.remote_waiting["lonely"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    done, deadline = {}, time.monotonic() + 20
+    while d.has_unfinished_requests() and time.monotonic() < deadline:
+        done.update({o.request_id: o.outputs[0].token_ids for o in d.step() if o.finished})
+        time.sleep(0.01)
+    assert done["lonely"] == colocated_tokens(model, [prompt], [GREEDY])[0]
+    assert d.stats()["kv_fallbacks"] == 1
+    d.check_no_leaks()
+    d.close()
+
+
+def test_abort_frees_blocks_on_both_sides(model):
+    d = engine(model, "consumer", timeout=5, block_size=8)
+    p = engine(model, "producer", timeout=1, block_size=8, max_num_batched_tokens=8)
+    prompts = prompts_of_lengths([60, 60, 20])
+    for i, prompt in enumerate(prompts):
+        submit_pair(p, d, f"a{i}", prompt, GREEDY, d.kv_endpoint())
+    d.step()
+    p.step()
+    assert d.scheduler.remote_waiting and p.block_manager.num_used_blocks > 0
+    d.abort_request(["a0"])  # consumer side, still WAITING_FOR_REMOTE_KV
+    p.abort_request(["a1"])  # producer side, mid chunked prefill: consumer falls back
+    got = run_in_process(p, d)
+    assert set(got) == {"a1", "a2"}
+    ref = colocated_tokens(model, prompts[1:], [GREEDY, GREEDY], block_size=8)
+    assert [got["a1"], got["a2"]] == ref
+    assert d.stats()["kv_fallbacks"] == 1
+    p.check_no_leaks(), d.check_no_leaks()
+    p.close(), d.close()
+
+
+def test_handshake_rejects_mismatched_layout(model):
+    d = engine(model, "consumer", block_size=16)
+    p = engine(model, "producer", timeout=1, block_size=8)
+    with pytest.raises(HandshakeError, match="block_size"):
+        p.runner.connector.connect_peer(d.kv_endpoint())
+    # In the request flow the producer logs, frees its blocks and keeps serving.
+    p.add_request("m", prompts_of_lengths([20])[0], SamplingParams(temperature=0, max_tokens=1),
+                  {"do_remote_decode": True, "remote_kv_addr": d.kv_endpoint()})
+    deadline = time.monotonic() + 10
+    while p.has_unfinished_requests() and time.monotonic() < deadline:
+        p.step()
+    p.check_no_leaks()
+    p.close(), d.close()
+
+
+def test_malformed_frames_do_not_kill_the_receiver(model):
+    d = engine(model, "consumer", block_size=8)
+    p = engine(model, "producer", block_size=8)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.kv_endpoint())
+    garbage = [[b"\x00\xff" * 50], [b"not msgpack", b"x" * 100], [msgpack.packb({"kind": "kv"})],
+               [msgpack.packb({"kind": "kv", "request_id": "z", "layer": 99, "first_block": 0}),
+                b"\x01" * 64], [msgpack.packb([1, 2, 3])], [b""]]
+    for frames in garbage:
+        sock.send_multipart(frames)
+    time.sleep(0.3)
+    prompt = prompts_of_lengths([30])[0]
+    submit_pair(p, d, "ok", prompt, GREEDY, d.kv_endpoint())
+    got = run_in_process(p, d)
+    assert got["ok"] == colocated_tokens(model, [prompt], [GREEDY], block_size=8)[0]
+    assert d.stats()["kv_fallbacks"] == 0
+    sock.close()
+    p.check_no_leaks(), d.check_no_leaks()
+    p.close(), d.close()
+
+
+def test_engine_in_either_role_serves_ordinary_requests(model):
+    prompts = prompts_of_lengths([12, 33])
+    ref = colocated_tokens(model, prompts, [GREEDY, GREEDY])
+    for role in ("consumer", "producer"):
+        e = engine(model, role, block_size=8)
+        for i, prompt in enumerate(prompts):
+            e.add_request(f"plain{i}", prompt, GREEDY)
+        got = {}
+        while e.has_unfinished_requests():
+            got.update({o.request_id: o.outputs[0].token_ids for o in e.step() if o.finished})
+        assert [got["plain0"], got["plain1"]] == ref
+        e.check_no_leaks()
+        e.close()
