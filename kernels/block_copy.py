@@ -1,0 +1,114 @@
+"""Gather a request's blocks of one layer into a contiguous buffer, and scatter one back.
+
+Buffer layout: ``[2, n, block_size, num_kv_heads, head_dim]`` (K then V), i.e. exactly the
+cache layout restricted to the listed blocks, so the KV connector can send it as one message
+and the receiver can scatter it into its own (different) block ids.
+
+A cache block (block_size * Hkv * D elements) is contiguous in memory for a contiguous cache,
+so the kernels copy flat chunks of it; non-contiguous caches take the torch path.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+
+from kernels import interpreting, runs_triton, triton_available
+
+HAS_TRITON = triton_available()
+_INTERPRETED = interpreting()
+BlockIds = Union[torch.Tensor, Sequence[int]]
+_CHUNK = 4096  # elements per program
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _block_copy_kernel(
+        src_ptr, dst_ptr, ids_ptr, block_elems,
+        src_stride_kv, src_stride_blk, dst_stride_kv, dst_stride_blk,
+        GATHER: tl.constexpr, CHUNK: tl.constexpr,
+    ):
+        i = tl.program_id(0).to(tl.int64)  # index into the block id list / buffer
+        kv = tl.program_id(1).to(tl.int64)
+        chunk = tl.program_id(2).to(tl.int64)
+        # int64 block id before multiplying by the block stride: a cache of > 2^31 elements
+        # is common (tens of GB per layer stack), and an int32 product would wrap.
+        blk = tl.load(ids_ptr + i).to(tl.int64)
+        offs = chunk * CHUNK + tl.arange(0, CHUNK)
+        mask = offs < block_elems
+        if GATHER:  # cache block ids[i] -> buffer slot i
+            src = src_ptr + kv * src_stride_kv + blk * src_stride_blk + offs
+            dst = dst_ptr + kv * dst_stride_kv + i * dst_stride_blk + offs
+        else:  # buffer slot i -> cache block ids[i]
+            src = src_ptr + kv * src_stride_kv + i * src_stride_blk + offs
+            dst = dst_ptr + kv * dst_stride_kv + blk * dst_stride_blk + offs
+        x = tl.load(src, mask=mask)
+        tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_ids(block_ids: BlockIds, device: torch.device) -> torch.Tensor:
+    if isinstance(block_ids, torch.Tensor):
+        return block_ids.to(device=device, dtype=torch.int64).contiguous()
+    return torch.tensor(list(block_ids), dtype=torch.int64, device=device)
+
+
+def _blocks_contiguous(t: torch.Tensor) -> bool:
+    """Each [block_size, Hkv, D] block is one dense run of memory."""
+    _, _, bs, h, d = t.shape
+    return t.stride(4) == 1 and t.stride(3) == d and t.stride(2) == h * d
+
+
+def _launch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather: bool) -> None:
+    block_elems = src.shape[2] * src.shape[3] * src.shape[4]
+    grid = (ids.numel(), 2, triton.cdiv(block_elems, _CHUNK))
+    _block_copy_kernel[grid](
+        src, dst, ids, block_elems,
+        src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+        GATHER=gather, CHUNK=_CHUNK, num_warps=4,
+    )
+
+
+def gather_kv_blocks(kv_cache: torch.Tensor, block_ids: BlockIds,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """kv_cache [2, N, bs, Hkv, D], n block ids -> buffer [2, n, bs, Hkv, D] (new or ``out``)."""
+    ids = _as_ids(block_ids, kv_cache.device)
+    if out is None:
+        out = torch.empty((2, ids.numel()) + tuple(kv_cache.shape[2:]),
+                          dtype=kv_cache.dtype, device=kv_cache.device)
+    if ids.numel() == 0:
+        return out
+    if (runs_triton(HAS_TRITON, _INTERPRETED, kv_cache, out)
+            and _blocks_contiguous(kv_cache) and _blocks_contiguous(out)):
+        _launch(kv_cache, out, ids, gather=True)
+        return out
+    out.copy_(gather_kv_blocks_ref(kv_cache, ids))
+    return out
+
+
+def scatter_kv_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor,
+                      block_ids: BlockIds) -> None:
+    """buffer [2, n, bs, Hkv, D] -> kv_cache blocks ``block_ids`` (in place)."""
+    ids = _as_ids(block_ids, kv_cache.device)
+    assert buffer.shape[1] == ids.numel() and buffer.shape[2:] == kv_cache.shape[2:]
+    if ids.numel() == 0:
+        return
+    if buffer.device != kv_cache.device:
+        buffer = buffer.to(kv_cache.device, non_blocking=True)
+    if (runs_triton(HAS_TRITON, _INTERPRETED, kv_cache, buffer)
+            and _blocks_contiguous(kv_cache) and _blocks_contiguous(buffer)):
+        _launch(buffer, kv_cache, ids, gather=False)
+        return
+    scatter_kv_blocks_ref(buffer, kv_cache, ids)
+
+
+def gather_kv_blocks_ref(kv_cache: torch.Tensor, block_ids: BlockIds) -> torch.Tensor:
+    """Torch reference and CPU path: index_select on the block dimension."""
+    return kv_cache.index_select(1, _as_ids(block_ids, kv_cache.device))
+
+
+def scatter_kv_blocks_ref(buffer: torch.Tensor, kv_cache: torch.Tensor,
+                          block_ids: BlockIds) -> None:
+    """Torch reference and CPU path: index_copy_ on the block dimension."""
+    kv_cache.index_copy_(1, _as_ids(block_ids, kv_cache.device), buffer.to(kv_cache.dtype))
