@@ -5,10 +5,12 @@ The weights are random but shaped so that greedy decoding is a robust correctnes
 logits are far from flat (clear top-1/top-2 gaps) and greedy continuations stay varied.
 
 Tokenizer: byte-level BPE trained on ``_corpus.CORPUS``; ids 0..3 are ``<unk> <s> </s> <pad>``.
-``encode``/``__call__`` add NO special tokens (no BOS/EOS), so ``decode(encode(s)) == s``.
-If the corpus cannot supply ``vocab_size`` BPE tokens (e.g. 4096), the tokenizer is padded with
-special ``<unused_N>`` tokens so ``len(tokenizer) == config.vocab_size``; their embedding and
-lm_head rows are zero, so greedy decoding never emits them (sampling rarely can).
+``encode``/``__call__`` add NO special tokens (no BOS/EOS) with or without add_special_tokens,
+so ``decode(encode(s)) == s`` (for NFC text, e.g. any ASCII). The chat template adds none either.
+If the corpus cannot supply ``vocab_size`` BPE tokens (it tops out near 1.7k), the tokenizer is
+padded with special ``<unused_N>`` tokens so ``len(tokenizer) == config.vocab_size``; their
+embedding and lm_head rows are zero, so greedy decoding never emits them (sampling rarely can).
+With untied embeddings the lm_head rows of <unk>/<s>/<pad> are zero too; </s> can be generated.
 """
 
 from __future__ import annotations
@@ -87,8 +89,8 @@ def _validate(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num
         raise ValueError(f"rope_theta must be > 0, got {rope_theta!r}")
 
 
-def build_tokenizer(vocab_size: int):
-    """Byte-level BPE trained deterministically on the built-in corpus, padded to vocab_size."""
+def build_tokenizer(vocab_size: int) -> tuple[Any, int]:
+    """(PreTrainedTokenizerFast, number of trained non-padding tokens) for vocab_size."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -128,7 +130,7 @@ def _init_weights(model, n_real_tokens: int, seed: int) -> None:
                 std = head_std if tied else EMBED_STD
             elif name.startswith("lm_head."):
                 std = head_std
-            elif name.endswith("norm.weight") or "layernorm" in name:
+            elif name.endswith("norm.weight"):
                 p.copy_(1.0 + NORM_STD * torch.randn(p.shape, generator=gen))
                 continue
             elif name.endswith(".bias"):
@@ -182,6 +184,10 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, *
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" noise from servers/tests
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -190,13 +196,13 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, *
         meta = dict(generator_version=GENERATOR_VERSION, arch=arch, seed=seed,
                     tokenizer_trained_vocab=n_real, num_params=param_count(tmp))
         (tmp / MAKER_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in tmp.iterdir():  # mkdtemp / HF temp files are 0600-ish: make it shareable like a normal dir
-            f.chmod(0o666 & ~umask)
-        tmp.chmod(0o777 & ~umask)
+        for f in tmp.iterdir():  # mkdtemp and HF's temp files are 0600/0700: make it readable by all
+            f.chmod(0o644)
+        tmp.chmod(0o755)
         _atomic_replace(tmp, out)
     finally:
+        if bar:
+            hf_logging.enable_progress_bar()
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
@@ -254,7 +260,7 @@ def default_model_path(name: str = "tiny-llama") -> Path:
     """Cached preset checkpoint dir ($PD_CLUSTER_CACHE or ~/.cache/pd_cluster)/models/name; made on first use."""
     if name not in PRESETS:
         raise ValueError(f"name must be one of {preset_names()}, got {name!r}")
-    root = Path(os.environ.get("PD_CLUSTER_CACHE") or Path.home() / ".cache" / "pd_cluster")
+    root = Path(os.environ.get("PD_CLUSTER_CACHE") or Path.home() / ".cache" / "pd_cluster").expanduser()
     path = root / "models" / name
     if _is_current(path):
         return path
@@ -281,6 +287,7 @@ def add_make_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
+    """`pd-cluster make-model`: preset (if any) overridden by explicit flags. Returns 2 on bad sizes."""
     import sys
 
     kwargs: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
