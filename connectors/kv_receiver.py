@@ -46,27 +46,28 @@ class KVReceiver:
         self._staged: OrderedDict[str, _Staged] = OrderedDict()
         self._staged_bytes = 0
         self._done: dict[str, int | None] = {}
-        self._acks: list[tuple[str, str, bool]] = []  # (peer, request id, ok) to send
         # Wall-clock arrival of each request's first layer, for overlap measurements (bounded).
         self.first_layer_times: OrderedDict[str, float] = OrderedDict()
         self.bytes_received = 0
         self.num_dropped = 0
 
     # ---- scheduler-driven ----------------------------------------------------------------
-    def register(self, spec: RecvSpec) -> None:
+    def register(self, spec: RecvSpec) -> tuple[str, str] | None:
+        """Start receiving; returns (peer, request id) to ACK if staged messages completed it."""
         blocks = -(-spec.num_prompt_tokens // self.block_size)
         state = _Receiving(spec, torch.tensor(spec.block_ids[:blocks], dtype=torch.long),
                            time.monotonic() + self.timeout, [set() for _ in range(self.num_layers)])
         with self._lock:
             if spec.request_id in self._active:
                 logger.warning("duplicate receive registration for %s dropped", spec.request_id)
-                return
+                return None
             self._active[spec.request_id] = state
             staged = self._staged.pop(spec.request_id, None)
-            if staged:
-                for header, tensor, peer in staged.items:
-                    self._staged_bytes -= tensor.nbytes if tensor is not None else 0
-                    self._apply(state, header, tensor, peer)
+            ack = None
+            for header, tensor, peer in (staged.items if staged else []):
+                self._staged_bytes -= tensor.nbytes if tensor is not None else 0
+                ack = self._apply(state, header, tensor, peer) or ack
+            return ack
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -89,51 +90,48 @@ class KVReceiver:
             done, self._done = self._done, {}
             return done
 
-    def take_acks(self) -> list[tuple[str, str, bool]]:
-        with self._lock:
-            acks, self._acks = self._acks, []
-            return acks
-
     # ---- receiver-thread-driven ----------------------------------------------------------
     def on_message(self, header: KVLayerHeader | FinHeader, tensor: torch.Tensor | None,
-                   peer: str) -> None:
+                   peer: str) -> tuple[str, str] | None:
+        """Apply or stage one message; returns (peer, request id) to ACK when it completed."""
         with self._lock:
             state = self._active.get(header.request_id)
             if state is not None:
-                self._apply(state, header, tensor, peer)
-                return
+                return self._apply(state, header, tensor, peer)
             size = tensor.nbytes if tensor is not None else 0
             if self._staged_bytes + size > self.max_staging_bytes:
                 self.num_dropped += 1
                 logger.warning("staging full: dropped %s for %s", type(header).__name__,
                                header.request_id)
-                return
+                return None
             self._staged.setdefault(header.request_id, _Staged(time.monotonic())).items.append(
                 (header, tensor, peer))
             self._staged_bytes += size
+            return None
 
     # ---- internals (lock held) -----------------------------------------------------------
     def _apply(self, state: _Receiving, header: KVLayerHeader | FinHeader,
-               tensor: torch.Tensor | None, peer: str) -> None:
+               tensor: torch.Tensor | None, peer: str) -> tuple[str, str] | None:
         rid = state.spec.request_id
         if isinstance(header, FinHeader):
             state.fin, state.peer = header, peer
             if header.first_token is None:  # producer aborted: fall back now
                 del self._active[rid]
                 self._done[rid] = None
-                return
+                return None
         else:
             try:
                 self._write_layer(state, header, tensor)
             except ValueError as e:
                 self.num_dropped += 1
                 logger.warning("dropped KV for %s layer %s: %s", rid, header.layer, e)
-                return
+                return None
         total = len(state.block_index)
         if state.fin is not None and all(len(r) == total for r in state.received):
             del self._active[rid]
             self._done[rid] = state.fin.first_token
-            self._acks.append((state.peer, rid, True))
+            return state.peer, rid
+        return None
 
     def _write_layer(self, state: _Receiving, header: KVLayerHeader,
                      tensor: torch.Tensor | None) -> None:

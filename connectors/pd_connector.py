@@ -105,7 +105,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         self._meta = metadata
         for spec in metadata.recvs:
-            self.receiver.register(spec)
+            self._ack(self.receiver.register(spec))
         for rid in metadata.cancels:
             self.receiver.cancel(rid)
         for fin in metadata.finishes:
@@ -174,11 +174,6 @@ class PDConnectorWorker(KVConnectorBase_Worker):
                 self._done_sending.add(fin.request_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], dict[str, int | None]]:
-        for peer, rid, ok in self.receiver.take_acks():
-            try:
-                self.pipe.send_tensor(peer, encode_header(AckHeader(rid, ok)), None)
-            except PipeError as e:
-                logger.warning("ACK for %s not sent: %s", rid, e)
         now = time.monotonic()
         with self._lock:
             for rid, deadline in list(self._awaiting_ack.items()):
@@ -213,7 +208,17 @@ class PDConnectorWorker(KVConnectorBase_Worker):
                     if self._awaiting_ack.pop(header.request_id, None) is not None:
                         self._done_sending.add(header.request_id)
             else:
-                self.receiver.on_message(header, tensor, peer)
+                self._ack(self.receiver.on_message(header, tensor, peer))
+
+    def _ack(self, completed: tuple[str, str] | None) -> None:
+        """Tell the producer at once that it may free the request's blocks."""
+        if completed is None:
+            return
+        peer, rid = completed
+        try:
+            self.pipe.send_tensor(peer, encode_header(AckHeader(rid, True)), None)
+        except PipeError as e:
+            logger.warning("ACK for %s not sent: %s", rid, e)
 
     def stats(self) -> dict[str, Any]:
         return {"kv_bytes_sent": self.bytes_sent, "kv_bytes_received": self.receiver.bytes_received,
