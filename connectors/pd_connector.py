@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from connectors.base import KVConnectorBase_Worker
+from connectors.buffer_pool import BufferPool
 from connectors.config import KVTransferConfig
 from connectors.factory import ConnectorPair, register_connector
 from connectors.kv_receiver import KVReceiver
@@ -27,6 +28,7 @@ from connectors.metadata import (AckHeader, FinHeader, KVConnectorMetadata, KVLa
                                  decode_header, encode_header)
 from connectors.pd_scheduler import PDConnectorScheduler
 from connectors.pipes.base import HandshakeError, PipeConfig, PipeError, create_pipe
+from kernels.block_copy import gather_kv_blocks
 
 logger = logging.getLogger(__name__)
 _HANDSHAKE_KEYS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
@@ -53,6 +55,8 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             self.pipe.set_handshake_validator(self._validate_hello, info=self.hello)
             self._endpoint = self.pipe.listen()
         self._meta: KVConnectorMetadata | None = None
+        self._buffers = BufferPool(max_bytes=int(config.pipe_config.get(
+            "max_inflight_bytes", 256 << 20)))
         self._peer_errors: dict[str, str] = {}  # peer -> why it cannot be used
         self._connected: set[str] = set()
         self._step_futures: list[Future] = []
@@ -127,13 +131,18 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             if spec.request_id in self._failed_sends or not self._usable(spec.peer):
                 self._failed_sends.add(spec.request_id)
                 continue
-            ids = torch.tensor(spec.block_ids, dtype=torch.long, device=kv_layer.device)
-            payload = kv_layer.index_select(1, ids)  # a copy: later steps may reuse the blocks
+            # A copy into a pooled buffer: the blocks may be rewritten (e.g. after preemption)
+            # while the message is on the wire, and reused buffers avoid page faults.
+            payload = self._buffers.acquire((2, len(spec.block_ids), *kv_layer.shape[2:]),
+                                            kv_layer.dtype, kv_layer.device)
+            gather_kv_blocks(kv_layer, spec.block_ids, out=payload)
             if payload.device.type != "cpu" and self.config.pipe != "nccl":
                 payload = payload.to("cpu")
             header = encode_header(KVLayerHeader(spec.request_id, layer, spec.first_block))
             try:
-                self._step_futures.append(self.pipe.send_tensor(spec.peer, header, payload))
+                future = self.pipe.send_tensor(spec.peer, header, payload)
+                self._buffers.release_when_done(payload, future)
+                self._step_futures.append(future)
                 self.bytes_sent += payload.nbytes
             except PipeError as e:
                 logger.error("send of %s layer %d failed: %s", spec.request_id, layer, e)

@@ -83,7 +83,10 @@ def gather_kv_blocks(kv_cache: torch.Tensor, block_ids: BlockIds,
             and _blocks_contiguous(kv_cache) and _blocks_contiguous(out)):
         _launch(kv_cache, out, ids, gather=True)
         return out
-    out.copy_(gather_kv_blocks_ref(kv_cache, ids))
+    # K and V separately along their leading (block) dim: whole blocks are memcpy'd, ~4x
+    # faster on CPU than index_select on dim 1, and no temporary.
+    for kv in range(2):
+        torch.index_select(kv_cache[kv], 0, ids, out=out[kv])
     return out
 
 
@@ -100,7 +103,8 @@ def scatter_kv_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor,
             and _blocks_contiguous(kv_cache) and _blocks_contiguous(buffer)):
         _launch(buffer, kv_cache, ids, gather=False)
         return
-    scatter_kv_blocks_ref(buffer, kv_cache, ids)
+    for kv in range(2):
+        kv_cache[kv].index_copy_(0, ids, buffer[kv].to(kv_cache.dtype))
 
 
 def gather_kv_blocks_ref(kv_cache: torch.Tensor, block_ids: BlockIds) -> torch.Tensor:

@@ -1,0 +1,180 @@
+"""KV transfer benchmark: our connector end to end vs raw pyzmq, and TTFT 1P1D vs colocated.
+
+Part 1, for prompts of ~1k/4k/16k tokens: gather the request's blocks from the producer's
+paged cache, layer by layer -> ZMQ pipe -> scatter into the consumer's paged cache (two
+processes), timed from the first gather to the consumer's ACK; beside plain pyzmq PUSH/PULL
+loopback throughput with the same frame sizes, in the same run.
+Part 2: TTFT of a ~2k-token prompt through a producer engine streaming its KV to a consumer
+engine (1P1D, two processes) vs a colocated engine, same model.
+Prints `kv_transfer_efficiency=X` (ours / raw, median over sizes) last.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from connectors.config import KVTransferConfig  # noqa: E402
+from connectors.metadata import FinishSpec, KVConnectorMetadata, RecvSpec, SendSpec  # noqa: E402
+from connectors.pd_connector import PDConnectorWorker  # noqa: E402
+
+SHAPE = {"num_layers": 12, "num_kv_heads": 4, "head_dim": 64, "block_size": 16}  # bench-50m
+
+
+def _info(dtype: torch.dtype) -> dict:
+    return {**SHAPE, "model_id": "bench", "dtype": str(dtype)}
+
+
+def _caches(num_blocks: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    shape = (2, num_blocks, SHAPE["block_size"], SHAPE["num_kv_heads"], SHAPE["head_dim"])
+    return [torch.randn(shape).to(dtype) for _ in range(SHAPE["num_layers"])]
+
+
+def _consumer(conn, num_blocks: int, transport: str) -> None:
+    torch.set_num_threads(1)
+    worker = PDConnectorWorker(KVTransferConfig.from_dict(dict(role="consumer", transport=transport,
+                                                kv_transfer_timeout=120)), _info(torch.float32))
+    worker.register_kv_caches(_caches(num_blocks, torch.float32))
+    conn.send(worker.endpoint())
+    while True:
+        cmd = conn.recv()
+        if cmd is None:
+            break
+        rid, n_tokens, block_ids = cmd
+        worker.bind_connector_metadata(KVConnectorMetadata(
+            recvs=[RecvSpec(rid, tuple(block_ids), n_tokens)]))
+        conn.send("ready")
+        done = {}
+        while rid not in done:
+            done.update(worker.get_finished(set())[1])
+            time.sleep(0.0005)
+        conn.send(done[rid] is not None)
+    worker.close()
+
+
+def transfer_throughput(n_tokens: int, producer: PDConnectorWorker, conn, peer: str,
+                        repeats: int) -> tuple[float, int]:
+    bs = SHAPE["block_size"]
+    blocks = list(range(-(-n_tokens // bs)))
+    gen = torch.Generator().manual_seed(n_tokens)
+    dst = torch.randperm(len(blocks) * 2, generator=gen)[:len(blocks)].tolist()  # shuffled
+    best, nbytes = 0.0, 0
+    for rep in range(repeats):
+        rid = f"bench-{n_tokens}-{rep}"
+        conn.send((rid, n_tokens, dst))
+        assert conn.recv() == "ready"
+        t0 = time.perf_counter()
+        producer.bind_connector_metadata(KVConnectorMetadata(
+            sends=[SendSpec(rid, peer, tuple(blocks), 0)]))
+        for layer, cache in enumerate(producer.kv_caches):
+            producer.save_kv_layer(layer, cache, None)
+        producer.wait_for_save()
+        producer.bind_connector_metadata(KVConnectorMetadata(
+            finishes=[FinishSpec(rid, peer, 1, n_tokens)]))
+        while rid not in producer.get_finished(set())[0]:
+            time.sleep(0.0002)
+        elapsed = time.perf_counter() - t0
+        assert conn.recv() is True, "consumer did not complete the transfer"
+        nbytes = sum(c[:, :len(blocks)].nbytes for c in producer.kv_caches)
+        best = max(best, nbytes / elapsed)
+    return best, nbytes
+
+
+def part1(sizes: list[int], transport: str, repeats: int) -> list[float]:
+    from pipe_raw import raw_zmq_throughput
+    max_tokens = max(sizes)
+    num_blocks = 2 * -(-max_tokens // SHAPE["block_size"])
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_consumer, args=(there, num_blocks, transport), daemon=True)
+    proc.start()
+    producer = PDConnectorWorker(KVTransferConfig.from_dict(dict(role="producer", transport=transport,
+                                                  kv_transfer_timeout=120)), _info(torch.float32))
+    producer.register_kv_caches(_caches(num_blocks, torch.float32))
+    peer = here.recv()
+    producer.connect_peer(peer)
+    ratios = []
+    print(f"{'tokens':>7} {'KV MiB':>8} {'frame MiB':>9} {'ours GB/s':>10} {'raw GB/s':>9} {'ratio':>6}")
+    for n in sizes:
+        ours, nbytes = transfer_throughput(n, producer, here, peer, repeats)
+        frame = min(nbytes // SHAPE["num_layers"], 8 << 20)  # the pipe splits at 8 MiB
+        raw = raw_zmq_throughput(frame, max(nbytes, 64 << 20), transport, repeats=repeats)
+        ratios.append(ours / raw)
+        print(f"{n:>7} {nbytes / 2**20:>8.1f} {frame / 2**20:>9.2f} {ours / 1e9:>10.2f} "
+              f"{raw / 1e9:>9.2f} {ours / raw:>6.2f}")
+    here.send(None)
+    proc.join(timeout=30)
+    producer.close()
+    return ratios
+
+
+def part2(prompt_tokens: int, repeats: int) -> None:
+    from pd_cluster import SamplingParams
+    from pd_cluster.config import EngineConfig
+    from pd_cluster.engine.engine_process import EngineProcess
+    from pd_cluster.model_maker import default_model_path
+    model = str(default_model_path("bench-50m"))
+    prompt = [4 + (i * 37) % 1500 for i in range(prompt_tokens)]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    kv = lambda role: {"role": role, "kv_transfer_timeout": 60}  # noqa: E731
+    colo = EngineProcess(EngineConfig(model=model, enable_prefix_caching=False)).wait_ready()
+    ttft_colo = _ttft(colo, lambda rid: colo.add_request(rid, prompt, params), repeats)
+    colo.shutdown()
+    d = EngineProcess(EngineConfig(model=model, kv_transfer=kv("consumer")))
+    p = EngineProcess(EngineConfig(model=model, enable_prefix_caching=False,
+                                   kv_transfer=kv("producer")))
+    p.wait_ready(), d.wait_ready()
+
+    def submit(rid: str) -> None:
+        d.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=2),
+                      {"do_remote_prefill": True})
+        p.add_request(rid, prompt, params, {"do_remote_decode": True,
+                                            "remote_kv_addr": d.kv_endpoint})
+    ttft_pd = _ttft(p, submit, repeats, d)
+    p.shutdown(), d.shutdown()
+    print(f"TTFT {prompt_tokens}-token prompt: colocated {ttft_colo * 1e3:.1f} ms, "
+          f"1P1D {ttft_pd * 1e3:.1f} ms")
+    print(f"ttft_ratio_pd_over_colocated={ttft_pd / ttft_colo:.3f}")
+
+
+def _ttft(proc, submit, repeats: int, consumer=None) -> float:
+    times = []
+    for rep in range(repeats + 1):  # the first run warms up
+        rid = f"ttft-{rep}"
+        t0 = time.perf_counter()
+        submit(rid)
+        proc.wait_finished([rid], timeout=300)
+        if rep:
+            times.append(time.perf_counter() - t0)
+        if consumer is not None:
+            consumer.wait_finished([rid], timeout=300)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--transport", default="tcp", choices=["tcp", "ipc"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ttft-prompt", type=int, default=2000)
+    parser.add_argument("--skip-ttft", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    ratios = part1(args.sizes, args.transport, args.repeats)
+    if not args.skip_ttft:
+        part2(args.ttft_prompt, args.repeats)
+    print(f"kv_transfer_efficiency={statistics.median(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()
