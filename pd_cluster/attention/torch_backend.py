@@ -35,8 +35,11 @@ def torch_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
     block_size = kv_cache.shape[2]
     max_len = max(meta.seq_lens_cpu[:n])
     tables = meta.block_tables[:n, : -(-max_len // block_size)].long()
-    k = kv_cache[0][tables].flatten(1, 2)  # [n, L, Hkv, D]
-    v = kv_cache[1][tables].flatten(1, 2)
+    # index_select on the leading (block) dim copies whole blocks: several times faster on
+    # CPU than advanced indexing, which gathers element-wise.
+    flat = tables.flatten()
+    k = kv_cache[0].index_select(0, flat).view(n, -1, *kv_cache.shape[-2:])  # [n, L, Hkv, D]
+    v = kv_cache[1].index_select(0, flat).view(n, -1, *kv_cache.shape[-2:])
     mask = (torch.arange(k.shape[1], device=query.device)[None, :]
             < meta.seq_lens[:n, None].to(query.device))  # [n, L]
     q = query[:n].unsqueeze(2)  # [n, Hq, 1, D]

@@ -1,0 +1,1 @@
+"""KV connectors: move prompt KV from prefill engines to decode engines."""

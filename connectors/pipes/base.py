@@ -1,0 +1,165 @@
+"""The pipe interface: ships (header, tensor) messages between a KV producer (P) and consumer (D).
+
+Names follow the seeds' KVPipeBase (send_tensor / recv_tensor / close) plus a msgpack-able header
+and a peer. Transports register by name; a new transport is one new file
+`connectors/pipes/<name>_pipe.py` that decorates its class with `@register_pipe("<name>")`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+MiB = 1 << 20
+
+
+class PipeError(RuntimeError):
+    """A transport failure (peer unknown or gone, socket error)."""
+
+
+class PipeClosed(PipeError):
+    """The pipe was closed; raised by calls after close() and set on futures still pending."""
+
+
+class PipeTimeout(PipeError, TimeoutError):
+    """A bounded wait ran out (handshake, send backpressure, transfer)."""
+
+
+class HandshakeError(ValueError):
+    """The consumer rejected the producer's hello (model/dtype/shape mismatch)."""
+
+
+@dataclass(frozen=True)
+class PipeConfig:
+    transport: str = "tcp"                # "tcp" | "ipc"
+    host: str = "127.0.0.1"               # interface listen() binds
+    port: int = 0                         # 0: the OS picks one
+    advertise_host: str = ""              # host for listen()'s address instead of `host` (0.0.0.0)
+    ipc_dir: str = ""                     # "" -> tempfile.gettempdir()
+    max_inflight_bytes: int = 256 * MiB   # send side: queued + not yet released by the transport
+    max_recv_bytes: int = 256 * MiB       # receive side: received but not yet taken by recv_tensor
+    max_frame_bytes: int = 8 * MiB        # large payloads are split into frames of at most this
+    send_timeout: float = 30.0            # how long send_tensor may block on backpressure
+    handshake_timeout: float = 10.0       # connect(): wait for the consumer's reply
+    linger: float = 1.0                   # close(): how long unsent data may still be flushed
+    hwm: int = 1000                       # ZMQ SNDHWM/RCVHWM (messages)
+    extra: dict = field(default_factory=dict)  # transport-specific options
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("tcp", "ipc"):
+            raise ValueError(f"pipe transport must be 'tcp' or 'ipc', got {self.transport!r}")
+        for name in ("max_inflight_bytes", "max_recv_bytes", "max_frame_bytes", "hwm"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"PipeConfig.{name} must be > 0")
+        for name in ("send_timeout", "handshake_timeout", "linger"):
+            if not float(getattr(self, name)) >= 0:
+                raise ValueError(f"PipeConfig.{name} must be >= 0")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PipeConfig":
+        """Build from a YAML section; unknown keys are an error, not silently ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown pipe config keys {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
+Message = tuple[str, dict, Optional[torch.Tensor]]
+
+
+class KVPipe(ABC):
+    """Both roles in one object: a consumer listen()s, a producer connect()s; either may send."""
+
+    def __init__(self, config: PipeConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def listen(self) -> str:
+        """Bind the receiving endpoint; return the address producers pass to connect()."""
+
+    @abstractmethod
+    def connect(self, peer_addr: str, hello: dict) -> dict:
+        """Connect to a consumer and handshake; returns the consumer's reply.
+
+        Raises HandshakeError (consumer's message) on mismatch, PipeTimeout if no reply in
+        config.handshake_timeout. After success, `peer_addr` is the peer name for send_tensor
+        and for the consumer's replies. Connecting again replaces the old connection.
+        """
+
+    @abstractmethod
+    def set_handshake_validator(
+        self, fn: Optional[Callable[[dict], Optional[str]]], info: Optional[dict] = None
+    ) -> None:
+        """Consumer: fn(hello) returns an error string to reject a producer, None to accept.
+
+        `info` (msgpack-able) is sent back in the reply; connect() returns it under "info".
+        """
+
+    @abstractmethod
+    def send_tensor(self, peer: str, header: dict, tensor: Optional[torch.Tensor]) -> Future:
+        """Enqueue and return at once; the future resolves when the tensor's memory may be reused.
+
+        Blocks (at most config.send_timeout, then PipeTimeout) while the bytes in flight would
+        exceed config.max_inflight_bytes. A consumer replies to the peer name recv_tensor gave.
+        """
+
+    @abstractmethod
+    def recv_tensor(self, timeout: float) -> Optional[Message]:
+        """Next (peer, header, tensor-or-None), or None if nothing arrived within timeout."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Idempotent: stop threads, close sockets (bounded linger), fail pending futures."""
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def __enter__(self) -> "KVPipe":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- registry
+
+_REGISTRY: dict[str, type[KVPipe]] = {}
+
+
+def register_pipe(name: str) -> Callable[[type[KVPipe]], type[KVPipe]]:
+    def deco(cls: type[KVPipe]) -> type[KVPipe]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"pipe {name!r} is already registered by {_REGISTRY[name].__name__}")
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def available_pipes() -> list[str]:
+    """Registered names plus `<name>_pipe` modules in this package (imported on first use)."""
+    from connectors import pipes
+
+    found = {m.name[: -len("_pipe")] for m in pkgutil.iter_modules(pipes.__path__)
+             if m.name.endswith("_pipe")}
+    return sorted(found | set(_REGISTRY))
+
+
+def create_pipe(name: str, config: PipeConfig) -> KVPipe:
+    if name not in _REGISTRY and name.isidentifier():
+        # Convention over an if-chain: importing the module runs its @register_pipe.
+        try:
+            importlib.import_module(f"connectors.pipes.{name}_pipe")
+        except ModuleNotFoundError as e:
+            if e.name != f"connectors.pipes.{name}_pipe":
+                raise
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown pipe {name!r}; known pipes: {available_pipes()}")
+    return _REGISTRY[name](config)

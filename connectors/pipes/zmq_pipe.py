@@ -1,0 +1,401 @@
+"""ZMQ pipe: consumer ROUTER (tcp/ipc), one producer DEALER per peer, zero-copy payload frames.
+
+Frame 0 is the msgpack envelope (connectors.pipes.wire), frames 1.. the tensor's raw bytes in
+chunks of at most max_frame_bytes. One I/O thread owns every socket (zmq sockets are not thread
+safe); callers enqueue commands and wake it through an os.pipe. A send's future resolves only
+when zmq has released *every* payload frame (a tracker covers one frame: vLLM #24655).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket as pysocket
+import tempfile
+import threading
+import uuid
+from collections import deque
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import msgpack
+import torch
+import zmq
+
+from connectors.pipes import wire
+from connectors.pipes.base import (HandshakeError, KVPipe, Message, PipeClosed, PipeConfig,
+                                   PipeError, PipeTimeout, register_pipe)
+from connectors.pipes.sync import InflightGate, RecvQueue, ReleaseReaper, settle
+
+log = logging.getLogger(__name__)
+_READ_BURST = 64   # messages read per socket per loop turn, so one peer cannot starve the rest
+
+
+@dataclass(eq=False)
+class _Out:
+    peer: str
+    head: bytes
+    payload: list                  # memoryview chunks of `keep`
+    future: Optional[Future]       # None for internal control messages (hello/ack)
+    charge: int = 0                # bytes counted against the in-flight cap
+    keep: Any = None               # owns the payload memory until zmq releases it
+    tracker: Any = None            # one MessageTracker over all payload frames, once sent
+    started: bool = False
+
+
+def _peer_name(ident: bytes) -> str:
+    """ROUTER identity -> peer name; reversible (raw zmq peers get random binary identities)."""
+    try:
+        name = ident.decode()
+        if not name.startswith("hex:"):
+            return name
+    except UnicodeDecodeError:
+        pass
+    return "hex:" + ident.hex()
+
+
+def _identity(peer: str) -> bytes:
+    return bytes.fromhex(peer[4:]) if peer.startswith("hex:") else peer.encode()
+
+
+@register_pipe("zmq")
+class ZmqPipe(KVPipe):
+    def __init__(self, config: PipeConfig) -> None:
+        super().__init__(config)
+        self._ctx = zmq.Context(io_threads=int(config.extra.get("io_threads", 1)))
+        self._gate = InflightGate(config.max_inflight_bytes)
+        self._rq = RecvQueue(config.max_recv_bytes, self._wake)
+        self._reaper = ReleaseReaper(self._finish, zmq.NotDone)
+        self._cmds: queue.Queue = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._lock = threading.Lock()          # orders close() against enqueues
+        self._closed = False
+        self._stop = threading.Event()
+        self._sleeping = True
+        self._id_base = f"{pysocket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._n_connects = 0
+        self._n = {"sent": 0, "received": 0, "dropped": 0}
+        self._validator: Optional[Callable[[dict], Optional[str]]] = None
+        self._info: dict = {}
+        self._peer_hook: Optional[Callable[[str, dict], None]] = None  # the nccl pipe's hook
+        # Owned by the I/O thread:
+        self._router: Optional[zmq.Socket] = None
+        self._addr: Optional[str] = None
+        self._ipc_path: Optional[str] = None
+        self._dealers: dict[str, zmq.Socket] = {}     # peer address -> socket
+        self._sock_peer: dict[zmq.Socket, str] = {}
+        self._outq: dict[zmq.Socket, deque] = {}     # every socket, with its unsent messages
+        self._pending_hs: dict[str, Future] = {}
+        self._accepted: dict[bytes, dict] = {}        # ROUTER identity -> its hello
+        self._io = threading.Thread(target=self._io_loop, name="zmq-pipe-io", daemon=True)
+        self._io.start()
+
+    # ------------------------------------------------------------------ public API
+    def listen(self) -> str:
+        return self._run_in_io(self._bind)
+
+    def set_handshake_validator(self, fn: Optional[Callable[[dict], Optional[str]]],
+                                info: Optional[dict] = None) -> None:
+        msgpack.packb(info or {}, use_bin_type=True)  # fail here, not in the I/O thread
+        self._validator, self._info = fn, dict(info or {})
+
+    def connect(self, peer_addr: str, hello: dict) -> dict:
+        if not isinstance(hello, dict):
+            raise TypeError("hello must be a dict")
+        with self._lock:
+            self._n_connects += 1
+            ident = f"{self._id_base}-{self._n_connects}".encode()
+        out, hs = _Out(peer_addr, wire.pack("hello", hello), [], None), Future()
+        self._run_in_io(lambda: self._open_dealer(peer_addr, ident, hs, out))
+        try:
+            reply = hs.result(timeout=self.config.handshake_timeout)
+        except FutureTimeout:
+            self._run_in_io(lambda: self._close_dealer(peer_addr, PipeError("handshake timed out")))
+            raise PipeTimeout(f"no handshake reply from {peer_addr} within "
+                              f"{self.config.handshake_timeout}s") from None
+        if not reply.get("ok"):
+            self._run_in_io(lambda: self._close_dealer(peer_addr, PipeError("handshake rejected")))
+            raise HandshakeError(f"{peer_addr} rejected the handshake: {reply.get('error')}")
+        return reply
+
+    def send_tensor(self, peer: str, header: dict, tensor: Optional[torch.Tensor]) -> Future:
+        if not isinstance(header, dict):
+            raise TypeError("header must be a dict")
+        meta, payload, t = None, [], None
+        if tensor is not None:
+            t, meta, payload = wire.cpu_payload(tensor, self.config.max_frame_bytes)
+        head = wire.pack("d", header, meta)   # a non-msgpack header raises TypeError here
+        out = _Out(peer, head, payload, Future(), len(head) + (t.nbytes if t is not None else 0), t)
+        self._gate.acquire(out.charge, self.config.send_timeout)
+        with self._lock:
+            if self._closed:
+                self._gate.release(out.charge)
+                raise PipeClosed("pipe is closed")
+            self._cmds.put(("send", out))
+        self._wake()
+        return out.future
+
+    def recv_tensor(self, timeout: float) -> Optional[Message]:
+        return self._rq.get(timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._gate.close()
+        self._stop.set()
+        self._wake()
+        self._io.join(self.config.linger + 10)
+        self._reaper.stop()
+        if not self._io.is_alive():   # it closed every socket with a bounded linger
+            self._ctx.term()          # returns once zmq has released every message
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        while not self._cmds.empty():
+            cmd = self._cmds.get_nowait()
+            exc = PipeClosed("pipe closed before the message was sent")
+            self._finish(cmd[1], exc) if cmd[0] == "send" else settle(cmd[2], exc)
+        self._reaper.fail_all(PipeClosed("pipe closed before the message was released"))
+        self._rq.close()
+        if self._ipc_path and os.path.exists(self._ipc_path):
+            os.unlink(self._ipc_path)
+
+    def stats(self) -> dict[str, int]:
+        return {"inflight_bytes": self._gate.inflight, "peak_inflight_bytes": self._gate.peak,
+                "recv_queued_bytes": self._rq.nbytes, **self._n}
+
+    # ------------------------------------------------------------ caller -> I/O thread
+    def _wake(self) -> None:
+        if not self._sleeping:
+            return             # the I/O thread is busy and will look at the queues again
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:
+            pass               # pipe full (it is awake anyway) or closed
+
+    def _run_in_io(self, fn: Callable[[], Any]) -> Any:
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise PipeClosed("pipe is closed")
+            self._cmds.put(("call", fn, fut))
+        self._wake()
+        try:
+            return fut.result(timeout=self.config.handshake_timeout)
+        except FutureTimeout:
+            raise PipeTimeout("the pipe's I/O thread did not answer") from None
+
+    def _finish(self, out: _Out, exc: Optional[BaseException]) -> None:
+        self._gate.release(out.charge)
+        out.keep = out.payload = None
+        settle(out.future, exc)
+
+    # ---------------------------------------------------------------- I/O thread
+    def _new_socket(self, kind: int) -> zmq.Socket:
+        s = self._ctx.socket(kind)
+        s.setsockopt(zmq.SNDHWM, self.config.hwm)
+        s.setsockopt(zmq.RCVHWM, self.config.hwm)
+        s.setsockopt(zmq.LINGER, int(self.config.linger * 1000))
+        s.setsockopt(zmq.SNDTIMEO, int(self.config.send_timeout * 1000))  # bounds any blocking
+        self._outq[s] = deque()
+        return s
+
+    def _bind(self) -> str:
+        if self._router is not None:
+            return self._addr
+        s = self._new_socket(zmq.ROUTER)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a reply to an unknown peer fails, not vanishes
+        c = self.config
+        if c.transport == "tcp":
+            s.bind(f"tcp://{c.host}:{c.port or '*'}")
+            addr = s.getsockopt_string(zmq.LAST_ENDPOINT)
+            if c.advertise_host:
+                addr = f"tcp://{c.advertise_host}:{addr.rsplit(':', 1)[1]}"
+        else:
+            self._ipc_path = os.path.join(c.ipc_dir or tempfile.gettempdir(),
+                                          f"pd-pipe-{os.getpid()}-{uuid.uuid4().hex[:12]}.sock")
+            addr = f"ipc://{self._ipc_path}"
+            s.bind(addr)
+        self._router, self._addr = s, addr
+        return addr
+
+    def _open_dealer(self, peer: str, ident: bytes, hs: Future, hello: _Out) -> None:
+        self._close_dealer(peer, PipeError("reconnected"))
+        s = self._new_socket(zmq.DEALER)
+        s.setsockopt(zmq.ROUTING_ID, ident)
+        s.connect(peer)
+        self._dealers[peer], self._sock_peer[s] = s, peer
+        self._pending_hs[peer] = hs
+        self._outq[s].append(hello)
+
+    def _close_dealer(self, peer: str, exc: BaseException) -> None:
+        s = self._dealers.pop(peer, None)
+        if s is not None:
+            del self._sock_peer[s]
+            for out in self._outq.pop(s):
+                self._finish(out, exc)
+            settle(self._pending_hs.pop(peer, None), exc)
+            s.close(linger=0)
+
+    def _io_loop(self) -> None:
+        poller, polled = zmq.Poller(), set()
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                # Callers write to the wake pipe only while this is set; `full` and the command
+                # queue are read after setting it, so no wake-up can be missed.
+                self._sleeping = True
+                want = set() if self._rq.full else set(self._outq)  # full: stop reading
+                for s in polled - want:
+                    poller.unregister(s)
+                for s in want - polled:
+                    poller.register(s, zmq.POLLIN)
+                polled = want
+                # Sends refused at HWM are retried on a short timer (ROUTER is always POLLOUT).
+                timeout = 0 if not self._cmds.empty() else 1 if any(self._outq.values()) else 100
+                events = dict(poller.poll(timeout))
+                self._sleeping = False
+                if self._wake_r in events:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                self._drain_cmds()
+                for s in events:
+                    if s in self._outq:
+                        self._read(s)
+                for s in list(self._outq):
+                    self._flush(s)
+        except Exception:
+            log.exception("zmq pipe I/O thread crashed")
+        finally:
+            self._stop.set()
+            for s, q in self._outq.items():
+                for out in q:
+                    self._finish(out, PipeClosed("pipe closed before the message was sent"))
+                s.close(linger=int(self.config.linger * 1000))
+            self._outq.clear()
+            for hs in self._pending_hs.values():
+                settle(hs, PipeClosed("pipe is closed"))
+
+    def _drain_cmds(self) -> None:
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "call":
+                try:
+                    cmd[2].set_result(cmd[1]())
+                except BaseException as e:  # re-raised in the calling thread
+                    cmd[2].set_exception(e)
+                continue
+            out: _Out = cmd[1]
+            s = self._dealers.get(out.peer, self._router)
+            if s is None:
+                self._finish(out, PipeError(f"unknown peer {out.peer!r}: not connected"))
+            else:
+                self._outq[s].append(out)
+
+    def _flush(self, s: zmq.Socket) -> None:
+        q = self._outq[s]
+        while q:
+            out = q[0]
+            if not out.started:
+                out.started = True
+                if out.future is not None and not out.future.set_running_or_notify_cancel():
+                    q.popleft()
+                    self._finish(out, None)    # cancelled before it was sent
+                    continue
+            frames = [out.head] + out.payload
+            if s is self._router:
+                frames.insert(0, _identity(out.peer))
+            try:   # only a message's first frame can be refused: zmq's HWM counts messages
+                s.send(frames[0], zmq.NOBLOCK | (zmq.SNDMORE if len(frames) > 1 else 0))
+            except zmq.Again:
+                return                         # retried next turn
+            except zmq.ZMQError as e:
+                q.popleft()
+                why = "unknown or disconnected peer" if e.errno == zmq.EHOSTUNREACH else e
+                self._finish(out, PipeError(f"send to {out.peer!r} failed: {why}"))
+                continue
+            q.popleft()
+            try:
+                trackers = [s.send(f, zmq.SNDMORE if i < len(frames) - 1 else 0, copy=False,
+                                   track=True) for i, f in enumerate(frames) if i]
+            except zmq.ZMQError as e:          # SNDTIMEO mid-message: bounded, should not happen
+                log.error("zmq pipe: send to %r failed mid-message: %s", out.peer, e)
+                self._finish(out, PipeError(f"send to {out.peer!r} failed mid-message: {e}"))
+                continue
+            self._n["sent"] += out.future is not None
+            pending = [t for t in trackers if not t.done]  # frames < 64 KiB were copied: done
+            if pending:
+                out.tracker = zmq.MessageTracker(*pending)
+                self._reaper.add(out)
+            else:
+                self._finish(out, None)
+
+    def _read(self, s: zmq.Socket) -> None:
+        for _ in range(_READ_BURST):
+            if self._rq.full:
+                return
+            try:
+                frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            ident = None
+            if s is self._router:
+                ident, frames = frames[0].bytes, frames[1:]
+                peer = _peer_name(ident)
+            else:
+                peer = self._sock_peer[s]
+            try:
+                self._handle(ident, peer, frames)
+            except Exception as e:   # whatever a peer sends, the I/O thread keeps serving
+                self._n["dropped"] += 1
+                log.warning("zmq pipe: dropped a message from %r: %s", peer, e,
+                            exc_info=not isinstance(e, wire.Malformed))
+
+    def _handle(self, ident: Optional[bytes], peer: str, frames: list) -> None:
+        if not frames:
+            raise wire.Malformed("empty message")
+        kind, body, meta = wire.unpack(frames[0].bytes)
+        if kind == "hello" and ident is not None:
+            return self._on_hello(ident, peer, body)
+        if kind == "ack" and ident is None:
+            hs = self._pending_hs.pop(peer, None)
+            if hs is not None and not hs.done():   # a late ack after a timeout is ignored
+                hs.set_result(body)
+            return None
+        if kind != "d":
+            raise wire.Malformed(f"unexpected {kind!r} message")
+        if ident is not None and ident not in self._accepted:
+            raise wire.Malformed("data before a successful handshake")
+        tensor = wire.tensor_from_buffers(meta, frames[1:])
+        self._rq.put((peer, body, tensor), len(frames[0]) + (tensor.nbytes if tensor is not None
+                                                            else 0))
+        self._n["received"] += 1
+        return None
+
+    def _on_hello(self, ident: bytes, peer: str, hello: dict) -> None:
+        err = None
+        try:
+            if self._validator is not None:
+                err = self._validator(hello)
+            if err is None and self._peer_hook is not None:
+                self._peer_hook(peer, hello)
+        except Exception as e:
+            err = f"handshake check raised {e!r}"
+        if err is None:
+            self._accepted[ident] = hello
+            reply = {"ok": True, "identity": peer, "info": self._info}
+        else:
+            self._accepted.pop(ident, None)
+            reply = {"ok": False, "error": str(err)}
+            log.warning("zmq pipe: rejected the handshake of %r: %s", peer, err)
+        self._outq[self._router].append(_Out(peer, wire.pack("ack", reply), [], None))
