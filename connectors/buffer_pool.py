@@ -37,3 +37,14 @@ class BufferPool:
                 return
             self._free[key].append(buf)
             self._idle_bytes += buf.nbytes
+
+
+def gather_blocks(kv_layer: torch.Tensor, block_ids: tuple[int, ...], out: torch.Tensor) -> None:
+    """Triton kernel on CUDA, plain torch elsewhere (never the Triton interpreter)."""
+    from kernels.block_copy import gather_kv_blocks, gather_kv_blocks_torch
+    (gather_kv_blocks if kv_layer.is_cuda else gather_kv_blocks_torch)(kv_layer, block_ids, out=out)
+
+
+def scatter_blocks(buffer: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> None:
+    from kernels.block_copy import scatter_kv_blocks, scatter_kv_blocks_torch
+    (scatter_kv_blocks if kv_layer.is_cuda else scatter_kv_blocks_torch)(buffer, kv_layer, block_ids)

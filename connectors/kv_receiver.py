@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from connectors.metadata import FinHeader, KVLayerHeader, RecvSpec
-from kernels.block_copy import scatter_kv_blocks
+from connectors.buffer_pool import scatter_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class KVReceiver:
             raise ValueError(f"blocks from {header.first_block} are past the prompt")
         # Trailing blocks past the prompt (never sent in practice) are ignored.
         count = end - header.first_block
-        scatter_kv_blocks(tensor[:, :count], cache, state.block_index[header.first_block:end])
+        scatter_blocks(tensor[:, :count], cache, state.block_index[header.first_block:end])
         state.received[header.layer].update(range(header.first_block, end))
         self.bytes_received += tensor.nbytes
         if state.first_layer_time is None:

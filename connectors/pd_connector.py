@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from connectors.base import KVConnectorBase_Worker
-from connectors.buffer_pool import BufferPool
+from connectors.buffer_pool import BufferPool, gather_blocks
 from connectors.config import KVTransferConfig
 from connectors.factory import ConnectorPair, register_connector
 from connectors.kv_receiver import KVReceiver
@@ -28,7 +28,6 @@ from connectors.metadata import (AckHeader, FinHeader, KVConnectorMetadata, KVLa
                                  decode_header, encode_header)
 from connectors.pd_scheduler import PDConnectorScheduler
 from connectors.pipes.base import HandshakeError, PipeConfig, PipeError, create_pipe
-from kernels.block_copy import gather_kv_blocks
 
 logger = logging.getLogger(__name__)
 _HANDSHAKE_KEYS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
@@ -135,7 +134,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             # while the message is on the wire, and reused buffers avoid page faults.
             payload = self._buffers.acquire((2, len(spec.block_ids), *kv_layer.shape[2:]),
                                             kv_layer.dtype, kv_layer.device)
-            gather_kv_blocks(kv_layer, spec.block_ids, out=payload)
+            gather_blocks(kv_layer, spec.block_ids, payload)
             if payload.device.type != "cpu" and self.config.pipe != "nccl":
                 payload = payload.to("cpu")
             header = encode_header(KVLayerHeader(spec.request_id, layer, spec.first_block))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -117,6 +118,9 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
+        if not sched_out.scheduled and self.runner.connector is not None:
+            # Only waiting on transfers (KV arriving, ACKs): don't spin a core meanwhile.
+            time.sleep(0.001)
         result = self.runner.execute(sched_out)
         updated = self.scheduler.update_from_output(sched_out, result)
         outputs, to_finish = self.outputs.process(updated)
