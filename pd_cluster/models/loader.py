@@ -85,6 +85,26 @@ def model_args_from_config(cfg: dict[str, Any]) -> ModelArgs:
     return _ARCHITECTURES[supported[0]](cfg)
 
 
+# Fused module -> the HF modules concatenated (in this order) along the output dim.
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename HF q/k/v and gate/up weights (and biases) into our fused modules."""
+    out = dict(state)
+    for key in list(state):
+        for fused, parts in _FUSED.items():
+            marker = f".{parts[0]}."
+            if marker not in key:
+                continue
+            prefix, suffix = key.split(marker)
+            names = [f"{prefix}.{p}.{suffix}" for p in parts]
+            if all(n in out for n in names):
+                out[f"{prefix}.{fused}.{suffix}"] = torch.cat([out.pop(n) for n in names])
+    return out
+
+
 def load_model(model_dir: str, cfg: dict[str, Any], dtype: torch.dtype,
                device: torch.device) -> nn.Module:
     args = model_args_from_config(cfg)
@@ -98,6 +118,7 @@ def load_model(model_dir: str, cfg: dict[str, Any], dtype: torch.dtype,
         state.update(load_file(str(f)))
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    state = fuse_projections(state)
     expected = {k for k in model.state_dict() if not (args.tie_word_embeddings and k == "lm_head.weight")}
     missing, unexpected = expected - set(state), set(state) - expected
     unexpected = {k for k in unexpected if "rotary_emb" not in k}
