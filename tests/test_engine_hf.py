@@ -183,3 +183,19 @@ def test_rope_scaling_is_rejected(tiny_model, tmp_path, key: str) -> None:
     bad = edit_config(src, tmp_path / key, **{key: value})
     with pytest.raises(ValueError, match="linear"):
         LLM(model=bad)
+
+
+requires_cuda = pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (Triton backend)")
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("spec", ["llama-gqa", "qwen2-mqa-tied", "mistral-mha-headdim8"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_triton_backend_matches_hf_on_cuda(tiny_model, spec: str, block_size: int) -> None:
+    """The engine's default CUDA path (Triton kernels) in fp32, against HF on the CPU."""
+    model_dir = tiny_model(**MODEL_SPECS[spec])
+    generate_and_check(model_dir, prompts_of(PROMPT_LENS), block_size=block_size,
+                       device="cuda", dtype="float32", attention_backend="triton",
+                       max_num_batched_tokens=64)
