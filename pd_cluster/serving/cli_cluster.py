@@ -1,0 +1,214 @@
+"""`pd-cluster launch | status | stop`."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from pd_cluster.serving.cluster_config import (ClusterConfig, load_config, parse_overrides)
+from pd_cluster.serving.schema import set_path
+
+_DEFAULT_NAMESPACE = "pd-cluster"
+
+
+def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="start a P/D cluster (engines + OpenAI proxy) on Ray")
+    p.add_argument("--config", required=True, help="cluster YAML (see configs/)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join (default: RAY_ADDRESS, the config's ray.address, "
+                        "else start a local instance)")
+    p.add_argument("--detach", action="store_true",
+                   help="leave the cluster running and exit (stop it with `pd-cluster stop`)")
+    p.add_argument("--host", default=None, help="override proxy.host")
+    p.add_argument("--port", type=int, default=None, help="override proxy.port (0: any free)")
+    p.add_argument("--namespace", default=None, help="override ray.namespace")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config key, e.g. --set decode.replicas=2 (repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no per-engine progress lines")
+    p.set_defaults(run=run_launch)
+
+    s = sub.add_parser("status", help="engines, health and load of a running cluster")
+    _add_target_args(s)
+    s.add_argument("--url", default=None, help="proxy URL (default: from the launch record)")
+    s.add_argument("--json", action="store_true", help="print the raw status JSON")
+    s.set_defaults(run=run_status)
+
+    t = sub.add_parser("stop", help="stop a cluster started with `pd-cluster launch`")
+    _add_target_args(t)
+    t.add_argument("--address", default=None, help="Ray address (default: the launch record)")
+    t.set_defaults(run=run_stop)
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--namespace", default=None, help=f"default: {_DEFAULT_NAMESPACE}")
+    p.add_argument("--config", default=None, help="take the namespace from this config")
+
+
+def _namespace(args: argparse.Namespace) -> str:
+    if args.namespace:
+        return args.namespace
+    if args.config:
+        return load_config(args.config).ray.namespace
+    return _DEFAULT_NAMESPACE
+
+
+def _config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    overrides = parse_overrides(args.set)
+    for key, value in (("proxy.host", args.host), ("proxy.port", args.port),
+                       ("ray.namespace", args.namespace)):
+        if value is not None:
+            set_path(overrides, key, value)
+    return load_config(args.config, overrides)
+
+
+# ---- launch ---------------------------------------------------------------------------------
+def run_launch(args: argparse.Namespace) -> int:
+    from pd_cluster.serving.launcher import ClusterState, launch
+    from pd_cluster.serving.ray_runtime import pid_alive, resolve_address
+
+    cfg = _config_from_args(args)
+    old = ClusterState.load(cfg.ray.namespace)
+    if old is not None and old.launcher_pid != os.getpid() and (
+            pid_alive(old.launcher_pid) if not old.detached
+            else old.head_pid is None or pid_alive(old.head_pid)):
+        print(f"error: a cluster is already running in namespace {cfg.ray.namespace!r} "
+              f"({old.url}); `pd-cluster stop --namespace {cfg.ray.namespace}` first, or "
+              f"use --namespace", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+
+    def on_term(signum: int, _frame: Any) -> None:
+        if _launched:
+            stop.set()  # repeated signals while shutting down are ignored: cleanup is bounded
+        else:  # still starting up: unwind through launch()'s cleanup
+            raise KeyboardInterrupt
+
+    _launched = False
+    signal.signal(signal.SIGTERM, on_term)
+    address = resolve_address(args.address, cfg.ray.address)
+    print(f"launching {cfg.mode} cluster: {_describe(cfg)}; model {cfg.model_name}; "
+          f"Ray {'at ' + address if address else 'local'}", flush=True)
+    try:
+        cluster = launch(cfg, address=address, detach=args.detach,
+                         progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print("interrupted; cleaned up", file=sys.stderr)
+        return 130
+    print(f"pd-cluster serving on {cluster.url}  (OpenAI base_url: {cluster.url}/v1)", flush=True)
+    if args.detach:
+        print(f"detached; `pd-cluster status --namespace {cluster.namespace}` / "
+              f"`pd-cluster stop --namespace {cluster.namespace}`", flush=True)
+        cluster.runtime.disconnect()  # detached actors (and a started head) live on
+        return 0
+    _launched = True
+    signal.signal(signal.SIGINT, on_term)
+    signal.signal(signal.SIGTERM, on_term)  # ray.init installed its own (noisy) one meanwhile
+    print("press Ctrl-C to stop", flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        print("shutting down ...", flush=True)
+        t0 = time.monotonic()
+        cluster.shutdown()
+        print(f"stopped in {time.monotonic() - t0:.1f}s", flush=True)
+    return 0
+
+
+def _describe(cfg: ClusterConfig) -> str:
+    return ", ".join(f"{rc.replicas}x {role}" for role, rc in cfg.roles.items())
+
+
+# ---- status ---------------------------------------------------------------------------------
+def run_status(args: argparse.Namespace) -> int:
+    import logging
+
+    import httpx
+
+    from pd_cluster.serving.launcher import ClusterState
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no per-request INFO lines here
+    ns = _namespace(args)
+    url = args.url
+    if url is None:
+        st = ClusterState.load(ns)
+        if st is None:
+            print(f"no cluster launched in namespace {ns!r} (no launch record); pass --url",
+                  file=sys.stderr)
+            return 1
+        url = st.url
+    try:
+        body = httpx.get(f"{url}/cluster/status", timeout=30.0).json()
+    except (httpx.HTTPError, ValueError) as e:
+        print(f"cluster at {url} is not reachable: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0
+    print(f"{body['mode']} cluster serving {body['model']} at {url}; "
+          f"{body['inflight']} request(s) in flight")
+    cols = ("ENGINE", "ROLE", "HEALTH", "RUNNING", "WAITING", "KV_USED", "KV_FREE", "INFLIGHT",
+            "RESTARTS", "PID")
+    rows = [cols]
+    for e in body["engines"]:
+        s = e.get("stats", {})
+        rows.append((e["name"], e["role"], "ok" if e["healthy"] else "UNHEALTHY",
+                     s.get("num_running", "?"), s.get("num_waiting", "?"),
+                     s.get("kv_blocks_used", "?"), s.get("kv_blocks_free", "?"), e["inflight"],
+                     e["restarts"], e["pid"]))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(cols))]
+    for r in rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+    return 0
+
+
+# ---- stop -----------------------------------------------------------------------------------
+def run_stop(args: argparse.Namespace) -> int:
+    import ray
+
+    from pd_cluster.serving.launcher import PROXY_NAME, ClusterState, kill_actors
+    from pd_cluster.serving.ray_runtime import connect, pid_alive, stop_head
+
+    ns = _namespace(args)
+    st = ClusterState.load(ns)
+    if st is not None and not st.detached and pid_alive(st.launcher_pid):
+        os.kill(st.launcher_pid, signal.SIGTERM)  # a foreground launcher cleans up itself
+        deadline = time.monotonic() + 60
+        while pid_alive(st.launcher_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        print(f"stopped the launcher (pid {st.launcher_pid})")
+        return 0 if not pid_alive(st.launcher_pid) else 1
+    if st is not None and not args.address and (
+            not st.detached or (st.head_pid and not pid_alive(st.head_pid))):
+        st.remove()  # its launcher or its own Ray head is gone, and the cluster with it
+        print(f"the cluster in namespace {ns!r} is no longer running; removed its record")
+        return 0
+    address = args.address or (st.address if st else None)
+    if address is None:
+        print(f"no cluster launched in namespace {ns!r}; pass --address", file=sys.stderr)
+        return 1
+    try:
+        connect(address, ns)
+    except Exception as e:  # noqa: BLE001 - unreachable Ray: say so, no traceback
+        print(f"cannot reach Ray at {address}: {e}", file=sys.stderr)
+        return 1
+    try:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == ns]
+        handles = {n: ray.get_actor(n, namespace=ns) for n in names}
+        proxy = handles.pop(PROXY_NAME, None)
+        kill_actors(proxy, list(handles.values()))
+        print(f"killed {len(names)} actor(s) in namespace {ns!r}")
+    finally:
+        ray.shutdown()
+    if st is not None:
+        if st.head_pid and pid_alive(st.head_pid):
+            stop_head(st.head_pid, st.address)
+            print(f"stopped the local Ray head (pid {st.head_pid})")
+        st.remove()
+    return 0

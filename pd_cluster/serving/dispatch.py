@@ -1,0 +1,246 @@
+"""Runs one request on the engines: P and D in parallel (or one colocated engine), with retries.
+
+The client sees a single stream. The first token comes from whichever leg delivers it first
+(normally P: max_tokens=1, then it ships the KV to D); everything after it comes from D, by
+diffing D's cumulative text/token_ids against what was already sent. An engine failure before
+anything was sent retries on another pair; after that the stream ends with an error.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.serving.engine_pool import EnginePool, EngineState, NoHealthyEngine
+from pd_cluster.serving.errors import APIError, internal_error, invalid_request, timeout_error
+from pd_cluster.serving.messages import (ERROR_INVALID_REQUEST, ERROR_TIMEOUT, ROLE_COLOCATED,
+                                         ROLE_DECODE, ROLE_PREFILL, EngineDelta, EngineRequest)
+from pd_cluster.serving.metrics import ProxyMetrics
+
+logger = logging.getLogger(__name__)
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class GenerateJob:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    deadline: float  # time.monotonic() bound for the whole request
+
+
+@dataclass
+class StreamEvent:
+    text: str  # new text since the previous event
+    token_ids: list[int]  # new token ids since the previous event
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class EngineFailed(Exception):
+    def __init__(self, engine: EngineState, message: str, dead: bool):
+        super().__init__(f"{engine.name}: {message}")
+        self.engine, self.dead = engine, dead
+
+
+@dataclass
+class _Leg:
+    engine: EngineState
+    request: EngineRequest
+    work: int
+    final: bool  # its finish ends the request (D, or the only engine)
+    finished: bool = False
+
+
+@dataclass
+class _Sent:
+    """What the client has been sent so far (across retries nothing is sent twice)."""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    first_from_prefill: bool = False  # the first token came from P: check D agrees
+
+    @property
+    def any(self) -> bool:
+        return bool(self.token_ids or self.text)
+
+
+class Dispatcher:
+    def __init__(self, pool: EnginePool, mode: str, metrics: ProxyMetrics, max_retries: int):
+        self.pool, self.mode, self.metrics, self.max_retries = pool, mode, metrics, max_retries
+
+    async def stream(self, job: GenerateJob) -> AsyncIterator[StreamEvent]:
+        sent = _Sent()
+        excluded: set[str] = set()
+        for attempt in range(self.max_retries + 1):
+            try:
+                legs = self._plan(job, excluded)
+            except NoHealthyEngine as e:
+                raise APIError(503, str(e), "service_unavailable") from None
+            try:
+                async for event in self._run(job, legs, sent):
+                    yield event
+                return
+            except EngineFailed as e:
+                self.pool.mark_failed(e.engine, str(e), dead=e.dead)
+                excluded.add(e.engine.name)
+                if sent.any or attempt == self.max_retries or time.monotonic() >= job.deadline:
+                    raise internal_error(f"engine failure: {e}", status=502) from None
+                self.metrics.retries.inc()
+                logger.warning("%s: retrying on another engine after: %s", job.request_id, e)
+
+    # ---- plan: which engines, with which instructions -------------------------------------
+    def _plan(self, job: GenerateJob, excluded: set[str]) -> list[_Leg]:
+        n_prompt = len(job.prompt_token_ids)
+        max_tokens = job.params.max_tokens or 1
+        base = dict(request_id=job.request_id, prompt_token_ids=job.prompt_token_ids,
+                    timeout=max(1.0, job.deadline - time.monotonic()))
+        if self.mode == "colocated":
+            e = self.pool.pick(ROLE_COLOCATED, excluded)
+            return [_Leg(e, EngineRequest(params=job.params.to_dict(), **base),
+                         n_prompt + max_tokens, final=True)]
+        p = self.pool.pick(ROLE_PREFILL, excluded)
+        if max_tokens == 1:  # P alone computes the whole answer: no KV to ship
+            return [_Leg(p, EngineRequest(params=job.params.to_dict(), **base), n_prompt,
+                         final=True)]
+        d = self.pool.pick(ROLE_DECODE, excluded)
+        p_params = job.params.to_dict()
+        # min_tokens stays <= 1 so P masks EOS for token 1 exactly when D would.
+        p_params.update(max_tokens=1, min_tokens=min(job.params.min_tokens, 1))
+        d_kv: dict[str, Any] | None = None
+        p_kv: dict[str, Any] | None = None
+        if d.kv_endpoint:  # no endpoint: no connector, D prefills by itself
+            d_kv = {"do_remote_prefill": True}
+            p_kv = {"do_remote_decode": True, "remote_kv_addr": d.kv_endpoint}
+        return [_Leg(d, EngineRequest(params=job.params.to_dict(), kv_transfer_params=d_kv,
+                                      **base), max_tokens + 1, final=True),
+                _Leg(p, EngineRequest(params=p_params, kv_transfer_params=p_kv, **base),
+                     n_prompt, final=False)]
+
+    # ---- one attempt -----------------------------------------------------------------------
+    async def _run(self, job: GenerateJob, legs: list[_Leg], sent: _Sent
+                   ) -> AsyncIterator[StreamEvent]:
+        q: asyncio.Queue[tuple[_Leg, EngineDelta | None, Exception | None]] = asyncio.Queue()
+        for leg in legs:
+            self.pool.acquire(leg.engine, leg.work)
+        tasks = [asyncio.create_task(self._pump(leg, q, job.deadline)) for leg in legs]
+        try:
+            while True:
+                try:
+                    leg, delta, failure = await _get(q, job.deadline)
+                except asyncio.TimeoutError:
+                    raise timeout_error("request timed out waiting for the engines") from None
+                if failure is not None:
+                    if isinstance(failure, APIError) or leg.final or not sent.any:
+                        raise failure
+                    continue  # P failed after its token went out: D prefills by itself
+                assert delta is not None
+                if delta.error:
+                    self._raise_for(leg, delta, sent)
+                event = self._advance(leg, delta, job, sent)
+                if event is not None:
+                    self.metrics.proxy_overhead.observe(max(time.time() - delta.emit_time, 0.0))
+                    yield event
+                    if event.finish_reason is not None:
+                        return
+        finally:
+            for t in tasks:
+                t.cancel()
+            for leg in legs:
+                self.pool.release(leg.engine, leg.work)
+                if not leg.finished:  # abort on every engine still holding the request
+                    asyncio.ensure_future(_quietly(leg.engine.handle.abort.remote(
+                        [job.request_id])))
+
+    def _advance(self, leg: _Leg, d: EngineDelta, job: GenerateJob, sent: _Sent
+                 ) -> StreamEvent | None:
+        if not leg.final:
+            if sent.any:
+                return None  # D got there first: P's token only matters for the KV it ships
+            done = d.finished and d.finish_reason == "stop" and job.params.min_tokens <= 1
+            if d.finished and not done and d.finish_reason != "length":
+                return None  # P stopped under a larger min_tokens: D has the real answer
+            sent.first_from_prefill = True
+        else:
+            done = d.finished
+            if sent.first_from_prefill and d.token_ids:
+                sent.first_from_prefill = False  # compare once: D must continue P's token
+                if d.token_ids[0] != sent.token_ids[0]:
+                    self.metrics.first_token_mismatch.inc()
+                    logger.warning("%s: D's first token %d != P's %d", job.request_id,
+                                   d.token_ids[0], sent.token_ids[0])
+        new_tokens = d.token_ids[len(sent.token_ids):]
+        text = d.text
+        if not done and job.params.stop:
+            # Hold back what could be the start of a stop string: once sent, text cannot be
+            # taken back if the engine later truncates it at the match (as vLLM does).
+            text = text[:max(len(text) - (job.params.max_stop_len - 1), len(sent.text))]
+        if not leg.final and not done and _REPLACEMENT_CHAR in text:
+            new_text = ""  # P flushed a partial character; D's text will carry it whole
+        else:
+            new_text = text[len(sent.text):]
+        if not new_tokens and not new_text and not done:
+            return None
+        sent.token_ids.extend(new_tokens)
+        sent.text += new_text
+        reason = (d.finish_reason or "stop") if done else None
+        return StreamEvent(new_text, new_tokens, reason, d.num_prompt_tokens, d.num_cached_tokens)
+
+    def _raise_for(self, leg: _Leg, d: EngineDelta, sent: _Sent) -> None:
+        if d.error_type == ERROR_INVALID_REQUEST:  # the request's fault: engine stays healthy
+            raise invalid_request(d.error or "invalid request")
+        if d.error_type == ERROR_TIMEOUT:
+            raise timeout_error(f"{leg.engine.name}: {d.error}")
+        raise EngineFailed(leg.engine, d.error or "engine error", dead=False)
+
+    async def _pump(self, leg: _Leg, q: asyncio.Queue, deadline: float) -> None:
+        """Feed one engine's stream into the shared queue; every outcome becomes an item."""
+        try:  # one bound for the whole stream (not a wait_for task per item: the hot path)
+            await asyncio.wait_for(self._pump_items(leg, q),
+                                   max(deadline - time.monotonic(), 0.001))
+        except asyncio.CancelledError:
+            raise
+        except asyncio.TimeoutError:
+            q.put_nowait((leg, None, timeout_error(f"{leg.engine.name}: no output in time")))
+        except StopAsyncIteration:
+            q.put_nowait((leg, None, EngineFailed(leg.engine, "stream ended early", dead=False)))
+        except Exception as e:  # noqa: BLE001 - classified: actor death vs anything else
+            q.put_nowait((leg, None, EngineFailed(leg.engine, f"{type(e).__name__}: {e}",
+                                                  dead=_is_actor_death(e))))
+
+    @staticmethod
+    async def _pump_items(leg: _Leg, q: asyncio.Queue) -> None:
+        gen = leg.engine.handle.generate.options(num_returns="streaming").remote(
+            leg.request.to_dict())
+        while True:
+            delta = EngineDelta.from_dict(await (await gen.__anext__()))
+            leg.finished = delta.finished
+            q.put_nowait((leg, delta, None))
+            if delta.finished:
+                return
+
+
+async def _get(q: asyncio.Queue, deadline: float) -> Any:
+    if _timeout_at is not None:  # Python 3.11+: a cheap deadline, no extra task per item
+        async with _timeout_at(deadline):
+            return await q.get()
+    return await asyncio.wait_for(q.get(), max(deadline - time.monotonic(), 0.001))
+
+
+_timeout_at = getattr(asyncio, "timeout_at", None)  # loop.time() is time.monotonic()
+
+
+def _is_actor_death(e: BaseException) -> bool:
+    import ray.exceptions
+    return isinstance(e, ray.exceptions.RayActorError)
+
+
+async def _quietly(ref: Any, timeout: float = 10.0) -> None:
+    # An abort sent to a dead or restarting actor fails; nobody needs its result.
+    try:
+        await asyncio.wait_for(ref, timeout)
+    except Exception:  # noqa: BLE001 - best effort only
+        pass

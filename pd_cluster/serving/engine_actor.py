@@ -1,0 +1,167 @@
+"""A prefill, decode or colocated engine as a Ray actor.
+
+The actor is async: its event loop serves many concurrent request streams (Ray streaming
+generators) and health checks, while the engine itself runs on the EngineLoop thread. Outputs
+cross from that thread to the event loop with ``call_soon_threadsafe`` and fan out to one
+asyncio queue per request. Every wait is bounded by the request's timeout.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import threading
+import uuid
+from typing import Any, AsyncIterator
+
+from pd_cluster.serving.engine_loop import EngineLoop
+from pd_cluster.serving.messages import (ERROR_ENGINE, ERROR_TIMEOUT, EngineDelta, EngineInfo,
+                                         EngineRequest, EngineSpec)
+
+logger = logging.getLogger(__name__)
+
+_SWITCH_INTERVAL = 0.0005  # s
+_FATAL_EXIT_DELAY = 1.0  # s: let the error deltas reach the proxy before the process exits
+
+
+class EngineActor:
+    def __init__(self, spec: dict[str, Any]):
+        import ray
+        import torch
+
+        from pd_cluster.config import EngineConfig
+        from pd_cluster.engine.llm_engine import LLMEngine
+        from pd_cluster.serving.cluster_config import resolve_model
+
+        self.spec = EngineSpec.from_dict(spec)
+        # The engine thread holds the GIL for most of a (small-model) step; a short switch
+        # interval bounds how long the event loop waits to stream outputs (default: 5 ms).
+        sys.setswitchinterval(_SWITCH_INTERVAL)
+        threads = max(1, int(self.spec.num_cpus))
+        torch.set_num_threads(threads)  # tiny models on a shared CPU: more threads = slower
+        config = EngineConfig.from_kwargs(resolve_model(self.spec.model), **self.spec.engine_args)
+        self.engine = LLMEngine(config)
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.node_ip = ray.util.get_node_ip_address()
+        self.kv_endpoint: str | None = getattr(self.engine, "kv_endpoint", lambda: None)()
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, asyncio.Queue[EngineDelta]] = {}
+        self._pending: list[EngineDelta] = []  # emitted before the event loop was known
+        self._lock = threading.Lock()
+        self.loop = EngineLoop(self.engine, self._emit_threadsafe, self._on_fatal, threads)
+        self.loop.start()
+        logger.info("%s ready (kv endpoint %s)", self.spec.name, self.kv_endpoint)
+
+    # ---- info / health -------------------------------------------------------------------
+    def _info(self) -> EngineInfo:
+        return EngineInfo(name=self.spec.name, role=self.spec.role, incarnation=self.incarnation,
+                          pid=os.getpid(), node_ip=self.node_ip,
+                          kv_endpoint=self.kv_endpoint, max_model_len=self.engine.max_model_len,
+                          stats=dict(self.loop.snapshot))
+
+    async def ready(self) -> dict[str, Any]:
+        self._bind_loop()
+        return self._info().to_dict()
+
+    async def health(self) -> dict[str, Any]:
+        self._bind_loop()
+        if not self.loop.alive:
+            raise RuntimeError(f"{self.spec.name}: engine loop is down ({self.loop.error!r})")
+        return self._info().to_dict()
+
+    async def stats(self) -> dict[str, Any]:
+        return dict(self.loop.snapshot)
+
+    async def check_no_leaks(self, timeout: float = 10.0) -> str | None:
+        """None when no request and no KV block is held; otherwise what is left."""
+        fut = self.loop.call(lambda engine: engine.check_no_leaks())
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+        except AssertionError as e:
+            return str(e)
+        return None
+
+    # ---- requests ------------------------------------------------------------------------
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream EngineDelta dicts (cumulative output, coalesced) until the request finishes."""
+        self._bind_loop()
+        req = EngineRequest.from_dict(request)
+        rid = req.request_id
+        q: asyncio.Queue[EngineDelta] = asyncio.Queue()
+        if not self.loop.alive:  # fail fast: a restart is coming (see _on_fatal)
+            yield EngineDelta(rid, finished=True, error=f"engine loop is down: "
+                              f"{self.loop.error!r}", error_type=ERROR_ENGINE).to_dict()
+            return
+        if rid in self._streams:
+            yield EngineDelta(rid, finished=True, error=f"request_id {rid!r} is already in use",
+                              error_type="invalid_request").to_dict()
+            return
+        self._streams[rid] = q
+        finished = False
+        self.loop.submit(req)
+        try:
+            while True:
+                try:
+                    delta = await asyncio.wait_for(q.get(), timeout=req.timeout)
+                except asyncio.TimeoutError:
+                    yield EngineDelta(rid, finished=True, finish_reason="abort",
+                                      error=f"no output for {req.timeout:.0f}s",
+                                      error_type=ERROR_TIMEOUT).to_dict()
+                    return
+                while not delta.finished and not q.empty():  # cumulative: newest wins
+                    delta = q.get_nowait()
+                finished = delta.finished
+                yield delta.to_dict()
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:  # consumer went away (cancelled, disconnected): free the engine
+                self.loop.abort([rid])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self.loop.abort(request_ids)
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread and close the connector (before the actor is killed)."""
+        self.loop.stop(timeout=5.0)
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    # ---- engine thread -> event loop -------------------------------------------------------
+    def _bind_loop(self) -> None:
+        if self._aio is None:
+            with self._lock:
+                self._aio = asyncio.get_running_loop()
+                pending, self._pending = self._pending, []
+            if pending:
+                self._dispatch(pending)
+
+    def _emit_threadsafe(self, deltas: list[EngineDelta]) -> None:
+        with self._lock:
+            if self._aio is None:
+                self._pending.extend(deltas)
+                return
+            aio = self._aio
+        aio.call_soon_threadsafe(self._dispatch, deltas)
+
+    def _dispatch(self, deltas: list[EngineDelta]) -> None:
+        for delta in deltas:
+            q = self._streams.get(delta.request_id)
+            if q is not None:
+                q.put_nowait(delta)
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        # The engine's state is unknown: exit so Ray restarts the actor with a fresh engine.
+        logger.error("%s: fatal engine error, exiting for a restart: %r", self.spec.name, exc)
+        timer = threading.Timer(_FATAL_EXIT_DELAY, lambda: os._exit(1))
+        timer.daemon = True
+        timer.start()
+
+
+def engine_actor_class() -> Any:
+    """The Ray remote class (created lazily so importing this module does not need Ray)."""
+    import ray
+    return ray.remote(EngineActor)

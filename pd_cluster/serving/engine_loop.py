@@ -1,0 +1,172 @@
+"""One thread that owns an LLMEngine (which is not thread safe).
+
+Requests, aborts and inspection calls come in through one queue, in order; per-step outputs
+go out through ``emit`` (called on the engine thread with a batch of EngineDeltas). Nothing
+else touches the engine, so the engine needs no locks.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from pd_cluster.outputs import RequestOutput
+from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.serving.messages import (ERROR_ENGINE, ERROR_INVALID_REQUEST, EngineDelta,
+                                         EngineRequest)
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT = 0.05  # s: block this long for a command when the engine has nothing to do
+_PARKED_SLEEP = 0.001  # s: only remote-KV / send waits pending: poll, but do not spin
+
+
+class EngineLoop:
+    def __init__(self, engine: Any, emit: Callable[[list[EngineDelta]], None],
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 num_threads: int = 1):
+        self.engine = engine
+        self._emit = emit
+        self._on_fatal = on_fatal
+        self._num_threads = num_threads
+        self._cmds: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._active: set[str] = set()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        # steps/step_seconds: every step() call; output_*: only steps that produced tokens
+        # (parked steps, e.g. waiting for remote KV, would dilute the per-token step time).
+        self.counters = {"requests_total": 0, "requests_finished": 0, "requests_rejected": 0,
+                         "tokens_generated": 0, "steps": 0, "step_seconds": 0.0,
+                         "output_steps": 0, "output_step_seconds": 0.0}
+        self.snapshot: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ---- called from other threads -------------------------------------------------------
+    def start(self) -> None:
+        self._refresh_snapshot()
+        self._thread.start()
+
+    def submit(self, request: EngineRequest) -> None:
+        self._cmds.put(("add", request))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._cmds.put(("abort", list(request_ids)))
+
+    def call(self, fn: Callable[[Any], Any]) -> Future:
+        """Run ``fn(engine)`` on the engine thread; the Future holds its result."""
+        fut: Future = Future()
+        self._cmds.put(("call", fn, fut))
+        return fut
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._cmds.put(("wake",))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        import torch
+        torch.set_num_threads(self._num_threads)  # OpenMP thread count is per calling thread
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished_requests()
+                self._drain(block=not busy)
+                if not self.engine.has_unfinished_requests():
+                    continue
+                t0 = time.perf_counter()
+                outputs = self.engine.step()
+                dt = time.perf_counter() - t0
+                self.counters["steps"] += 1
+                self.counters["step_seconds"] += dt
+                if outputs:
+                    self.counters["output_steps"] += 1
+                    self.counters["output_step_seconds"] += dt
+                    self._emit_outputs(outputs)
+                    time.sleep(0)  # hand the GIL to the event loop now: it streams the outputs
+                self._refresh_snapshot()
+                if not outputs and not (self.snapshot.get("num_running")
+                                        or self.snapshot.get("num_waiting")):
+                    time.sleep(_PARKED_SLEEP)
+        except BaseException as e:  # noqa: BLE001 - the engine state is unknown now: fail loudly
+            logger.exception("engine loop died")
+            self.error = e
+            failed = [EngineDelta(rid, finished=True, finish_reason="abort",
+                                  error_type=ERROR_ENGINE,
+                                  error=f"engine failed: {type(e).__name__}: {e}",
+                                  emit_time=time.time()) for rid in sorted(self._active)]
+            self._active.clear()
+            if failed:
+                self._emit(failed)
+            if self._on_fatal is not None:
+                self._on_fatal(e)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._cmds.get(timeout=_IDLE_WAIT) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+        self._refresh_snapshot()
+
+    def _handle(self, cmd: tuple[Any, ...]) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            self._add(cmd[1])
+        elif kind == "abort":
+            ids = [rid for rid in cmd[1] if rid in self._active]
+            if ids:
+                self._emit_outputs(self.engine.abort_request(ids))
+        elif kind == "call":
+            fn, fut = cmd[1], cmd[2]
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    def _add(self, req: EngineRequest) -> None:
+        try:
+            if req.request_id in self._active:
+                raise ValueError(f"request_id {req.request_id!r} is already running here")
+            params = SamplingParams.from_dict(req.params)
+            self.engine.add_request(req.request_id, list(req.prompt_token_ids), params,
+                                    kv_transfer_params=req.kv_transfer_params)
+        except (ValueError, TypeError) as e:  # the request is bad, not the engine
+            self.counters["requests_rejected"] += 1
+            self._emit([EngineDelta(req.request_id, finished=True, finish_reason="abort",
+                                    error=str(e), error_type=ERROR_INVALID_REQUEST,
+                                    emit_time=time.time())])
+            return
+        self._active.add(req.request_id)
+        self.counters["requests_total"] += 1
+
+    def _emit_outputs(self, outputs: list[RequestOutput]) -> None:
+        now = time.time()
+        deltas = []
+        for out in outputs:
+            comp = out.outputs[0]
+            self.counters["tokens_generated"] += len(comp.delta_token_ids)
+            if out.finished:
+                self._active.discard(out.request_id)
+                self.counters["requests_finished"] += 1
+            deltas.append(EngineDelta(
+                out.request_id, text=comp.text, token_ids=list(comp.token_ids),
+                finished=out.finished, finish_reason=comp.finish_reason,
+                stop_reason=comp.stop_reason, num_prompt_tokens=len(out.prompt_token_ids),
+                num_cached_tokens=out.num_cached_tokens, emit_time=now))
+        self._emit(deltas)
+
+    def _refresh_snapshot(self) -> None:
+        # Read by other threads without a lock: a whole new dict is swapped in atomically.
+        self.snapshot = {**self.engine.stats(), **self.counters, "num_active": len(self._active)}

@@ -1,0 +1,125 @@
+"""The proxy's view of every engine: health, load, KV endpoint; picks engines via the router.
+
+A background task health-checks each engine every ``health_check_interval``. An engine is
+routed around after ``unhealthy_threshold`` failed checks, or at once when its actor dies or
+a request sees it fail; it comes back when a check succeeds again (e.g. after Ray restarted
+it, with a new incarnation and therefore a fresh KV endpoint).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd_cluster.serving.cluster_config import ProxyConfig
+from pd_cluster.serving.messages import EngineInfo, EngineStatus
+from pd_cluster.serving.router import Router, create_router
+
+logger = logging.getLogger(__name__)
+
+
+class NoHealthyEngine(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineState:
+    name: str
+    role: str
+    handle: Any
+    healthy: bool = False
+    failures: int = 0
+    incarnation: str | None = None
+    restarts: int = 0
+    kv_endpoint: str | None = None
+    pid: int = 0
+    max_model_len: int = 0
+    inflight: int = 0
+    outstanding_work: int = 0
+    last_error: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class EnginePool:
+    def __init__(self, engines: list[tuple[str, str, Any]], config: ProxyConfig):
+        self.engines = [EngineState(name, role, handle) for name, role, handle in engines]
+        self.config = config
+        # One router per role: a policy's rotation state must not be shared between roles.
+        self.routers: dict[str, Router] = {e.role: create_router(config.routing)
+                                           for e in self.engines}
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.check_all()
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_check_interval)
+            try:
+                await self.check_all()
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bad check
+                logger.exception("health check round failed")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(e) for e in self.engines))
+
+    async def check(self, e: EngineState) -> None:
+        import ray.exceptions
+        try:
+            info = EngineInfo.from_dict(await asyncio.wait_for(
+                e.handle.health.remote(), self.config.health_check_timeout))
+        except Exception as exc:  # noqa: BLE001 - any failure counts against the engine
+            dead = isinstance(exc, ray.exceptions.RayActorError)
+            self.mark_failed(e, f"health check: {type(exc).__name__}: {exc}"[:500], dead)
+            return
+        if e.incarnation is not None and info.incarnation != e.incarnation:
+            e.restarts += 1
+            logger.warning("%s restarted (pid %d -> %d)", e.name, e.pid, info.pid)
+        if not e.healthy:
+            logger.info("%s is healthy", e.name)
+        e.incarnation, e.kv_endpoint, e.pid = info.incarnation, info.kv_endpoint, info.pid
+        e.max_model_len, e.stats = info.max_model_len, info.stats
+        e.healthy, e.failures = True, 0
+
+    def mark_failed(self, e: EngineState, error: str, dead: bool) -> None:
+        e.failures += 1
+        e.last_error = error
+        if e.healthy and (dead or e.failures >= self.config.unhealthy_threshold):
+            logger.warning("%s marked unhealthy: %s", e.name, error)
+            e.healthy = False
+
+    # ---- routing ----------------------------------------------------------------------------
+    def pick(self, role: str, excluded: set[str] | frozenset[str] = frozenset()) -> EngineState:
+        candidates = [e for e in self.engines
+                      if e.role == role and e.healthy and e.name not in excluded]
+        if not candidates:
+            raise NoHealthyEngine(f"no healthy {role} engine available")
+        return self.routers[role].pick(candidates)  # type: ignore[return-value]
+
+    def acquire(self, e: EngineState, work: int) -> None:
+        e.inflight += 1
+        e.outstanding_work += work
+
+    def release(self, e: EngineState, work: int) -> None:
+        e.inflight -= 1
+        e.outstanding_work -= work
+
+    def ready_roles(self) -> dict[str, bool]:
+        """Per role: is at least one engine healthy."""
+        out: dict[str, bool] = {}
+        for e in self.engines:
+            out[e.role] = out.get(e.role, False) or e.healthy
+        return out
+
+    def status(self) -> list[EngineStatus]:
+        return [EngineStatus(name=e.name, role=e.role, healthy=e.healthy, inflight=e.inflight,
+                             restarts=e.restarts, pid=e.pid, kv_endpoint=e.kv_endpoint,
+                             last_error=e.last_error, stats=dict(e.stats))
+                for e in self.engines]

@@ -1,0 +1,221 @@
+"""Start a cluster (engine actors + proxy actor) from a ClusterConfig, and take it down again.
+
+Used by ``pd-cluster launch`` and by tests/benchmarks in-process. Engines are named actors
+in the config's namespace, so ``status``/``stop`` (or a restarted proxy) can find them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pd_cluster.serving.cluster_config import ClusterConfig
+from pd_cluster.serving.messages import EngineSpec
+from pd_cluster.serving.ray_runtime import RayRuntime, start_ray, stop_head
+
+logger = logging.getLogger(__name__)
+
+PROXY_NAME = "proxy"
+_READY_TIMEOUT = 600.0  # s: model loading (and first-use generation of a preset) per engine
+_STOP_TIMEOUT = 10.0
+
+
+def state_dir() -> Path:
+    root = os.environ.get("PD_CLUSTER_STATE_DIR")
+    if root:
+        return Path(root)
+    cache = os.environ.get("PD_CLUSTER_CACHE") or Path.home() / ".cache" / "pd_cluster"
+    return Path(cache) / "run"
+
+
+@dataclass
+class ClusterState:
+    """Written by `launch`, read by `status` and `stop` (one file per namespace)."""
+    namespace: str
+    address: str | None
+    url: str
+    engines: list[str]
+    detached: bool
+    launcher_pid: int
+    head_pid: int | None = None
+
+    @staticmethod
+    def path(namespace: str) -> Path:
+        return state_dir() / f"{namespace}.json"
+
+    def save(self) -> None:
+        p = self.path(self.namespace)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        os.replace(tmp, p)
+
+    @classmethod
+    def load(cls, namespace: str) -> "ClusterState | None":
+        try:
+            return cls(**json.loads(cls.path(namespace).read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def remove(self) -> None:
+        self.path(self.namespace).unlink(missing_ok=True)
+
+
+@dataclass
+class Cluster:
+    config: ClusterConfig
+    runtime: RayRuntime
+    url: str
+    engines: dict[str, Any]  # name -> actor handle
+    specs: list[EngineSpec]
+    proxy: Any
+    detached: bool = False
+    _down: bool = field(default=False, repr=False)
+
+    @property
+    def namespace(self) -> str:
+        return self.config.ray.namespace
+
+    def state(self) -> ClusterState:
+        return ClusterState(self.namespace, self.runtime.address, self.url, list(self.engines),
+                            self.detached, os.getpid(), self.runtime.head_pid)
+
+    def shutdown(self) -> None:
+        """Stop the proxy (frees the port), kill the engines, leave/stop Ray. Idempotent."""
+        if self._down:
+            return
+        self._down = True
+        kill_actors(self.proxy, self.engines.values())
+        ClusterState(self.namespace, None, "", [], False, 0).remove()
+        self.runtime.disconnect()
+        if self.runtime.head_pid:
+            stop_head(self.runtime.head_pid, self.runtime.address)
+
+
+def kill_actors(proxy: Any, engines: Any) -> None:
+    import ray
+    graceful = []
+    if proxy is not None:
+        graceful.append(proxy.stop.remote())
+    graceful += [e.shutdown.remote() for e in engines]
+    try:  # bounded: a hung or dead actor is killed below anyway
+        ray.wait(graceful, num_returns=len(graceful), timeout=_STOP_TIMEOUT)
+    except Exception:  # noqa: BLE001
+        pass
+    for actor in [proxy, *engines]:
+        if actor is not None:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = False,
+           progress: bool = True, ready_timeout: float = _READY_TIMEOUT) -> Cluster:
+    """Start everything and wait until every engine is ready and the proxy serves."""
+    import ray
+
+    from pd_cluster.serving.engine_actor import engine_actor_class
+    from pd_cluster.serving.proxy_actor import proxy_actor_class
+
+    ns = config.ray.namespace
+    num_cpus = config.ray.num_cpus or max(config.required_cpus(), 1.0)
+    runtime = start_ray(address, ns, num_cpus, config.ray.num_gpus, detach, state_dir())
+    lifetime = "detached" if detach else None
+    engines: dict[str, Any] = {}
+    proxy = None
+    try:
+        restarts = {role: rc.max_restarts for role, rc in config.roles.items()}
+        specs = config.engine_specs()
+        cls = engine_actor_class()
+        for spec in specs:
+            engines[spec.name] = cls.options(
+                name=spec.name, namespace=ns, num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
+                max_restarts=restarts[spec.role], max_task_retries=0, lifetime=lifetime,
+            ).remote(spec.to_dict())
+        wait_ready(engines, ready_timeout, progress)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        here = ray.get_runtime_context().get_node_id()  # serve where the user launched
+        proxy = proxy_actor_class().options(
+            name=PROXY_NAME, namespace=ns, num_cpus=0, max_concurrency=4, lifetime=lifetime,
+            max_restarts=config.proxy.max_restarts,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+        ).remote(config.to_dict(), [{"name": s.name, "role": s.role} for s in specs], ns)
+        url = ray.get(proxy.url.remote(), timeout=ready_timeout)
+    except BaseException:
+        kill_actors(proxy, engines.values())
+        runtime.disconnect()
+        if runtime.head_pid:
+            stop_head(runtime.head_pid, runtime.address)
+        raise
+    cluster = Cluster(config, runtime, url, engines, specs, proxy, detached=detach)
+    cluster.state().save()
+    return cluster
+
+
+def wait_ready(engines: dict[str, Any], timeout: float, progress: bool) -> None:
+    """Block until every engine's ready() returns, showing per-engine progress."""
+    import ray
+
+    pending = {actor.ready.remote(): name for name, actor in engines.items()}
+    view = _Progress(list(engines), progress)
+    start = time.monotonic()
+    try:
+        while pending:
+            left = timeout - (time.monotonic() - start)
+            if left <= 0:
+                raise TimeoutError(f"engines not ready after {timeout:.0f}s: "
+                                   f"{sorted(pending.values())}")
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=min(0.5, left))
+            for ref in done:
+                name = pending.pop(ref)
+                try:
+                    info = ray.get(ref)
+                except Exception as e:
+                    raise RuntimeError(f"engine {name} failed to start: {e}") from None
+                view.ready(name, f"ready: pid {info['pid']} on {info['node_ip']}, "
+                                 f"{info['stats'].get('kv_blocks_total', '?')} KV blocks")
+            view.tick()
+    finally:
+        view.close()
+
+
+class _Progress:
+    """One tqdm line per engine on a terminal; plain log lines otherwise (CI, pipes)."""
+
+    def __init__(self, names: list[str], enabled: bool):
+        import sys
+
+        from tqdm import tqdm
+        self.enabled, self.start = enabled, time.monotonic()
+        self.tty = enabled and sys.stderr.isatty()
+        self.bars = {n: tqdm(total=1, desc=f"{n:<12}", position=i, leave=True,
+                             bar_format="{desc} {bar:10} {postfix} [{elapsed}]")
+                     for i, n in enumerate(names)} if self.tty else {}
+        for bar in self.bars.values():
+            bar.set_postfix_str("loading model")
+        if enabled and not self.tty:
+            print(f"starting {len(names)} engine(s): {', '.join(names)}", file=sys.stderr,
+                  flush=True)
+
+    def ready(self, name: str, text: str) -> None:
+        if name in self.bars:
+            self.bars[name].set_postfix_str(text, refresh=False)
+            self.bars[name].update(1)
+        elif self.enabled:
+            import sys
+            print(f"  {name}: {text} ({time.monotonic() - self.start:.1f}s)", file=sys.stderr,
+                  flush=True)
+
+    def tick(self) -> None:
+        for bar in self.bars.values():
+            bar.refresh()
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()

@@ -1,0 +1,125 @@
+"""Turns dispatcher events into OpenAI response bodies and SSE chunks (completions and chat)."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd_cluster.serving.openai_schemas import (ChatChoice, ChatCompletionResponse,
+                                               ChatMessageOut, CompletionChoice,
+                                               CompletionResponse, Usage)
+
+# Extension fields left out of a body when unset, so plain OpenAI clients see plain bodies.
+_OPTIONAL = ("token_ids", "prompt_token_ids", "usage", "message", "delta")
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+def _dump(model: Any) -> dict[str, Any]:
+    out = model.model_dump()
+    _drop_none(out)
+    return out
+
+
+def _drop_none(d: dict[str, Any]) -> None:
+    for key in _OPTIONAL:
+        if key in d and d[key] is None:
+            del d[key]
+    for choice in d.get("choices", []):
+        _drop_none(choice)
+
+
+@dataclass
+class Result:
+    """A finished (or finishing) request, accumulated from events."""
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def usage(self) -> Usage:
+        n_prompt, n_out = len(self.prompt_token_ids), len(self.token_ids)
+        return Usage(prompt_tokens=n_prompt, completion_tokens=n_out,
+                     total_tokens=n_prompt + n_out)
+
+
+class Formatter:
+    """One request's bodies. Subclasses: text completions and chat completions."""
+
+    def __init__(self, request_id: str, model: str, return_token_ids: bool):
+        self.id, self.model, self.return_token_ids = request_id, model, return_token_ids
+        self.created = int(time.time())
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None
+              ) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def usage_chunk(self, result: Result) -> dict[str, Any]:
+        return {"id": self.id, "object": self.chunk_object, "created": self.created,
+                "model": self.model, "choices": [], "usage": result.usage().model_dump()}
+
+    def full(self, result: Result) -> dict[str, Any]:
+        raise NotImplementedError
+
+    chunk_object = ""
+
+
+class CompletionFormatter(Formatter):
+    chunk_object = "text_completion"
+
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None
+              ) -> dict[str, Any] | None:
+        if not text and finish_reason is None and not self.return_token_ids:
+            return None
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+                                  "finish_reason": finish_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": [choice]}
+
+    def full(self, result: Result) -> dict[str, Any]:
+        ids = self.return_token_ids
+        return _dump(CompletionResponse(
+            id=self.id, created=self.created, model=self.model, usage=result.usage(),
+            prompt_token_ids=result.prompt_token_ids if ids else None,
+            choices=[CompletionChoice(text=result.text, finish_reason=result.finish_reason,
+                                      token_ids=result.token_ids if ids else None)]))
+
+
+class ChatFormatter(Formatter):
+    chunk_object = "chat.completion.chunk"
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None,
+               token_ids: list[int] | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                  "finish_reason": finish_reason}
+        if self.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        return {"id": self.id, "object": self.chunk_object, "created": self.created,
+                "model": self.model, "choices": [choice]}
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""}, None)]
+
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None
+              ) -> dict[str, Any] | None:
+        if not text and finish_reason is None and not self.return_token_ids:
+            return None
+        return self._chunk({"content": text} if text else {}, finish_reason, token_ids)
+
+    def full(self, result: Result) -> dict[str, Any]:
+        ids = self.return_token_ids
+        return _dump(ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.model, usage=result.usage(),
+            prompt_token_ids=result.prompt_token_ids if ids else None,
+            choices=[ChatChoice(message=ChatMessageOut(content=result.text),
+                                finish_reason=result.finish_reason,
+                                token_ids=result.token_ids if ids else None)]))

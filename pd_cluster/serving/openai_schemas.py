@@ -1,0 +1,216 @@
+"""OpenAI API request/response models (pydantic) and their mapping to SamplingParams.
+
+Requests are parsed strictly from the raw JSON body (wrong types are 400s, not coerced) and
+unknown fields are rejected so client typos surface. vLLM's common extensions (top_k,
+min_tokens, ignore_eos, stop_token_ids, ...) are accepted; features this server does not
+implement are rejected with the parameter named, never silently ignored.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.serving.errors import APIError, invalid_request
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = _STRICT
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False  # add prompt_token_ids / token_ids to the response
+
+    def unsupported(self) -> dict[str, Any]:
+        """Params whose value asks for a feature we do not have (name -> value)."""
+        out: dict[str, Any] = {}
+        if self.presence_penalty:
+            out["presence_penalty"] = self.presence_penalty
+        if self.frequency_penalty:
+            out["frequency_penalty"] = self.frequency_penalty
+        if self.logit_bias:
+            out["logit_bias"] = self.logit_bias
+        return out
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        for name, value in self.unsupported().items():
+            raise invalid_request(f"{name}={value!r} is not supported by this server", name)
+        kwargs: dict[str, Any] = dict(
+            n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:  # "max_tokens must be >= 1 ..." -> 400, param max_tokens
+            raise invalid_request(str(e)) from None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        out = super().unsupported()
+        for name, default in (("echo", False), ("logprobs", None), ("suffix", None)):
+            if getattr(self, name) != default:
+                out[name] = getattr(self, name)
+        if self.best_of not in (None, 1):
+            out["best_of"] = self.best_of
+        return out
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # e.g. tool_calls: null from clients
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        out = super().unsupported()
+        if self.logprobs:
+            out["logprobs"] = True
+        for name in ("top_logprobs", "tools", "tool_choice"):
+            if getattr(self, name) not in (None, [], "none"):
+                out[name] = getattr(self, name)
+        if self.response_format not in (None, {"type": "text"}):
+            out["response_format"] = self.response_format
+        return out
+
+
+def parse_request(model: type[_SamplingFields], raw: bytes) -> Any:
+    """Parse a raw JSON body into ``model``; every problem becomes a 400 naming the param."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        if err["type"] == "json_invalid":
+            raise invalid_request(f"Malformed JSON body: {err.get('msg')}", None,
+                                  "invalid_json") from None
+        if err["type"] == "model_type" or not err["loc"]:
+            raise invalid_request("The request body must be a JSON object", None) from None
+        loc = ".".join(str(x) for x in err["loc"] if not isinstance(x, int) or x)
+        param = str(err["loc"][0])
+        msg = "unknown parameter" if err["type"] == "extra_forbidden" else err["msg"]
+        raise invalid_request(f"{loc}: {msg}", param) from None
+
+
+# ---- responses ---------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: Any = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut | None = None
+    delta: ChatMessageOut | None = None
+    logprobs: Any = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion", "chat.completion.chunk"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pd-cluster"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+__all__ = ["APIError", "CompletionRequest", "ChatCompletionRequest", "parse_request", "Usage",
+           "CompletionResponse", "CompletionChoice", "ChatCompletionResponse", "ChatChoice",
+           "ChatMessageOut", "ModelCard", "ModelList", "StreamOptions"]

@@ -1,0 +1,297 @@
+"""The HTTP front door: an OpenAI-compatible FastAPI app over the engine actors.
+
+The proxy validates and tokenizes (so it can count prompt tokens and enforce max_model_len),
+admits up to ``max_inflight`` requests, and hands token ids to the Dispatcher. Streaming
+responses are primed with the first event before the SSE headers go out, so failures that
+happen before any output (no engine: 503, bad request found by an engine: 400) are plain
+HTTP errors and can still be retried; later failures end the stream with an error event.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pd_cluster.serving.cluster_config import ClusterConfig, resolve_model
+from pd_cluster.serving.dispatch import Dispatcher, GenerateJob, StreamEvent
+from pd_cluster.serving.engine_pool import EnginePool
+from pd_cluster.serving.errors import (APIError, invalid_request, model_not_found,
+                                       too_many_requests)
+from pd_cluster.serving.metrics import ProxyMetrics
+from pd_cluster.serving.openai_format import (ChatFormatter, CompletionFormatter, Formatter,
+                                              Result, sse)
+from pd_cluster.serving.openai_schemas import (ChatCompletionRequest, CompletionRequest,
+                                               ModelCard, ModelList, parse_request)
+
+logger = logging.getLogger(__name__)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class ProxyState:
+    def __init__(self, cfg: ClusterConfig, engines: list[tuple[str, str, Any]]):
+        from transformers import AutoTokenizer
+
+        from pd_cluster.config import read_hf_config
+
+        self.cfg = cfg
+        path = resolve_model(cfg.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.engine.get("tokenizer") or path)
+        hf = read_hf_config(path)
+        self.vocab_size = int(hf["vocab_size"])
+        self.max_model_len = int(cfg.engine.get("max_model_len")
+                                 or hf.get("max_position_embeddings", 2048))
+        self.pool = EnginePool(engines, cfg.proxy)
+        self.metrics = ProxyMetrics(lambda: self.pool.engines)
+        self.dispatcher = Dispatcher(self.pool, cfg.mode, self.metrics, cfg.proxy.max_retries)
+        self.inflight = 0
+
+    # ---- prompt handling -----------------------------------------------------------------
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise invalid_request("only one prompt per request is supported", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):  # as the engine (and vLLM) tokenize a text prompt
+            return list(self.tokenizer.encode(prompt))
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise invalid_request(f"prompt: token ids must be in [0, {self.vocab_size})",
+                                  "prompt")
+        return list(prompt)
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception as e:  # noqa: BLE001 - a template error is the request's problem
+            raise invalid_request(f"messages: chat template failed: {e}", "messages") from None
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def max_tokens(self, requested: int | None, n_prompt: int, prompt_param: str) -> int | None:
+        if n_prompt == 0:
+            raise invalid_request(f"{prompt_param}: must contain at least one token",
+                                  prompt_param)
+        room = self.max_model_len - n_prompt
+        if room <= 0:
+            raise invalid_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has {n_prompt} tokens.", prompt_param, "context_length_exceeded")
+        if requested is None:
+            return room
+        if isinstance(requested, int) and requested > room:
+            raise invalid_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; you "
+                f"requested {n_prompt + requested} ({n_prompt} in the prompt, {requested} "
+                f"for the completion).", "max_tokens", "context_length_exceeded")
+        return requested
+
+
+class _Tracker:
+    """Per-request bookkeeping: the in-flight slot, latency histograms and the outcome."""
+
+    def __init__(self, state: ProxyState, n_prompt: int):
+        self.state, self.m = state, state.metrics
+        if state.inflight >= state.cfg.proxy.max_inflight:
+            raise too_many_requests(state.cfg.proxy.max_inflight)
+        state.inflight += 1
+        self.m.inflight.inc()
+        self.m.prompt_tokens.inc(n_prompt)
+        self.start = self.last = time.monotonic()
+        self.first = True
+        self.closed = False
+
+    def on_event(self, ev: StreamEvent) -> None:
+        now = time.monotonic()
+        if ev.token_ids or ev.text:
+            if self.first:
+                self.m.ttft.observe(now - self.start)
+            else:
+                self.m.itl.observe(now - self.last)
+            self.first, self.last = False, now
+        self.m.generation_tokens.inc(len(ev.token_ids))
+
+    def close(self, outcome: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.state.inflight -= 1
+        self.m.inflight.dec()
+        self.m.requests.labels(outcome).inc()
+        if outcome == "success":
+            self.m.e2e.observe(time.monotonic() - self.start)
+
+
+async def _until_disconnect(request: Request, aw: Any) -> Any:
+    """Await ``aw`` unless the client goes away first (then cancel it: aborts the engines)."""
+    task = asyncio.ensure_future(aw)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected()
+
+
+async def _collect(events: AsyncIterator[StreamEvent], result: Result, tracker: _Tracker) -> None:
+    async for ev in events:
+        tracker.on_event(ev)
+        result.text += ev.text
+        result.token_ids.extend(ev.token_ids)
+        result.finish_reason = ev.finish_reason or result.finish_reason
+
+
+async def _sse(first: StreamEvent | None, events: AsyncIterator[StreamEvent], fmt: Formatter,
+               result: Result, tracker: _Tracker, include_usage: bool) -> AsyncIterator[bytes]:
+    outcome = "aborted"  # unless we get to the end: the client went away mid-stream
+    try:
+        for chunk in fmt.opening_chunks():
+            yield sse(chunk)
+        ev = first
+        try:
+            while ev is not None:
+                tracker.on_event(ev)
+                result.token_ids.extend(ev.token_ids)
+                result.finish_reason = ev.finish_reason
+                chunk = fmt.chunk(ev.text, ev.token_ids, ev.finish_reason)
+                if chunk is not None:
+                    yield sse(chunk)
+                ev = None if ev.finish_reason else await anext(events, None)
+            if include_usage:
+                yield sse(fmt.usage_chunk(result))
+            outcome = "success"
+        except APIError as e:  # after output was sent: report in-band, then end the stream
+            logger.warning("%s failed mid-stream: %s", fmt.id, e.message)
+            outcome = "error"
+            yield sse(e.body())
+        yield sse("[DONE]")
+    finally:
+        await events.aclose()  # cancels the engine streams and aborts on both engines
+        tracker.close(outcome)
+
+
+async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Response:
+    raw = await request.body()
+    req = parse_request(ChatCompletionRequest if chat else CompletionRequest, raw)
+    if req.model != state.cfg.model_name:
+        raise model_not_found(req.model)
+    if chat:
+        ids, param = state.chat_prompt(req), "messages"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+    else:
+        ids, param, requested = state.completion_prompt(req), "prompt", req.max_tokens
+    params = req.sampling_params(state.max_tokens(requested, len(ids), param))
+    if not params.is_greedy and params.seed is None:
+        params.seed = random.getrandbits(31)  # P and D must sample the same first token
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    fmt_cls = ChatFormatter if chat else CompletionFormatter
+    fmt = fmt_cls(rid, state.cfg.model_name, req.return_token_ids)
+    tracker = _Tracker(state, len(ids))
+    request.state.tracked = True
+    job = GenerateJob(rid, ids, params, tracker.start + state.cfg.proxy.request_timeout)
+    events = state.dispatcher.stream(job)
+    result = Result(prompt_token_ids=ids)
+    try:
+        if not req.stream:
+            await _until_disconnect(request, _collect(events, result, tracker))
+            tracker.close("success")
+            return JSONResponse(fmt.full(result))
+        first = await _until_disconnect(request, anext(events, None))
+    except ClientDisconnected:
+        tracker.close("aborted")
+        return Response(status_code=499)
+    except APIError as e:
+        tracker.close("client_error" if e.is_client_error else "error")
+        raise
+    except BaseException:
+        tracker.close("error")
+        raise
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return StreamingResponse(_sse(first, events, fmt, result, tracker, include_usage),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+
+
+def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]]) -> FastAPI:
+    """The proxy app over ``engines`` = [(name, role, Ray actor handle)]."""
+    state = ProxyState(cfg, engines)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.pool.start()
+        yield
+        await state.pool.close()
+
+    app = FastAPI(title="pd-cluster", lifespan=lifespan)
+    app.state.proxy = state
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        logger.info("%s %s -> %d: %s", request.method, request.url.path, exc.status,
+                    exc.message[:200])  # rejected and logged; the server keeps serving
+        if not getattr(request.state, "tracked", False):  # else the tracker counted it
+            outcome = ("rejected" if exc.status == 429 else
+                       "client_error" if exc.is_client_error else "error")
+            state.metrics.requests.labels(outcome).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}",
+                                     "server_error").body(), status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle_generate(state, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle_generate(state, request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return ModelList(data=[ModelCard(id=cfg.model_name,
+                                         max_model_len=state.max_model_len)]).model_dump()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        roles = state.pool.ready_roles()
+        ok = all(roles.values())
+        return JSONResponse({"status": "ok" if ok else "degraded", "engines": roles},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/cluster/status")
+    async def cluster_status() -> Response:
+        await state.pool.check_all()  # fresh stats, bounded by health_check_timeout
+        body = {"mode": cfg.mode, "model": cfg.model_name, "inflight": state.inflight,
+                "engines": [s.to_dict() for s in state.pool.status()]}
+        return Response(json.dumps(body), media_type="application/json")
+
+    return app

@@ -1,0 +1,102 @@
+"""The proxy as a Ray actor, so a detached cluster keeps serving after the launcher exits.
+
+The actor is a plain (threaded) actor whose constructor binds the port and runs uvicorn on
+its own thread and event loop; Ray restarting the actor therefore restarts the server too.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT = 120.0  # s: tokenizer load + first health check of every engine
+_STOP_TIMEOUT = 10.0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP so asyncio sets TCP_NODELAY on accepted connections (it checks proto):
+    # without it Nagle + delayed ACKs hold streamed tokens back ~40 ms on keep-alive.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class ProxyActor:
+    def __init__(self, config: dict[str, Any], engines: list[dict[str, str]], namespace: str):
+        import ray
+        import uvicorn
+
+        from pd_cluster.serving.cluster_config import ClusterConfig
+        from pd_cluster.serving.proxy import create_app
+
+        cfg = ClusterConfig.from_dict(config)
+        handles = [(e["name"], e["role"], ray.get_actor(e["name"], namespace=namespace))
+                   for e in engines]
+        self.app = create_app(cfg, handles)
+        self.sock = bind_socket(cfg.proxy.host, cfg.proxy.port)
+        port = self.sock.getsockname()[1]
+        host = cfg.proxy.host
+        if host in ("0.0.0.0", "::", ""):
+            host = ray.util.get_node_ip_address()
+        self._url = f"http://{host}:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(
+            self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=3,
+            timeout_keep_alive=30))
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, name="proxy-http", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + _START_TIMEOUT
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"proxy failed to start on {self._url}: {self._error!r}")
+            time.sleep(0.05)
+        logger.info("proxy serving on %s", self._url)
+
+    def _serve(self) -> None:
+        try:
+            self.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+        except BaseException as e:  # noqa: BLE001 - reported by __init__ / health
+            self._error = e
+            logger.exception("proxy server stopped")
+
+    def url(self) -> str:
+        return self._url
+
+    def health(self) -> bool:
+        if not self.thread.is_alive():
+            raise RuntimeError(f"proxy server is down: {self._error!r}")
+        return True
+
+    def status(self) -> list[dict[str, Any]]:
+        state = self.app.state.proxy
+        assert self.loop is not None
+        fut = asyncio.run_coroutine_threadsafe(state.pool.check_all(), self.loop)
+        fut.result(timeout=state.cfg.proxy.health_check_timeout + 5)
+        return [s.to_dict() for s in state.pool.status()]
+
+    def stop(self) -> None:
+        """Graceful: stop accepting, finish the lifespan, close the socket (frees the port)."""
+        self.server.should_exit = True
+        self.thread.join(_STOP_TIMEOUT)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def proxy_actor_class() -> Any:
+    import ray
+    return ray.remote(ProxyActor)

@@ -1,0 +1,154 @@
+"""xPyD on Ray: a 2P2D cluster under concurrent load, and a decode actor killed mid-run."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+
+import httpx
+import openai
+import pytest
+
+from pd_cluster import LLM, SamplingParams
+from pd_cluster.serving.cluster_config import resolve_model
+from pd_cluster.serving.testing import (cluster_status, ensure_ray, leak_reports, local_config,
+                                        wait_idle, wait_until)
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PD_CLUSTER_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+    from pd_cluster.serving.launcher import launch
+
+    ensure_ray()
+    cfg = local_config("local-2p2d", f"test-2p2d-{os.getpid()}",
+                       engine={"num_kv_blocks": 512, "max_model_len": 1024},
+                       kv_transfer={"kv_transfer_timeout": 5.0},
+                       proxy={"request_timeout": 60.0, "health_check_timeout": 5.0})
+    c = launch(cfg, progress=False)
+    yield c
+    c.shutdown()
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(model=resolve_model(MODEL), num_kv_blocks=1024, max_model_len=1024)
+
+
+def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(4, 500) for _ in range(rng.randrange(4, 120))], rng.randrange(8, 40))
+            for _ in range(n)]
+
+
+def references(offline: LLM, work: list[tuple[list[int], int]]) -> list[list[int]]:
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
+    return [list(o.outputs[0].token_ids) for o in offline.generate([p for p, _ in work], params)]
+
+
+def test_32_concurrent_requests_use_all_engines(cluster, offline) -> None:
+    work = workload(32, seed=1)
+    expected = references(offline, work)
+    client = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0,
+                                timeout=60)
+
+    async def one(i: int) -> list[int]:
+        prompt, max_tokens = work[i]
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})
+        if i % 2:  # half streamed, half not
+            ids: list[int] = []
+            async for chunk in await client.completions.create(stream=True, **kw):
+                ids.extend(chunk.choices[0].token_ids)  # type: ignore[attr-defined]
+            return ids
+        r = await client.completions.create(**kw)
+        return r.choices[0].token_ids  # type: ignore[attr-defined]
+
+    async def run() -> list[list[int]]:
+        try:
+            return await asyncio.gather(*(one(i) for i in range(len(work))))
+        finally:
+            await client.close()
+
+    got = asyncio.run(run())
+    for i, (ids, ref) in enumerate(zip(got, expected)):
+        assert ids == ref, f"request {i} differs"
+    st = wait_idle(cluster.url)
+    used = {e["name"]: e["stats"]["requests_total"] for e in st["engines"]}
+    assert set(used) == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
+    assert all(n > 0 for n in used.values()), used
+    assert sum(used[d] for d in ("decode-0", "decode-1")) == 32
+    assert leak_reports(cluster) == {}
+
+
+async def _stream(http: httpx.AsyncClient, prompt: list[int], max_tokens: int,
+                  started: asyncio.Event | None = None) -> tuple[str, list[int], str | None]:
+    """('ok'|'error'|'http-<status>', token ids, error message) for one streamed request."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    ids: list[int] = []
+    async with http.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return f"http-{resp.status_code}", ids, (await resp.aread()).decode()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                return "error", ids, data["error"]["message"]
+            ids.extend(data["choices"][0].get("token_ids") or [])
+            if started is not None and len(ids) >= 3:
+                started.set()
+    return "ok", ids, None
+
+
+def test_decode_killed_mid_run(cluster, offline) -> None:
+    import ray
+
+    work = [(p, 200) for p, _ in workload(8, seed=2)]
+    expected = references(offline, work)
+    victim = cluster.engines["decode-0"]
+    old_pid = next(e["pid"] for e in cluster_status(cluster.url)["engines"]
+                   if e["name"] == "decode-0")
+
+    async def run() -> list[tuple[str, list[int], str | None]]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as http:
+            events = [asyncio.Event() for _ in work]
+            tasks = [asyncio.create_task(_stream(http, p, m, ev))
+                     for (p, m), ev in zip(work, events)]
+            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in events)), 30)
+            ray.kill(victim, no_restart=False)  # Ray restarts it (max_restarts)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    results = asyncio.run(run())
+    outcomes = [r[0] for r in results]
+    assert "error" in outcomes, outcomes  # requests streaming from decode-0 were cut off ...
+    for (outcome, ids, err), ref in zip(results, expected):
+        if outcome == "ok":  # ... the others finished, correctly
+            assert ids == ref
+        else:  # ... and those got a clean error event naming the failure, not a hang
+            assert outcome == "error" and err and "decode-0" in err, (outcome, err)
+            assert ids == ref[:len(ids)]
+
+    def restarted() -> bool:
+        d0 = next(e for e in cluster_status(cluster.url)["engines"] if e["name"] == "decode-0")
+        return d0["healthy"] and d0["pid"] != old_pid and d0["restarts"] >= 1
+    wait_until(restarted, 120, "decode-0 restarted by Ray and healthy again", interval=0.5)
+
+    async def after() -> list[tuple[str, list[int], str | None]]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as http:
+            return await asyncio.gather(*(_stream(http, p, 24) for p, _ in work))
+
+    ref_after = references(offline, [(p, 24) for p, _ in work])
+    for (outcome, ids, err), ref in zip(asyncio.run(after()), ref_after):
+        assert outcome == "ok" and ids == ref, (outcome, err)
+    st = wait_idle(cluster.url, timeout=60)  # P's blocks for the dead D free after the timeout
+    d0 = next(e for e in st["engines"] if e["name"] == "decode-0")
+    assert d0["stats"]["requests_total"] > 0  # the restarted engine takes traffic again
+    assert all(e["stats"]["kv_blocks_used"] == 0 for e in st["engines"])
+    assert leak_reports(cluster) == {}

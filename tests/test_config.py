@@ -1,0 +1,106 @@
+"""Cluster YAML validation: every error names its key; every shipped config parses."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pd_cluster.serving.cluster_config import (ClusterConfig, load_config, parse_config,
+                                               parse_overrides)
+from pd_cluster.serving.schema import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CLUSTER_CONFIGS = ["local.yaml", "local-2p2d.yaml", "local-colocated.yaml", "two-gpu.yaml"]
+
+
+@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
+def test_shipped_configs_parse(name: str) -> None:
+    cfg = load_config(CONFIGS / name)
+    specs = cfg.engine_specs()
+    assert specs and len({s.name for s in specs}) == len(specs)
+    for spec in specs:
+        kv = spec.engine_args.get("kv_transfer")
+        if cfg.mode == "colocated":
+            assert kv is None
+        else:
+            assert kv["role"] == {"prefill": "producer", "decode": "consumer"}[spec.role]
+    assert ClusterConfig.from_dict(cfg.to_dict()) == cfg  # round-trips through Ray as a dict
+
+
+def test_shipped_config_shapes() -> None:
+    local = load_config(CONFIGS / "local.yaml")
+    assert (local.prefill.replicas, local.decode.replicas) == (1, 1)
+    assert local.kv_transfer.pipe == "zmq" and local.proxy.host == "127.0.0.1"
+    assert [s.role for s in load_config(CONFIGS / "local-2p2d.yaml").engine_specs()] == [
+        "prefill", "prefill", "decode", "decode"]
+    colo = load_config(CONFIGS / "local-colocated.yaml")
+    assert colo.required_cpus() == local.required_cpus()  # same resources: a fair baseline
+    gpu = load_config(CONFIGS / "two-gpu.yaml")
+    assert gpu.kv_transfer.pipe == "nccl" and gpu.required_gpus() == 2
+    assert gpu.engine["dtype"] == "bfloat16"
+
+
+def test_ray_up_cluster_file() -> None:
+    data = yaml.safe_load((CONFIGS / "ray-cluster.yaml").read_text())
+    assert {"cluster_name", "provider", "setup_commands", "available_node_types"} <= set(data)
+    setup = " ".join(data["setup_commands"])
+    assert "torch==" in setup and "pd-cluster" in setup
+    assert "PLACEHOLDER" in yaml.safe_dump(data["provider"])  # clearly marked, not real
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"prefill": {"replcas": 2}}, "prefill.replcas: unknown key"),
+    ({"decode": {"replicas": 0}}, "decode.replicas: must be >= 1"),
+    ({"decode": {"replicas": "two"}}, "decode.replicas: expected an integer"),
+    ({"decode": {"replicas": True}}, "decode.replicas: expected an integer"),
+    ({"proxy": {"port": "x"}}, "proxy.port: expected an integer"),
+    ({"proxy": {"port": 70000}}, "proxy.port: must be in"),
+    ({"proxy": {"routing": "random"}}, "proxy.routing: must be one of"),
+    ({"proxy": {"request_timeout": 0}}, "proxy.request_timeout: must be > 0"),
+    ({"proxy": {"hots": "0.0.0.0"}}, "proxy.hots: unknown key"),
+    ({"engine": {"blok_size": 16}}, "engine.blok_size: unknown key"),
+    ({"engine": {"block_size": 3}}, "engine.block_size: must be a power of two"),
+    ({"engine": {"model": "x"}}, "engine.model:"),
+    ({"kv_transfer": {"pipe": "carrier-pigeon"}}, "kv_transfer.pipe: must be one of"),
+    ({"kv_transfer": {"transport": "udp"}}, "kv_transfer.transport: must be one of"),
+    ({"kv_transfer": {"kv_transfer_timeout": -1}}, "kv_transfer.kv_transfer_timeout: must be > 0"),
+    ({"kv_transfer": {"options": {"bogus": 1}}}, "kv_transfer.options.bogus: unknown key"),
+    ({"mode": "hybrid"}, "mode: must be one of"),
+    ({"mode": "colocated", "prefill": {"replicas": 1}}, "prefill: not used with mode: colocated"),
+    ({"colocated": {"replicas": 2}}, "colocated: not used with mode: disaggregated"),
+    ({"ray": {"num_cpus": "many"}}, "ray.num_cpus: expected a number"),
+    ({"proxy": [1, 2]}, "proxy: expected a mapping"),
+    ({"modle": "tiny-llama"}, "modle: unknown key"),
+])
+def test_errors_name_the_key(data: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_config(data)
+    assert str(exc.value).startswith(key), str(exc.value)
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prefill: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(bad)
+
+
+def test_defaults_overrides_and_kv_pass_through() -> None:
+    cfg = parse_config({"model": "/models/my-llama"},
+                       parse_overrides(["proxy.port=0", "decode.replicas=3",
+                                        "kv_transfer.options.max_staging_bytes=1024"]))
+    assert cfg.model_name == "my-llama" and cfg.proxy.port == 0
+    specs = cfg.engine_specs()
+    assert [s.name for s in specs] == ["prefill-0", "decode-0", "decode-1", "decode-2"]
+    kv = specs[1].engine_args["kv_transfer"]
+    assert kv == {"role": "consumer", "pipe": "zmq", "transport": "tcp",
+                  "kv_transfer_timeout": 30.0, "host": "127.0.0.1", "max_staging_bytes": 1024}
+    assert parse_config({}).model_name == "tiny-llama"  # preset names are served as-is
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        parse_overrides(["proxy.port"])

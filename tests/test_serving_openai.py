@@ -1,0 +1,222 @@
+"""A 1P1D cluster from configs/local.yaml behind the proxy, driven by the official openai client.
+
+One module-scoped cluster serves every test here; each test leaves it idle and healthy.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import httpx
+import openai
+import pytest
+
+from pd_cluster import LLM, SamplingParams
+from pd_cluster.serving.cluster_config import resolve_model
+from pd_cluster.serving.testing import ensure_ray, local_config, wait_idle
+
+MODEL = "tiny-llama"
+PROMPTS = ["Hello world, this is", "The quick brown fox jumps over", "Once upon a time",
+           "In a distant land there lived a"]
+MAX_INFLIGHT = 12
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PD_CLUSTER_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+    from pd_cluster.serving.launcher import launch
+
+    ensure_ray()
+    cfg = local_config("local", f"test-openai-{os.getpid()}",
+                       engine={"num_kv_blocks": 512, "max_model_len": 1024},
+                       kv_transfer={"kv_transfer_timeout": 5.0},
+                       proxy={"max_inflight": MAX_INFLIGHT, "request_timeout": 60.0})
+    c = launch(cfg, progress=False)
+    yield c
+    c.shutdown()
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(model=resolve_model(MODEL), num_kv_blocks=512, max_model_len=1024)
+
+
+def reference(offline: LLM, prompt_ids: list[int], max_tokens: int, **kw) -> tuple[str, list[int]]:
+    out = offline.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                        **kw))[0].outputs[0]
+    return out.text, list(out.token_ids)
+
+
+def test_completion_greedy_matches_offline(client, offline) -> None:
+    tok = offline.get_tokenizer()
+    for prompt in PROMPTS:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        text, ids = reference(offline, tok.encode(prompt), 24)
+        choice = r.choices[0]
+        assert choice.token_ids == ids  # type: ignore[attr-defined]
+        assert choice.text == text
+        assert choice.finish_reason in ("length", "stop")
+        assert r.usage.prompt_tokens == len(tok.encode(prompt))
+        assert r.usage.completion_tokens == len(ids)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + len(ids)
+
+
+def test_completion_streaming_matches_offline(client, offline) -> None:
+    tok = offline.get_tokenizer()
+    prompt_ids = tok.encode(PROMPTS[1])
+    stream = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=40,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    texts, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            texts.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    text, ids = reference(offline, prompt_ids, 40)
+    assert "".join(texts) == text
+    assert len([t for t in texts if t]) > 1  # really streamed, not one blob
+    assert finish in ("length", "stop")
+    assert usage is not None and usage.completion_tokens == len(ids)
+    assert usage.prompt_tokens == len(prompt_ids)
+
+
+def test_chat_matches_offline(client, offline) -> None:
+    tok = offline.get_tokenizer()
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "Tell me about foxes"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text, ids = reference(offline, tok.encode(prompt, add_special_tokens=False), 20)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                       temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == text
+    assert r.usage.completion_tokens == len(ids)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason in ("length", "stop")
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(ids)
+
+
+def test_edge_params(client, offline) -> None:
+    tok = offline.get_tokenizer()
+    ids = tok.encode(PROMPTS[2])
+    # max_tokens=1: the prefill engine alone answers (no KV to ship).
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0)
+    assert r.choices[0].text == reference(offline, ids, 1)[0] and r.usage.completion_tokens == 1
+    # Stop strings are honoured across the P -> D hand-over.
+    full, _ = reference(offline, ids, 30)
+    stop = next((full[i:i + 2] for i in range(3, len(full) - 2) if full[i:i + 2].strip()), None)
+    if stop:
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=30, temperature=0,
+                                      stop=[stop])
+        assert r.choices[0].text == reference(offline, ids, 30, stop=[stop])[0]
+        assert r.choices[0].finish_reason == "stop"
+    # Seeded sampling works and is reproducible.
+    a = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0.9,
+                                  seed=7, extra_body={"return_token_ids": True})
+    assert len(a.choices[0].token_ids) == 12  # type: ignore[attr-defined]
+
+
+def test_kv_really_moved_from_p_to_d(cluster) -> None:
+    st = wait_idle(cluster.url)
+    p, d = (next(e for e in st["engines"] if e["role"] == r) for r in ("prefill", "decode"))
+    assert p["stats"]["requests_total"] > 0 and d["stats"]["requests_total"] > 0
+    if d["kv_endpoint"] is not None:  # the KV connector is in: D must not prefill by itself
+        assert d["stats"].get("kv_bytes_received", 0) > 0
+        assert d["stats"].get("kv_fallbacks", 0) == 0
+
+
+def test_models_health_metrics(cluster, client) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    h = httpx.get(f"{cluster.url}/health", timeout=10)
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    m = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    for series in ("pd_requests_total{outcome=\"success\"}", "pd_time_to_first_token_seconds",
+                   "pd_inter_token_latency_seconds", "pd_engine_kv_blocks_used",
+                   "pd_engine_num_waiting", "pd_requests_inflight", "pd_engine_healthy"):
+        assert series in m, series
+
+
+BAD_INPUTS = [  # (body or raw bytes, path, status, param)
+    (b"{not json", "/v1/completions", 400, None),
+    (b"[1, 2]", "/v1/completions", 400, None),
+    ({"model": MODEL}, "/v1/completions", 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "/v1/completions", 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "/v1/completions", 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, "/v1/completions", 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, "/v1/completions", 400, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, "/v1/completions", 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, "/v1/completions", 400, "max_tokens"),
+    ({"model": MODEL, "prompt": 123}, "/v1/completions", 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "stream": "yes"}, "/v1/completions", 400, "stream"),
+    ({"model": MODEL, "prompt": "hi", "temprature": 0.5}, "/v1/completions", 400, "temprature"),
+    ({"model": MODEL, "prompt": [1, 2, 99999]}, "/v1/completions", 400, "prompt"),
+    ({"model": MODEL, "prompt": ""}, "/v1/completions", 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi " * 1500}, "/v1/completions", 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 5000}, "/v1/completions", 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "echo": True}, "/v1/completions", 400, "echo"),
+    ({"model": "gpt-4", "prompt": "hi"}, "/v1/completions", 404, "model"),
+    ({"model": MODEL, "messages": []}, "/v1/chat/completions", 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+     "/v1/chat/completions", 400, "messages"),
+    ({"model": MODEL, "messages": "hi"}, "/v1/chat/completions", 400, "messages"),
+    ({"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+     "/v1/chat/completions", 404, "model"),
+]
+
+
+def test_bad_inputs_are_clean_4xx(cluster, client) -> None:
+    with httpx.Client(base_url=cluster.url, timeout=30) as http:
+        for body, path, status, param in BAD_INPUTS:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = http.post(path, content=content, headers={"Content-Type": "application/json"})
+            assert r.status_code == status, (body, r.status_code, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}, err
+            assert err["type"] == "invalid_request_error" and err["message"]
+            if param is not None:
+                assert err["param"] == param, (body, err)
+        assert http.get("/health").status_code == 200
+    st = wait_idle(cluster.url)
+    assert all(e["healthy"] and e["last_error"] is None for e in st["engines"])
+    assert client.completions.create(model=MODEL, prompt="still fine", max_tokens=4).usage
+
+
+def test_over_limit_is_429_and_disconnect_aborts(cluster) -> None:
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 900, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+    async def run() -> int:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as http:
+            streams = []
+            for _ in range(MAX_INFLIGHT):  # hold every in-flight slot with an open stream
+                req = http.build_request("POST", "/v1/completions", json=body)
+                resp = await http.send(req, stream=True)
+                assert resp.status_code == 200
+                streams.append(resp)
+            lines = streams[0].aiter_lines()  # keep a reference: dropping it closes the stream
+            assert (await lines.__anext__()).startswith("data: ")
+            over = await http.post("/v1/completions", json={**body, "stream": False})
+            for resp in streams:  # client goes away mid-stream
+                await resp.aclose()
+            assert over.json()["error"]["code"] == "rate_limit_exceeded"
+            return over.status_code
+
+    assert asyncio.run(run()) == 429
+    wait_idle(cluster.url, timeout=30)  # the disconnects aborted the requests on both engines
