@@ -47,14 +47,15 @@ class KVReceiver:
         self._staged: OrderedDict[str, _Staged] = OrderedDict()
         self._staged_bytes = 0
         self._done: dict[str, int | None] = {}
+        self._cancelled: OrderedDict[str, float] = OrderedDict()  # ended here, bounded
         # Wall-clock arrival of each request's first layer, for overlap measurements (bounded).
         self.first_layer_times: OrderedDict[str, float] = OrderedDict()
         self.bytes_received = 0
         self.num_dropped = 0
 
     # ---- scheduler-driven ----------------------------------------------------------------
-    def register(self, spec: RecvSpec) -> tuple[str, str] | None:
-        """Start receiving; returns (peer, request id) to ACK if staged messages completed it."""
+    def register(self, spec: RecvSpec) -> tuple[str, str, bool] | None:
+        """Start receiving; returns (peer, request id, ok) to ACK if staged messages completed it."""
         blocks = -(-spec.num_prompt_tokens // self.block_size)
         state = _Receiving(spec, torch.tensor(spec.block_ids[:blocks], dtype=torch.long),
                            time.monotonic() + self.timeout, [set() for _ in range(self.num_layers)])
@@ -70,11 +71,19 @@ class KVReceiver:
                 ack = self._apply(state, header, tensor, peer) or ack
             return ack
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str) -> tuple[str, str, bool] | None:
+        """Stop receiving (the request ended here). Returns a NACK for the producer if we
+        know it, so it frees its blocks now; a FIN arriving later is answered the same way."""
         with self._lock:
-            self._active.pop(request_id, None)
+            state = self._active.pop(request_id, None)
             self._done.pop(request_id, None)
+            staged = self._staged.get(request_id)
             self._drop_staged(request_id)
+            self._cancelled[request_id] = time.monotonic()
+            while len(self._cancelled) > 4096:
+                self._cancelled.popitem(last=False)
+            peer = state.peer if state else (staged.items[0][2] if staged else None)
+            return (peer, request_id, False) if peer else None
 
     def take_finished(self) -> dict[str, int | None]:
         """Completed receives (first token) and expired ones (None: fall back)."""
@@ -93,12 +102,14 @@ class KVReceiver:
 
     # ---- receiver-thread-driven ----------------------------------------------------------
     def on_message(self, header: KVLayerHeader | FinHeader, tensor: torch.Tensor | None,
-                   peer: str) -> tuple[str, str] | None:
-        """Apply or stage one message; returns (peer, request id) to ACK when it completed."""
+                   peer: str) -> tuple[str, str, bool] | None:
+        """Apply or stage one message; returns (peer, request id, ok) to ACK when it ended."""
         with self._lock:
             state = self._active.get(header.request_id)
             if state is not None:
                 return self._apply(state, header, tensor, peer)
+            if header.request_id in self._cancelled:
+                return (peer, header.request_id, False) if isinstance(header, FinHeader) else None
             size = tensor.nbytes if tensor is not None else 0
             if self._staged_bytes + size > self.max_staging_bytes:
                 self.num_dropped += 1
@@ -112,10 +123,11 @@ class KVReceiver:
 
     # ---- internals (lock held) -----------------------------------------------------------
     def _apply(self, state: _Receiving, header: KVLayerHeader | FinHeader,
-               tensor: torch.Tensor | None, peer: str) -> tuple[str, str] | None:
+               tensor: torch.Tensor | None, peer: str) -> tuple[str, str, bool] | None:
         rid = state.spec.request_id
+        state.peer = peer
         if isinstance(header, FinHeader):
-            state.fin, state.peer = header, peer
+            state.fin = header
             if header.first_token is None:  # producer aborted: fall back now
                 del self._active[rid]
                 self._done[rid] = None
@@ -131,7 +143,7 @@ class KVReceiver:
         if state.fin is not None and all(len(r) == total for r in state.received):
             del self._active[rid]
             self._done[rid] = state.fin.first_token
-            return state.peer, rid
+            return state.peer, rid, True
         return None
 
     def _write_layer(self, state: _Receiving, header: KVLayerHeader,

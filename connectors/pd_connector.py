@@ -110,7 +110,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
         for spec in metadata.recvs:
             self._ack(self.receiver.register(spec))
         for rid in metadata.cancels:
-            self.receiver.cancel(rid)
+            self._ack(self.receiver.cancel(rid))
         for fin in metadata.finishes:
             self._send_fin(fin)
 
@@ -218,13 +218,14 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             else:
                 self._ack(self.receiver.on_message(header, tensor, peer))
 
-    def _ack(self, completed: tuple[str, str] | None) -> None:
-        """Tell the producer at once that it may free the request's blocks."""
-        if completed is None:
+    def _ack(self, ended: tuple[str, str, bool] | None) -> None:
+        """Tell the producer at once that it may free the request's blocks (ok=False: the
+        request ended here before its KV was used)."""
+        if ended is None:
             return
-        peer, rid = completed
+        peer, rid, ok = ended
         try:
-            self.pipe.send_tensor(peer, encode_header(AckHeader(rid, True)), None)
+            self.pipe.send_tensor(peer, encode_header(AckHeader(rid, ok)), None)
         except PipeError as e:
             logger.warning("ACK for %s not sent: %s", rid, e)
 

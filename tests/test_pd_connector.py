@@ -145,3 +145,19 @@ def test_engine_in_either_role_serves_ordinary_requests(model):
         assert [got["plain0"], got["plain1"]] == ref
         e.check_no_leaks()
         e.close()
+
+
+def test_consumer_abort_releases_producer_blocks_at_once(model):
+    d = engine(model, "consumer", block_size=8)
+    p = engine(model, "producer", timeout=30, block_size=8)
+    prompt = prompts_of_lengths([40])[0]
+    submit_pair(p, d, "gone", prompt, GREEDY, d.kv_endpoint())
+    d.step()  # registered, waiting for KV
+    d.abort_request(["gone"])  # e.g. the client disconnected
+    start = time.monotonic()
+    while p.has_unfinished_requests() or d.has_unfinished_requests():
+        assert time.monotonic() - start < 10, "producer kept its blocks after the consumer abort"
+        p.step(), d.step()
+    assert p.stats()["kv_send_timeouts"] == 0  # freed by the consumer's NACK, not the timeout
+    p.check_no_leaks(), d.check_no_leaks()
+    p.close(), d.close()
