@@ -28,24 +28,49 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int
     return k, v
 
 
+def length_groups(lengths: list[int], min_fill: float = 0.6) -> list[list[int]]:
+    """Indices grouped so that, padded to its longest member, each group is at least
+    ``min_fill`` real keys: bounds the padding work of one batched call."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] >= min_fill * lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def torch_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float) -> torch.Tensor:
-    """All decode requests at once: one query each, keys padded to the longest context."""
+    """Decode requests (one query each) in a few batched calls of similar context length."""
     n = meta.num_decodes
-    block_size = kv_cache.shape[2]
-    max_len = max(meta.seq_lens_cpu[:n])
-    tables = meta.block_tables[:n, : -(-max_len // block_size)].long()
+    lengths = meta.seq_lens_cpu[:n]
+    groups = length_groups(lengths)
+    if len(groups) == 1:
+        return _decode_group(query[:n], kv_cache, meta.block_tables[:n], meta.seq_lens[:n],
+                             max(lengths), scale)
+    out = torch.empty_like(query[:n])
+    for group in groups:
+        idx = torch.tensor(group, device=query.device)
+        out[idx] = _decode_group(query[idx], kv_cache, meta.block_tables[idx], meta.seq_lens[idx],
+                                 lengths[group[0]], scale)
+    return out
+
+
+def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    n, block_size = query.shape[0], kv_cache.shape[2]
     # index_select on the leading (block) dim copies whole blocks: several times faster on
     # CPU than advanced indexing, which gathers element-wise.
-    flat = tables.flatten()
+    flat = block_tables[:, : -(-max_len // block_size)].long().flatten()
     k = kv_cache[0].index_select(0, flat).view(n, -1, *kv_cache.shape[-2:])  # [n, L, Hkv, D]
     v = kv_cache[1].index_select(0, flat).view(n, -1, *kv_cache.shape[-2:])
     mask = (torch.arange(k.shape[1], device=query.device)[None, :]
-            < meta.seq_lens[:n, None].to(query.device))  # [n, L]
-    q = query[:n].unsqueeze(2)  # [n, Hq, 1, D]
+            < seq_lens[:, None].to(query.device))  # [n, L]
     out = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale,
-        enable_gqa=True)
+        query.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 
