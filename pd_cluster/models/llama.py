@@ -40,6 +40,7 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
     backend: AttentionBackend
     connector: Any = None  # worker-side KV connector, or None
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's cos/sin, shared by layers
 
 
 class RMSNorm(nn.Module):
@@ -65,10 +66,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        """Tables for this step's positions, looked up once and used by every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -93,13 +100,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(ctx.rope, q, k)
         kv_cache = ctx.kv_caches[self.layer_idx]
         if ctx.connector is not None:
             ctx.connector.wait_for_layer_load(self.layer_idx)
@@ -132,8 +139,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -148,8 +155,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        ctx.rope = self.layers[0].self_attn.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, ctx)
+            x = layer(x, ctx)
         return self.norm(x)
 
 
