@@ -24,7 +24,7 @@ class _Receiving:
     spec: RecvSpec
     block_index: torch.Tensor  # int64 block ids, for index_copy_
     deadline: float
-    received: list[set[int]]  # per layer: block positions written
+    received: list[list[set[int]]]  # per layer, per K/V: block positions written
     fin: FinHeader | None = None
     peer: str | None = None
     first_layer_time: float | None = None
@@ -58,7 +58,8 @@ class KVReceiver:
         """Start receiving; returns (peer, request id, ok) to ACK if staged messages completed it."""
         blocks = -(-spec.num_prompt_tokens // self.block_size)
         state = _Receiving(spec, torch.tensor(spec.block_ids[:blocks], dtype=torch.long),
-                           time.monotonic() + self.timeout, [set() for _ in range(self.num_layers)])
+                           time.monotonic() + self.timeout,
+                           [[set(), set()] for _ in range(self.num_layers)])
         with self._lock:
             if spec.request_id in self._active:
                 logger.warning("duplicate receive registration for %s dropped", spec.request_id)
@@ -140,7 +141,8 @@ class KVReceiver:
                 logger.warning("dropped KV for %s layer %s: %s", rid, header.layer, e)
                 return None
         total = len(state.block_index)
-        if state.fin is not None and all(len(r) == total for r in state.received):
+        if state.fin is not None and all(len(r) == total for parts in state.received
+                                         for r in parts):
             del self._active[rid]
             self._done[rid] = state.fin.first_token
             return state.peer, rid, True
@@ -151,18 +153,26 @@ class KVReceiver:
         if not 0 <= header.layer < self.num_layers or tensor is None:
             raise ValueError("bad layer index or missing payload")
         cache = self.kv_caches[header.layer]
-        n = tensor.shape[1] if tensor.dim() == 5 else -1
-        end = min(header.first_block + n, len(state.block_index))
-        expected = (2, n, *cache.shape[2:])
+        both = header.part == 2
+        n = tensor.shape[1 if both else 0] if tensor.dim() == (5 if both else 4) else -1
+        expected = ((2, n) if both else (n,)) + tuple(cache.shape[2:])
         if n <= 0 or tuple(tensor.shape) != expected or tensor.dtype != cache.dtype:
             raise ValueError(f"payload {tuple(tensor.shape)} {tensor.dtype} does not match "
                              f"the cache layout {expected} {cache.dtype}")
-        if header.first_block >= end:
-            raise ValueError(f"blocks from {header.first_block} are past the prompt")
-        # Trailing blocks past the prompt (never sent in practice) are ignored.
-        count = end - header.first_block
-        scatter_blocks(tensor[:, :count], cache, state.block_index[header.first_block:end])
-        state.received[header.layer].update(range(header.first_block, end))
+        end = header.first_block + n
+        if end > len(state.block_index):
+            raise ValueError(f"blocks {header.first_block}..{end - 1} are past the prompt")
+        targets = state.block_index[header.first_block:end]
+        if header.descending:
+            targets = targets.flip(0)
+        parts = (0, 1) if both else (header.part,)
+        if both:
+            scatter_blocks(tensor, cache, targets)
+        else:
+            cache[header.part].index_copy_(0, targets.to(cache.device),
+                                           tensor.to(cache.device, cache.dtype))
+        for part in parts:
+            state.received[header.layer][part].update(range(header.first_block, end))
         self.bytes_received += tensor.nbytes
         if state.first_layer_time is None:
             state.first_layer_time = time.time()

@@ -45,9 +45,14 @@ class KVConnectorMetadata:
 # ---- wire headers (msgpack dicts; the pipe adds its own tensor fields) --------------------
 @dataclass(frozen=True)
 class KVLayerHeader:
+    """Payload: [2, n, block_size, H, D] (part 2: K and V) or [n, block_size, H, D] (part 0 = K,
+    1 = V), for the request's blocks first_block .. first_block + n - 1, in table order or,
+    when ``descending``, in reverse (a zero-copy view of a descending run of block ids)."""
     request_id: str
     layer: int
     first_block: int
+    part: int = 2
+    descending: bool = False
     kind: str = "kv"
 
 
@@ -85,6 +90,8 @@ def decode_header(raw: dict[str, Any]) -> KVLayerHeader | FinHeader | AckHeader:
         raise ValueError(f"malformed {cls.__name__}: {e}") from None
     if not isinstance(header.request_id, str):
         raise ValueError("malformed header: request_id must be a string")
+    if getattr(header, "part", 2) not in (0, 1, 2):
+        raise ValueError(f"malformed header: part={header.part!r}")
     for name in ("layer", "first_block", "num_prompt_tokens"):
         value = getattr(header, name, 0)
         if not isinstance(value, int) or value < 0:

@@ -30,7 +30,26 @@ from connectors.pd_scheduler import PDConnectorScheduler
 from connectors.pipes.base import HandshakeError, PipeConfig, PipeError, create_pipe
 
 logger = logging.getLogger(__name__)
+_MAX_ZERO_COPY_RUNS = 4
 _HANDSHAKE_KEYS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+
+
+def contiguous_runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int, bool]]:
+    """Maximal runs of consecutive ids, ascending or descending: (index of the run's first
+    entry, length, lowest block id, descending)."""
+    runs: list[tuple[int, int, int, bool]] = []
+    i = 0
+    while i < len(block_ids):
+        j = i + 1
+        step = block_ids[j] - block_ids[i] if j < len(block_ids) else 1
+        if step not in (1, -1):
+            step = 1
+        while j < len(block_ids) and block_ids[j] - block_ids[j - 1] == step:
+            j += 1
+        low = min(block_ids[i], block_ids[j - 1])
+        runs.append((i, j - i, low, step == -1 and j - i > 1))
+        i = j
+    return runs
 
 
 def model_fingerprint(model_dir: str) -> str:
@@ -58,7 +77,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             "max_inflight_bytes", 256 << 20)))
         self._peer_errors: dict[str, str] = {}  # peer -> why it cannot be used
         self._connected: set[str] = set()
-        self._step_futures: list[Future] = []
+        self._step_futures: list[tuple[str, Future]] = []  # (request id, send)
         self._awaiting_ack: dict[str, float] = {}  # request id -> deadline
         self._failed_sends: set[str] = set()
         self._done_sending: set[str] = set()
@@ -130,22 +149,17 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             if spec.request_id in self._failed_sends or not self._usable(spec.peer):
                 self._failed_sends.add(spec.request_id)
                 continue
-            # A copy into a pooled buffer: the blocks may be rewritten (e.g. after preemption)
-            # while the message is on the wire, and reused buffers avoid page faults.
-            payload = self._buffers.acquire((2, len(spec.block_ids), *kv_layer.shape[2:]),
-                                            kv_layer.dtype, kv_layer.device)
-            gather_blocks(kv_layer, spec.block_ids, payload)
-            if payload.device.type != "cpu" and self.config.pipe != "nccl":
-                payload = payload.to("cpu")
-            header = encode_header(KVLayerHeader(spec.request_id, layer, spec.first_block))
-            try:
-                future = self.pipe.send_tensor(spec.peer, header, payload)
-                self._buffers.release_when_done(payload, future)
-                self._step_futures.append(future)
+            for header, payload, pooled in self._payloads(spec, layer, kv_layer):
+                try:
+                    future = self.pipe.send_tensor(spec.peer, encode_header(header), payload)
+                except PipeError as e:
+                    logger.error("send of %s layer %d failed: %s", spec.request_id, layer, e)
+                    self._failed_sends.add(spec.request_id)
+                    break
+                if pooled:
+                    self._buffers.release_when_done(payload, future)
+                self._step_futures.append((spec.request_id, future))
                 self.bytes_sent += payload.nbytes
-            except PipeError as e:
-                logger.error("send of %s layer %d failed: %s", spec.request_id, layer, e)
-                self._failed_sends.add(spec.request_id)
         if layer == len(self.kv_caches) - 1:
             now = time.time()
             for spec in self._meta.sends:
@@ -153,12 +167,33 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             while len(self.last_layer_times) > 4096:
                 self.last_layer_times.popitem(last=False)
 
+    def _payloads(self, spec: Any, layer: int, kv_layer: torch.Tensor
+                  ) -> list[tuple[KVLayerHeader, torch.Tensor, bool]]:
+        """Zero-copy views of the cache when the blocks form a few contiguous runs (CPU, the
+        common case: a prompt's blocks are allocated together); else one gathered copy."""
+        runs = contiguous_runs(spec.block_ids)
+        if kv_layer.device.type == "cpu" and len(runs) <= _MAX_ZERO_COPY_RUNS:
+            return [(KVLayerHeader(spec.request_id, layer, spec.first_block + start, part,
+                                   descending), kv_layer[part, low:low + count], False)
+                    for start, count, low, descending in runs for part in (0, 1)]
+        payload = self._buffers.acquire((2, len(spec.block_ids), *kv_layer.shape[2:]),
+                                        kv_layer.dtype, kv_layer.device)
+        gather_blocks(kv_layer, spec.block_ids, payload)
+        if payload.device.type != "cpu" and self.config.pipe != "nccl":
+            payload = payload.to("cpu")
+        return [(KVLayerHeader(spec.request_id, layer, spec.first_block), payload, True)]
+
     def wait_for_save(self) -> None:
+        """Every payload of this step released by the pipe: zero-copy views point into the
+        cache, which the next step may write. A send still pending after the timeout marks
+        its request failed (the consumer will recompute rather than trust the data)."""
         if not self._step_futures:
             return
-        _, pending = wait(self._step_futures, timeout=self.config.kv_transfer_timeout)
+        _, pending = wait([f for _, f in self._step_futures],
+                          timeout=self.config.kv_transfer_timeout)
         if pending:
             self.num_send_timeouts += 1
+            self._failed_sends.update(rid for rid, f in self._step_futures if f in pending)
             logger.error("%d KV sends still pending after %.1fs", len(pending),
                          self.config.kv_transfer_timeout)
         self._step_futures = []

@@ -161,3 +161,44 @@ def test_consumer_abort_releases_producer_blocks_at_once(model):
     assert p.stats()["kv_send_timeouts"] == 0  # freed by the consumer's NACK, not the timeout
     p.check_no_leaks(), d.check_no_leaks()
     p.close(), d.close()
+
+
+def test_contiguous_runs():
+    from connectors.pd_connector import contiguous_runs
+    assert contiguous_runs((4, 5, 6)) == [(0, 3, 4, False)]
+    assert contiguous_runs((9, 8, 7, 3, 4)) == [(0, 3, 7, True), (3, 2, 3, False)]
+    assert contiguous_runs((2, 7, 1)) == [(0, 1, 2, False), (1, 1, 7, False), (2, 1, 1, False)]
+    assert contiguous_runs(()) == []
+
+
+@pytest.mark.parametrize("src_blocks", [(9, 8, 7, 3, 4), (0, 1, 2, 3, 4), (11, 2, 7, 5, 0, 9)])
+def test_worker_pair_moves_blocks_exactly(src_blocks):
+    """Zero-copy runs (ascending, descending) and the gathered fallback land bit-exactly."""
+    from connectors.config import KVTransferConfig
+    from connectors.metadata import FinishSpec, KVConnectorMetadata, RecvSpec, SendSpec
+    from connectors.pd_connector import PDConnectorWorker
+    info = {"model_id": "t", "dtype": "torch.float32", "block_size": 4, "num_layers": 2,
+            "num_kv_heads": 2, "head_dim": 8}
+    cons = PDConnectorWorker(KVTransferConfig(role="consumer"), info)
+    prod = PDConnectorWorker(KVTransferConfig(role="producer"), info)
+    src = [torch.randn(2, 12, 4, 2, 8) for _ in range(2)]
+    dst = [torch.zeros(2, 12, 4, 2, 8) for _ in range(2)]
+    prod.register_kv_caches(src), cons.register_kv_caches(dst)
+    dst_blocks = (3, 10, 1, 6, 8, 2)[:len(src_blocks)]
+    n_tokens = len(src_blocks) * 4 - 1
+    cons.bind_connector_metadata(KVConnectorMetadata(recvs=[RecvSpec("w", dst_blocks, n_tokens)]))
+    peer = cons.endpoint()
+    prod.bind_connector_metadata(KVConnectorMetadata(sends=[SendSpec("w", peer, src_blocks, 0)]))
+    for layer in range(2):
+        prod.save_kv_layer(layer, src[layer], None)
+    prod.wait_for_save()
+    prod.bind_connector_metadata(KVConnectorMetadata(finishes=[FinishSpec("w", peer, 7, n_tokens)]))
+    deadline, received = time.monotonic() + 10, {}
+    while "w" not in received:
+        assert time.monotonic() < deadline
+        received.update(cons.get_finished(set())[1])
+        time.sleep(0.005)
+    assert received["w"] == 7
+    for layer in range(2):
+        assert torch.equal(dst[layer][:, list(dst_blocks)], src[layer][:, list(src_blocks)])
+    prod.close(), cons.close()
