@@ -173,9 +173,19 @@ class PDConnectorWorker(KVConnectorBase_Worker):
         common case: a prompt's blocks are allocated together); else one gathered copy."""
         runs = contiguous_runs(spec.block_ids)
         if kv_layer.device.type == "cpu" and len(runs) <= _MAX_ZERO_COPY_RUNS:
-            return [(KVLayerHeader(spec.request_id, layer, spec.first_block + start, part,
-                                   descending), kv_layer[part, low:low + count], False)
-                    for start, count, low, descending in runs for part in (0, 1)]
+            # At most one pipe frame per message: the receiver then uses the frame in place
+            # instead of joining frames with a copy.
+            per_msg = max(1, self.pipe.config.max_frame_bytes // kv_layer[0, 0].nbytes)
+            out = []
+            for start, count, low, descending in runs:
+                for off in range(0, count, per_msg):
+                    n = min(per_msg, count - off)
+                    # Offsets within a descending run count from its high end.
+                    lo = low + (count - off - n if descending else off)
+                    out += [(KVLayerHeader(spec.request_id, layer, spec.first_block + start + off,
+                                           part, descending), kv_layer[part, lo:lo + n], False)
+                            for part in (0, 1)]
+            return out
         payload = self._buffers.acquire((2, len(spec.block_ids), *kv_layer.shape[2:]),
                                         kv_layer.dtype, kv_layer.device)
         gather_blocks(kv_layer, spec.block_ids, payload)

@@ -202,3 +202,33 @@ def test_worker_pair_moves_blocks_exactly(src_blocks):
     for layer in range(2):
         assert torch.equal(dst[layer][:, list(dst_blocks)], src[layer][:, list(src_blocks)])
     prod.close(), cons.close()
+
+
+def test_long_runs_are_split_into_single_frame_messages():
+    from connectors.config import KVTransferConfig
+    from connectors.metadata import FinishSpec, KVConnectorMetadata, RecvSpec, SendSpec
+    from connectors.pd_connector import PDConnectorWorker
+    info = {"model_id": "t", "dtype": "torch.float32", "block_size": 4, "num_layers": 1,
+            "num_kv_heads": 2, "head_dim": 8}  # 256 bytes per block and part
+    cfg = KVTransferConfig.from_dict({"role": "both", "max_frame_bytes": 1024})  # 4 blocks
+    worker = PDConnectorWorker(cfg, info)
+    src, dst = torch.randn(2, 40, 4, 2, 8), torch.zeros(2, 40, 4, 2, 8)
+    worker.register_kv_caches([src])
+    worker.receiver.kv_caches = [dst]  # same engine as both roles: receive into another cache
+    src_blocks, dst_blocks = tuple(range(17, 6, -1)), tuple(range(25, 36))  # descending, 11
+    worker.bind_connector_metadata(KVConnectorMetadata(recvs=[RecvSpec("s", dst_blocks, 44)]))
+    worker.connect_peer(worker.endpoint())
+    meta = KVConnectorMetadata(sends=[SendSpec("s", worker.endpoint(), src_blocks, 0)])
+    worker.bind_connector_metadata(meta)
+    assert len(worker._payloads(meta.sends[0], 0, src)) == 6  # 3 messages each for K and V
+    worker.save_kv_layer(0, src, None)
+    worker.wait_for_save()
+    worker.bind_connector_metadata(KVConnectorMetadata(
+        finishes=[FinishSpec("s", worker.endpoint(), 1, 44)]))
+    deadline, got = time.monotonic() + 10, {}
+    while "s" not in got:
+        assert time.monotonic() < deadline
+        got.update(worker.get_finished(set())[1])
+        time.sleep(0.005)
+    assert torch.equal(dst[:, list(dst_blocks)], src[:, list(src_blocks)])
+    worker.close()
