@@ -28,6 +28,7 @@ class _Receiving:
     fin: FinHeader | None = None
     peer: str | None = None
     first_layer_time: float | None = None
+    first_arrival: float | None = None  # monotonic, for kv_recv_seconds
 
 
 @dataclass
@@ -51,6 +52,7 @@ class KVReceiver:
         # Wall-clock arrival of each request's first layer, for overlap measurements (bounded).
         self.first_layer_times: OrderedDict[str, float] = OrderedDict()
         self.bytes_received = 0
+        self.recv_seconds = 0.0  # first message to complete, summed over requests
         self.num_dropped = 0
 
     # ---- scheduler-driven ----------------------------------------------------------------
@@ -127,6 +129,7 @@ class KVReceiver:
                tensor: torch.Tensor | None, peer: str) -> tuple[str, str, bool] | None:
         rid = state.spec.request_id
         state.peer = peer
+        state.first_arrival = state.first_arrival or time.monotonic()
         if isinstance(header, FinHeader):
             state.fin = header
             if header.first_token is None:  # producer aborted: fall back now
@@ -145,6 +148,7 @@ class KVReceiver:
                                          for r in parts):
             del self._active[rid]
             self._done[rid] = state.fin.first_token
+            self.recv_seconds += time.monotonic() - state.first_arrival
             return state.peer, rid, True
         return None
 

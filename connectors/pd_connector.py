@@ -83,6 +83,8 @@ class PDConnectorWorker(KVConnectorBase_Worker):
         self._done_sending: set[str] = set()
         self._lock = threading.Lock()
         self.bytes_sent = 0
+        self.send_seconds = 0.0  # first layer sent to the consumer's ACK, summed
+        self._send_started: dict[str, float] = {}
         self.num_send_timeouts = 0
         self.last_layer_times: OrderedDict[str, float] = OrderedDict()
         self._running = True
@@ -159,6 +161,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
                 if pooled:
                     self._buffers.release_when_done(payload, future)
                 self._step_futures.append((spec.request_id, future))
+                self._send_started.setdefault(spec.request_id, time.monotonic())
                 self.bytes_sent += payload.nbytes
         if layer == len(self.kv_caches) - 1:
             now = time.time()
@@ -219,12 +222,15 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             except PipeError as e:
                 logger.error("FIN for %s failed: %s", fin.request_id, e)
                 ok = False
+        else:
+            ok = False  # no usable consumer: nobody will ACK, free now
         with self._lock:
             if ok:
                 self._awaiting_ack[fin.request_id] = (time.monotonic()
                                                       + self.config.kv_transfer_timeout)
             else:
                 self._done_sending.add(fin.request_id)
+                self._send_started.pop(fin.request_id, None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], dict[str, int | None]]:
         now = time.monotonic()
@@ -236,6 +242,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
                     self.num_send_timeouts += 1
                     del self._awaiting_ack[rid]
                     self._done_sending.add(rid)
+                    self._send_started.pop(rid, None)
             sending, self._done_sending = self._done_sending, set()
         return sending, self.receiver.take_finished()
 
@@ -260,6 +267,9 @@ class PDConnectorWorker(KVConnectorBase_Worker):
                 with self._lock:
                     if self._awaiting_ack.pop(header.request_id, None) is not None:
                         self._done_sending.add(header.request_id)
+                        started = self._send_started.pop(header.request_id, None)
+                        if started is not None:
+                            self.send_seconds += time.monotonic() - started
             else:
                 self._ack(self.receiver.on_message(header, tensor, peer))
 
@@ -276,6 +286,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
 
     def stats(self) -> dict[str, Any]:
         return {"kv_bytes_sent": self.bytes_sent, "kv_bytes_received": self.receiver.bytes_received,
+                "kv_send_seconds": self.send_seconds, "kv_recv_seconds": self.receiver.recv_seconds,
                 "kv_send_timeouts": self.num_send_timeouts,
                 "kv_dropped_messages": self.receiver.num_dropped}
 

@@ -36,6 +36,7 @@ def test_pd_matches_colocated_with_chunked_prefill_and_seeds(model):
                                                                             block_size=8)
     assert d.stats()["kv_fallbacks"] == 0
     assert p.stats()["kv_bytes_sent"] == d.stats()["kv_bytes_received"] > 0
+    assert p.stats()["kv_send_seconds"] > 0 and d.stats()["kv_recv_seconds"] > 0
     p.check_no_leaks(), d.check_no_leaks()
     p.close(), d.close()
 
