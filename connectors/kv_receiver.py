@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from connectors.metadata import FinHeader, KVLayerHeader, RecvSpec
-from connectors.buffer_pool import scatter_blocks
+from connectors.block_io import scatter_blocks
 
 logger = logging.getLogger(__name__)
 

@@ -38,9 +38,6 @@ class KVConnectorMetadata:
     recvs: list[RecvSpec] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)  # consumer: stop receiving (aborted)
 
-    def is_empty(self) -> bool:
-        return not (self.sends or self.finishes or self.recvs or self.cancels)
-
 
 # ---- wire headers (msgpack dicts; the pipe adds its own tensor fields) --------------------
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from connectors.base import KVConnectorBase_Worker
-from connectors.buffer_pool import BufferPool, gather_blocks
+from connectors.block_io import BufferPool, contiguous_runs, gather_blocks
 from connectors.config import KVTransferConfig
 from connectors.factory import ConnectorPair, register_connector
 from connectors.kv_receiver import KVReceiver
@@ -32,24 +32,6 @@ from connectors.pipes.base import HandshakeError, PipeConfig, PipeError, create_
 logger = logging.getLogger(__name__)
 _MAX_ZERO_COPY_RUNS = 4
 _HANDSHAKE_KEYS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
-
-
-def contiguous_runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int, bool]]:
-    """Maximal runs of consecutive ids, ascending or descending: (index of the run's first
-    entry, length, lowest block id, descending)."""
-    runs: list[tuple[int, int, int, bool]] = []
-    i = 0
-    while i < len(block_ids):
-        j = i + 1
-        step = block_ids[j] - block_ids[i] if j < len(block_ids) else 1
-        if step not in (1, -1):
-            step = 1
-        while j < len(block_ids) and block_ids[j] - block_ids[j - 1] == step:
-            j += 1
-        low = min(block_ids[i], block_ids[j - 1])
-        runs.append((i, j - i, low, step == -1 and j - i > 1))
-        i = j
-    return runs
 
 
 def model_fingerprint(model_dir: str) -> str:

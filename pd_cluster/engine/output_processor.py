@@ -47,7 +47,9 @@ class OutputProcessor:
             old_len = len(detok.text)
             reason, by_string = None, False
             for i in range(len(new_tokens)):
-                reason = checker.check_token(request.output_token_ids[:state.num_seen_tokens + i + 1])
+                seen = state.num_seen_tokens + i + 1
+                ids = request.output_token_ids  # a slice only if several tokens came at once
+                reason = checker.check_token(ids if seen == len(ids) else ids[:seen])
                 if reason == FINISH_STOP:
                     break  # a stop token's text never appears in the output
                 delta = detok.append(new_tokens[i])

@@ -1,4 +1,4 @@
-"""Reusable send buffers, returned to the pool when the pipe no longer needs them."""
+"""Moving KV blocks in and out of a paged cache: block runs, gather/scatter, send buffers."""
 from __future__ import annotations
 
 import threading
@@ -48,3 +48,21 @@ def gather_blocks(kv_layer: torch.Tensor, block_ids: tuple[int, ...], out: torch
 def scatter_blocks(buffer: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> None:
     from kernels.block_copy import scatter_kv_blocks, scatter_kv_blocks_torch
     (scatter_kv_blocks if kv_layer.is_cuda else scatter_kv_blocks_torch)(buffer, kv_layer, block_ids)
+
+
+def contiguous_runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int, bool]]:
+    """Maximal runs of consecutive ids, ascending or descending: (index of the run's first
+    entry, length, lowest block id, descending)."""
+    runs: list[tuple[int, int, int, bool]] = []
+    i = 0
+    while i < len(block_ids):
+        j = i + 1
+        step = block_ids[j] - block_ids[i] if j < len(block_ids) else 1
+        if step not in (1, -1):
+            step = 1
+        while j < len(block_ids) and block_ids[j] - block_ids[j - 1] == step:
+            j += 1
+        low = min(block_ids[i], block_ids[j - 1])
+        runs.append((i, j - i, low, step == -1 and j - i > 1))
+        i = j
+    return runs
