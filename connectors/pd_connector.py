@@ -57,8 +57,10 @@ class PDConnectorWorker(KVConnectorBase_Worker):
         self._meta: KVConnectorMetadata | None = None
         self._buffers = BufferPool(max_bytes=int(config.pipe_config.get(
             "max_inflight_bytes", 256 << 20)))
-        self._peer_errors: dict[str, str] = {}  # peer -> why it cannot be used
-        self._connected: set[str] = set()
+        self._peers: dict[str, str | None] = {}  # connected consumer -> its tag
+        self._connecting: dict[str, threading.Lock] = {}
+        self._peer_lock = threading.Lock()
+        self._warned: set[str] = set()
         self._step_futures: list[tuple[str, Future]] = []  # (request id, send)
         self._awaiting_ack: dict[str, float] = {}  # request id -> deadline
         self._failed_sends: set[str] = set()
@@ -87,25 +89,34 @@ class PDConnectorWorker(KVConnectorBase_Worker):
         return ("KV layout mismatch between prefill and decode engines: " + "; ".join(diffs)
                 if diffs else None)
 
-    def connect_peer(self, peer: str) -> None:
-        """Handshake with a consumer; raises HandshakeError/PipeError with the reason."""
-        if peer in self._connected:
-            return
-        self.pipe.connect(peer, dict(self.hello))
-        self._connected.add(peer)
+    # ---- peers: the consumers this producer sends to ------------------------------------
+    def connect_peer(self, peer: str, tag: str | None = None) -> None:
+        """Handshake with a consumer: at launch, or when the cluster finds a new or restarted
+        one; never on the forward path. ``tag`` names the consumer's incarnation: a peer
+        known under another tag is connected afresh (a restarted engine may reuse its
+        address). Raises HandshakeError/PipeError with the reason."""
+        with self._peer_lock:
+            lock = self._connecting.setdefault(peer, threading.Lock())
+        with lock:  # one handshake per peer at a time: a second would replace the first
+            if peer in self._peers and self._peers[peer] == tag:
+                return
+            self.pipe.connect(peer, dict(self.hello))
+            with self._peer_lock:  # swapped whole: the engine thread reads it without a lock
+                self._peers = {**self._peers, peer: tag}
+                self._warned.discard(peer)
+
+    def peers(self) -> dict[str, str | None]:
+        """Connected consumers (address -> tag)."""
+        return dict(self._peers)
 
     def _usable(self, peer: str) -> bool:
-        if peer in self._connected:
+        if peer in self._peers:
             return True
-        if peer in self._peer_errors:
-            return False
-        try:
-            self.connect_peer(peer)
-            return True
-        except (HandshakeError, PipeError) as e:
-            logger.error("cannot send KV to %s: %s", peer, e)
-            self._peer_errors[peer] = str(e)
-            return False
+        if peer not in self._warned:  # a handshake here would stall the whole batch
+            self._warned.add(peer)
+            logger.error("KV for %s not sent: no handshake with it yet (the cluster connects "
+                         "consumers at launch and when they (re)start)", peer)
+        return False
 
     # ---- per step ------------------------------------------------------------------------
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:

@@ -134,6 +134,7 @@ def part2(prompt_tokens: int, repeats: int) -> None:
     p = EngineProcess(EngineConfig(model=model, enable_prefix_caching=False,
                                    kv_transfer=kv("producer")))
     p.wait_ready(), d.wait_ready()
+    p.connect_kv_peer(d.kv_endpoint)  # the handshake, as a cluster does at launch
 
     def submit(rid: str) -> None:
         d.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=2),

@@ -25,7 +25,9 @@ def producer_params(params: SamplingParams) -> SamplingParams:
 
 def submit_pair(p: Any, d: Any, rid: str, prompt: list[int], params: SamplingParams,
                 endpoint: str) -> None:
-    """Same request id on both sides, as the proxy does."""
+    """Same request id on both sides, as the proxy does (after the handshake, as the cluster
+    does at launch: a producer never handshakes on its forward path)."""
+    p.connect_kv_peer(endpoint)
     d.add_request(rid, prompt, params, {"do_remote_prefill": True})
     p.add_request(rid, prompt, producer_params(params),
                   {"do_remote_decode": True, "remote_kv_addr": endpoint})

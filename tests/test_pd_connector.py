@@ -189,6 +189,7 @@ def test_worker_pair_moves_blocks_exactly(src_blocks):
     n_tokens = len(src_blocks) * 4 - 1
     cons.bind_connector_metadata(KVConnectorMetadata(recvs=[RecvSpec("w", dst_blocks, n_tokens)]))
     peer = cons.endpoint()
+    prod.connect_peer(peer)  # at launch in a cluster: never on the forward path
     prod.bind_connector_metadata(KVConnectorMetadata(sends=[SendSpec("w", peer, src_blocks, 0)]))
     for layer in range(2):
         prod.save_kv_layer(layer, src[layer], None)

@@ -38,9 +38,11 @@ class HandshakeError(ValueError):
 @dataclass(frozen=True)
 class PipeConfig:
     transport: str = "tcp"                # "tcp" | "ipc"
-    host: str = "127.0.0.1"               # interface listen() binds
-    port: int = 0                         # 0: the OS picks one
-    advertise_host: str = ""              # host for listen()'s address instead of `host` (0.0.0.0)
+    host: str = "127.0.0.1"               # address listen() binds and advertises (tcp)
+    interface: str = ""                   # instead of host: this node's address on that NIC
+    cidr: str = ""                        # instead of host: this node's address in that network
+    port: int = 0                         # 0: the OS picks one (or one from port_range)
+    port_range: tuple = ()                # (low, high): listen on a free port in it (firewalls)
     ipc_dir: str = ""                     # "" -> tempfile.gettempdir()
     max_inflight_bytes: int = 256 * MiB   # send side: queued + not yet released by the transport
     max_recv_bytes: int = 256 * MiB       # receive side: received but not yet taken by recv_tensor
@@ -60,6 +62,23 @@ class PipeConfig:
         for name in ("send_timeout", "handshake_timeout", "linger"):
             if not float(getattr(self, name)) >= 0:
                 raise ValueError(f"PipeConfig.{name} must be >= 0")
+        if self.port_range:
+            lo_hi = tuple(self.port_range)
+            if (len(lo_hi) != 2 or not all(isinstance(p, int) for p in lo_hi)
+                    or not 0 < lo_hi[0] <= lo_hi[1] < 65536):
+                raise ValueError(f"port_range: expected [low, high] ports, got {self.port_range!r}")
+            object.__setattr__(self, "port_range", lo_hi)
+        if self.interface and self.cidr:
+            raise ValueError("interface: set interface or cidr, not both")
+        if self.cidr:
+            from connectors.pipes.addressing import parse_cidr
+            parse_cidr(self.cidr)
+
+    def bind_host(self) -> str:
+        """The address this node listens on: by interface or network if given, else host."""
+        from connectors.pipes.addressing import select_address
+        return select_address(interface=self.interface or None, cidr=self.cidr or None,
+                              host=self.host)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "PipeConfig":

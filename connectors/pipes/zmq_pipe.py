@@ -24,6 +24,7 @@ import torch
 import zmq
 
 from connectors.pipes import wire
+from connectors.pipes.addressing import route_address
 from connectors.pipes.base import (HandshakeError, KVPipe, Message, PipeClosed, PipeConfig,
                                    PipeError, PipeTimeout, register_pipe)
 from connectors.pipes.sync import InflightGate, RecvQueue, ReleaseReaper, settle
@@ -211,10 +212,20 @@ class ZmqPipe(KVPipe):
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a reply to an unknown peer fails, not vanishes
         c = self.config
         if c.transport == "tcp":
-            s.bind(f"tcp://{c.host}:{c.port or '*'}")
-            addr = s.getsockopt_string(zmq.LAST_ENDPOINT)
-            if c.advertise_host:
-                addr = f"tcp://{c.advertise_host}:{addr.rsplit(':', 1)[1]}"
+            host = c.bind_host()
+            if ":" in host:
+                s.setsockopt(zmq.IPV6, 1)
+            url_host = f"[{host}]" if ":" in host else host
+            if c.port_range and not c.port:
+                lo, hi = c.port_range
+                port = s.bind_to_random_port(f"tcp://{url_host}", lo, hi + 1,
+                                             max_tries=4 * (hi - lo + 1))
+            else:
+                s.bind(f"tcp://{url_host}:{c.port or '*'}")
+                port = int(s.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+            if host in ("0.0.0.0", "::"):  # every interface: advertise the routable one
+                host = route_address()
+            addr = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         else:
             self._ipc_path = os.path.join(c.ipc_dir or tempfile.gettempdir(),
                                           f"pd-pipe-{os.getpid()}-{uuid.uuid4().hex[:12]}.sock")

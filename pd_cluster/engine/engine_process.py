@@ -56,6 +56,10 @@ class EngineProcess:
         self._send({"op": "add", "request_id": request_id, "prompt_token_ids": prompt_token_ids,
                     "params": params.to_dict(), "kv_transfer_params": kv_transfer_params})
 
+    def connect_kv_peer(self, endpoint: str, timeout: float = 30.0) -> None:
+        """Producer: handshake with a consumer before sending it requests."""
+        self.call("connect", timeout, endpoint=endpoint)
+
     def abort(self, request_ids: list[str]) -> None:
         self._send({"op": "abort", "request_ids": list(request_ids)})
 
@@ -124,7 +128,8 @@ def _serve(config: EngineConfig, control: str) -> None:
     sock.connect(control)
     sock.send(_pack({"kind": "ready", "kv_endpoint": engine.kv_endpoint()}))
     queries = {"stats": engine.stats, "check_no_leaks": lambda: engine.check_no_leaks() or True,
-               "timings": lambda: _timings(engine)}
+               "timings": lambda: _timings(engine),
+               "connect": lambda endpoint: engine.connect_kv_peer(endpoint) or True}
     while True:
         busy = engine.has_unfinished_requests()
         while sock.poll(0 if busy else 50):
@@ -141,8 +146,9 @@ def _serve(config: EngineConfig, control: str) -> None:
                 elif op == "abort":
                     _emit(sock, engine.abort_request(msg["request_ids"]))
                 else:
-                    sock.send(_pack({"kind": "reply", "result": queries[op]()}))
-            except (ValueError, AssertionError, KeyError) as e:
+                    args = {k: v for k, v in msg.items() if k != "op"}
+                    sock.send(_pack({"kind": "reply", "result": queries[op](**args)}))
+            except (ValueError, AssertionError, KeyError, RuntimeError) as e:
                 error = f"{type(e).__name__}: {e}"
                 if op == "add":  # the caller waits on this request's output, not a reply
                     sock.send(_pack({"kind": "output", "request_id": msg["request_id"],

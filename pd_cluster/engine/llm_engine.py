@@ -64,6 +64,17 @@ class LLMEngine:
         """Where producers send this engine's prompt KV (None without a consumer connector)."""
         return self.runner.connector.endpoint() if self.runner.connector else None
 
+    def connect_kv_peer(self, endpoint: str, tag: str | None = None) -> None:
+        """Producer: handshake with a consumer's endpoint. Thread safe, and meant to run off
+        the engine thread (it blocks up to the pipe's handshake_timeout)."""
+        if self.runner.connector is None:
+            raise ValueError("kv_transfer: this engine has no KV connector")
+        self.runner.connector.connect_peer(endpoint, tag)
+
+    def kv_peers(self) -> dict[str, str | None]:
+        """Consumers this producer has a working handshake with (endpoint -> tag)."""
+        return self.runner.connector.peers() if self.runner.connector else {}
+
     def close(self) -> None:
         if self.runner.connector is not None:
             self.runner.connector.close()
