@@ -62,7 +62,7 @@ def parse_cidr(cidr: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     try:
         return ipaddress.ip_network(cidr, strict=False)
     except ValueError as e:
-        raise ValueError(f"kv_transfer.cidr: {e}") from None
+        raise ValueError(f"cidr: {e}") from None
 
 
 def route_address() -> str:

@@ -15,14 +15,19 @@ import yaml
 
 from pd_cluster.serving.messages import (ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL,
                                          EngineSpec)
+from pd_cluster.serving.model_source import resolve_model, served_name
 from pd_cluster.serving.schema import ConfigError, build, set_path
+
+__all__ = ["ClusterConfig", "ConfigError", "KVTransferConfig", "ProxyConfig", "RayConfig",
+           "RoleConfig", "load_config", "parse_config", "parse_overrides", "resolve_model"]
 
 # kv_transfer keys besides the pipe's own (connectors.config.KVTransferConfig minus role).
 _KV_OWN_KEYS = ("connector", "pipe", "kv_transfer_timeout", "max_staging_bytes", "pipe_config")
 # Fallback list of pipe keys (connectors.pipes.base.PipeConfig) when connectors is not importable.
-_PIPE_KEYS = ("transport", "host", "port", "advertise_host", "ipc_dir", "max_inflight_bytes",
-              "max_recv_bytes", "max_frame_bytes", "send_timeout", "handshake_timeout", "linger",
-              "hwm", "extra")
+_PIPE_KEYS = ("transport", "host", "interface", "cidr", "port", "port_range", "ipc_dir",
+              "max_inflight_bytes", "max_recv_bytes", "max_frame_bytes", "send_timeout",
+              "handshake_timeout", "linger", "hwm", "extra")
+_ADDRESS_KEYS = ("host", "interface", "cidr", "port_range")  # set directly, not in options
 _KV_ROLE = {ROLE_PREFILL: "producer", ROLE_DECODE: "consumer"}
 
 
@@ -32,6 +37,12 @@ class RoleConfig:
     num_cpus: float = 1.0  # Ray CPUs per engine; also its torch thread count on CPU
     num_gpus: float = 0.0  # 1 per engine on CUDA
     max_restarts: int = 3  # Ray restarts a dead engine this many times
+    # Placement, all through Ray: custom resources each engine needs (nodes started with
+    # `ray start --resources`), node labels it needs (`ray start --labels`), and how the
+    # role's replicas are laid out (a placement group strategy; null: Ray's default).
+    resources: dict[str, float] = field(default_factory=dict)
+    node_labels: dict[str, str] = field(default_factory=dict)
+    strategy: Literal["spread", "pack", "strict_spread", "strict_pack"] | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -40,6 +51,22 @@ class RoleConfig:
             raise ValueError("num_cpus: num_cpus and num_gpus must be >= 0")
         if self.max_restarts < -1:
             raise ValueError(f"max_restarts: must be >= -1 (-1: forever), got {self.max_restarts}")
+        for name, amount in self.resources.items():
+            if name in ("CPU", "GPU", "memory"):
+                raise ValueError(f"resources.{name}: use num_cpus / num_gpus instead")
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
+                raise ValueError(f"resources.{name}: must be a number > 0, got {amount!r}")
+        for key, value in self.node_labels.items():
+            if not isinstance(value, str):
+                raise ValueError(f"node_labels.{key}: must be a string, got {value!r}")
+        if self.strategy and not self.demand():
+            raise ValueError("strategy: a placement group needs num_cpus, num_gpus or "
+                             "resources > 0 per engine")
+
+    def demand(self) -> dict[str, float]:
+        """Ray resources one engine of this role holds."""
+        out = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {k: float(v) for k, v in out.items() if v}
 
 
 @dataclass(frozen=True)
@@ -47,23 +74,47 @@ class KVTransferConfig:
     pipe: Literal["zmq", "nccl"] = "zmq"
     transport: Literal["tcp", "ipc"] = "tcp"
     kv_transfer_timeout: float = 30.0
-    host: str = "127.0.0.1"  # interface the decode side's KV receiver binds
+    # Where decode engines listen for KV, decided on each node (never one address for the
+    # cluster): by default the node's own address as Ray knows it; or its address on a named
+    # interface, or in a network (to pick the fast NIC of multi-homed nodes).
+    host: str | None = None
+    interface: str | None = None
+    cidr: str | None = None
+    port_range: list[int] | None = None  # [low, high]: KV ports to open in a firewall
+    unreachable: Literal["error", "warn"] = "error"  # a P/D pair that fails its launch handshake
     options: dict[str, Any] = field(default_factory=dict)  # more connector / pipe keys
 
     def __post_init__(self) -> None:
         if not self.kv_transfer_timeout > 0:
             raise ValueError(f"kv_transfer_timeout: must be > 0, got {self.kv_transfer_timeout}")
-        top = {"pipe", "transport", "kv_transfer_timeout", "host"}  # set those directly
+        chosen = [k for k in ("host", "interface", "cidr") if getattr(self, k)]
+        if len(chosen) > 1:
+            raise ValueError(f"{chosen[1]}: set only one of host, interface, cidr")
+        self._check_pipe_keys(self.address())
+        top = {"pipe", "transport", "kv_transfer_timeout", *_ADDRESS_KEYS}
         known = (set(_KV_OWN_KEYS) | set(_pipe_keys())) - top
         for key in self.options:
             if key not in known:
                 raise ValueError(f"options.{key}: unknown key (expected one of: "
                                  f"{', '.join(sorted(known))})")
 
+    @staticmethod
+    def _check_pipe_keys(keys: dict[str, Any]) -> None:
+        try:  # the pipe owns these checks (cidr syntax, port_range bounds)
+            from connectors.pipes.base import PipeConfig
+        except ImportError:
+            return
+        PipeConfig.from_dict(keys)
+
+    def address(self) -> dict[str, Any]:
+        """The address rule engines apply on their own node (only the keys that are set)."""
+        return {k: getattr(self, k) for k in _ADDRESS_KEYS if getattr(self, k)}
+
     def for_role(self, role: str) -> dict[str, Any]:
-        """EngineConfig.kv_transfer for an engine of this role."""
+        """EngineConfig.kv_transfer for an engine of this role (the engine's node fills in
+        ``host`` when no address rule is given)."""
         return {"role": _KV_ROLE[role], "pipe": self.pipe, "transport": self.transport,
-                "kv_transfer_timeout": self.kv_transfer_timeout, "host": self.host,
+                "kv_transfer_timeout": self.kv_transfer_timeout, **self.address(),
                 **self.options}
 
 
@@ -108,7 +159,7 @@ class RayConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    model: str = "tiny-llama"  # a checkpoint path or a built-in preset name
+    model: str = "tiny-llama"  # a preset, a checkpoint dir on every node, or an HF repo id
     served_model_name: str | None = None  # the `model` clients send; default from `model`
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     prefill: RoleConfig = field(default_factory=RoleConfig)
@@ -138,9 +189,7 @@ class ClusterConfig:
 
     @property
     def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        return self.model if _is_preset(self.model) else Path(self.model).name
+        return self.served_model_name or served_name(self.model)
 
     @property
     def roles(self) -> dict[str, RoleConfig]:
@@ -180,19 +229,6 @@ def _pipe_keys() -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(PipeConfig))
     except Exception:  # noqa: BLE001 - any import problem: use the static list
         return _PIPE_KEYS
-
-
-def _is_preset(model: str) -> bool:
-    from pd_cluster.model_maker import PRESETS
-    return model in PRESETS
-
-
-def resolve_model(model: str) -> str:
-    """A preset name becomes its generated checkpoint dir (made on first use on this node)."""
-    if _is_preset(model):
-        from pd_cluster.model_maker import default_model_path
-        return str(default_model_path(model))
-    return str(Path(model).expanduser())
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
