@@ -27,7 +27,7 @@ from connectors.kv_receiver import KVReceiver
 from connectors.metadata import (AckHeader, FinHeader, KVConnectorMetadata, KVLayerHeader,
                                  decode_header, encode_header)
 from connectors.pd_scheduler import PDConnectorScheduler
-from connectors.pipes.base import HandshakeError, PipeConfig, PipeError, create_pipe
+from connectors.pipes.base import PipeConfig, PipeError, create_pipe
 
 logger = logging.getLogger(__name__)
 _MAX_ZERO_COPY_RUNS = 4

@@ -99,8 +99,9 @@ def test_defaults_overrides_and_kv_pass_through() -> None:
     specs = cfg.engine_specs()
     assert [s.name for s in specs] == ["prefill-0", "decode-0", "decode-1", "decode-2"]
     kv = specs[1].engine_args["kv_transfer"]
+    # No address: each engine listens on its own node's address (filled in on that node).
     assert kv == {"role": "consumer", "pipe": "zmq", "transport": "tcp",
-                  "kv_transfer_timeout": 30.0, "host": "127.0.0.1", "max_staging_bytes": 1024}
+                  "kv_transfer_timeout": 30.0, "max_staging_bytes": 1024}
     assert parse_config({}).model_name == "tiny-llama"  # preset names are served as-is
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         parse_overrides(["proxy.port"])

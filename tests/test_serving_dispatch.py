@@ -92,8 +92,11 @@ def make(engines: dict[str, FakeEngine], mode: str = "disaggregated", retries: i
     pool = EnginePool([(n, n.split("-")[0], e) for n, e in engines.items()],
                       ProxyConfig(routing="round_robin"))
     for st in pool.engines:
-        st.healthy = True
+        st.healthy, st.incarnation = True, "i0"
         st.kv_endpoint = f"tcp://{st.name}" if st.role == "decode" else None
+    for st in pool.engines:  # every producer linked to every consumer, as after launch
+        if st.role == "prefill":
+            st.kv_peers = {d.kv_endpoint: d.incarnation for d in pool.engines if d.kv_endpoint}
     metrics = ProxyMetrics(lambda: pool.engines)
     return Dispatcher(pool, mode, metrics, retries), pool, metrics
 
@@ -173,10 +176,38 @@ def test_client_error_from_engine_keeps_it_healthy() -> None:
 
 def test_no_healthy_engine_is_503() -> None:
     disp, pool, _ = make({"prefill-0": FakeEngine(p_ok), "decode-0": FakeEngine(d_ok)})
-    pool.engines[1].healthy = False
+    for e in pool.engines:
+        e.healthy = False
     with pytest.raises(APIError) as exc:
         run(disp)
     assert exc.value.status == 503
+
+
+def whole_request(req: EngineRequest) -> Script:
+    rid = req.request_id
+    return [delta(rid, "x", [9]), delta(rid, "xyz", [9, 8, 7], "length")]
+
+
+def test_degraded_modes_serve_whole_requests_on_the_other_role() -> None:
+    """No decode engine: prefill engines serve whole requests (and the reverse); a D that no
+    P is linked to yet prefills by itself at once instead of waiting for KV."""
+    for down, serving in (("decode-0", "prefill-0"), ("prefill-0", "decode-0")):
+        engines = {"prefill-0": FakeEngine(whole_request), "decode-0": FakeEngine(whole_request)}
+        disp, pool, metrics = make(engines)
+        next(e for e in pool.engines if e.name == down).healthy = False
+        assert run(disp) == [("x", [9], None), ("yz", [8, 7], "length")]
+        (req,) = engines[serving].requests
+        assert req.kv_transfer_params is None and req.params["max_tokens"] == 3
+        assert not engines[down].requests
+        reason = "no_decode" if down == "decode-0" else "no_prefill"
+        assert metrics.degraded.labels(reason)._value.get() == 1
+    engines = {"prefill-0": FakeEngine(p_ok), "decode-0": FakeEngine(whole_request)}
+    disp, pool, metrics = make(engines)
+    pool.engines[0].kv_peers = {}  # P has no handshake with D (D just restarted, say)
+    assert run(disp)[-1] == ("yz", [8, 7], "length")
+    assert not engines["prefill-0"].requests
+    assert engines["decode-0"].requests[0].kv_transfer_params is None
+    assert metrics.degraded.labels("no_kv_link")._value.get() == 1
 
 
 def test_stop_string_prefix_is_held_back() -> None:

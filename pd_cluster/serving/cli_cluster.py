@@ -145,26 +145,54 @@ def run_status(args: argparse.Namespace) -> int:
     try:
         body = httpx.get(f"{url}/cluster/status", timeout=30.0).json()
     except (httpx.HTTPError, ValueError) as e:
-        print(f"cluster at {url} is not reachable: {e}", file=sys.stderr)
-        return 1
+        moved = _proxy_url_from_ray(ns, st) if args.url is None else None
+        if moved is None or moved == url:
+            print(f"cluster at {url} is not reachable: {e}", file=sys.stderr)
+            return 1
+        print(f"the proxy moved: {url} -> {moved} (launch record updated)", file=sys.stderr)
+        url = moved
+        body = httpx.get(f"{url}/cluster/status", timeout=30.0).json()
     if args.json:
         print(json.dumps(body, indent=2))
         return 0
-    print(f"{body['mode']} cluster serving {body['model']} at {url}; "
-          f"{body['inflight']} request(s) in flight")
-    cols = ("ENGINE", "ROLE", "HEALTH", "RUNNING", "WAITING", "KV_USED", "KV_FREE", "INFLIGHT",
-            "RESTARTS", "PID")
+    proxy_node = body.get("proxy", {}).get("node_ip", "?")
+    print(f"{body['mode']} cluster serving {body['model']} at {url} (proxy on node "
+          f"{proxy_node}); {body['inflight']} request(s) in flight")
+    cols = ("ENGINE", "ROLE", "HEALTH", "RUNNING", "WAITING", "KV_USED", "KV_FREE", "KV_LINKS",
+            "INFLIGHT", "RESTARTS", "PID", "NODE")
     rows = [cols]
     for e in body["engines"]:
         s = e.get("stats", {})
         rows.append((e["name"], e["role"], "ok" if e["healthy"] else "UNHEALTHY",
                      s.get("num_running", "?"), s.get("num_waiting", "?"),
-                     s.get("kv_blocks_used", "?"), s.get("kv_blocks_free", "?"), e["inflight"],
-                     e["restarts"], e["pid"]))
+                     s.get("kv_blocks_used", "?"), s.get("kv_blocks_free", "?"),
+                     e.get("kv_peers", 0) if e["role"] == "prefill" else "-", e["inflight"],
+                     e["restarts"], e["pid"], e.get("node_ip") or "?"))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(cols))]
     for r in rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
     return 0
+
+
+def _proxy_url_from_ray(namespace: str, st: Any) -> str | None:
+    """Ask Ray where the proxy serves now (it may have restarted); update the launch record."""
+    import dataclasses
+
+    import ray
+
+    from pd_cluster.serving.launcher import PROXY_NAME
+    from pd_cluster.serving.ray_runtime import connect
+    if st is None or not st.address:
+        return None
+    try:
+        connect(st.address, namespace)
+        url = ray.get(ray.get_actor(PROXY_NAME, namespace=namespace).url.remote(), timeout=30)
+    except Exception:  # noqa: BLE001 - Ray gone too: the caller reports the old URL
+        return None
+    finally:
+        ray.shutdown()
+    dataclasses.replace(st, url=url).save()
+    return url
 
 
 # ---- stop -----------------------------------------------------------------------------------
@@ -172,6 +200,7 @@ def run_stop(args: argparse.Namespace) -> int:
     import ray
 
     from pd_cluster.serving.launcher import PROXY_NAME, ClusterState, kill_actors
+    from pd_cluster.serving.placement import named_groups, remove_groups
     from pd_cluster.serving.ray_runtime import connect, pid_alive, stop_head
 
     ns = _namespace(args)
@@ -203,6 +232,7 @@ def run_stop(args: argparse.Namespace) -> int:
         handles = {n: ray.get_actor(n, namespace=ns) for n in names}
         proxy = handles.pop(PROXY_NAME, None)
         kill_actors(proxy, list(handles.values()))
+        remove_groups(named_groups(ns, ("prefill", "decode", "colocated")))
         print(f"killed {len(names)} actor(s) in namespace {ns!r}")
     finally:
         ray.shutdown()

@@ -19,6 +19,7 @@ from pd_cluster.serving.errors import APIError, internal_error, invalid_request,
 from pd_cluster.serving.messages import (ERROR_INVALID_REQUEST, ERROR_TIMEOUT, ROLE_COLOCATED,
                                          ROLE_DECODE, ROLE_PREFILL, EngineDelta, EngineRequest)
 from pd_cluster.serving.metrics import ProxyMetrics
+from pd_cluster.serving.peer_linker import PeerLinker
 
 logger = logging.getLogger(__name__)
 _REPLACEMENT_CHAR = "\ufffd"
@@ -98,23 +99,36 @@ class Dispatcher:
         max_tokens = job.params.max_tokens or 1
         base = dict(request_id=job.request_id, prompt_token_ids=job.prompt_token_ids,
                     timeout=max(1.0, job.deadline - time.monotonic()))
-        if self.mode == "colocated":
-            e = self.pool.pick(ROLE_COLOCATED, excluded)
+
+        def whole(e: EngineState) -> list[_Leg]:  # one engine computes the whole answer
             return [_Leg(e, EngineRequest(params=job.params.to_dict(), **base),
                          n_prompt + max_tokens, final=True)]
-        p = self.pool.pick(ROLE_PREFILL, excluded)
+
+        if self.mode == "colocated":
+            return whole(self.pool.pick(ROLE_COLOCATED, excluded))
+        prefills = self.pool.available(ROLE_PREFILL, excluded)
+        decodes = self.pool.available(ROLE_DECODE, excluded)
+        if not prefills and not decodes:
+            raise NoHealthyEngine("no healthy prefill or decode engine available")
+        if not decodes:  # degraded: prefill engines serve whole requests
+            self.metrics.degraded.labels("no_decode").inc()
+            return whole(self.pool.pick(ROLE_PREFILL, candidates=prefills))
+        if not prefills:  # degraded: decode engines prefill by themselves, no KV to wait for
+            self.metrics.degraded.labels("no_prefill").inc()
+            return whole(self.pool.pick(ROLE_DECODE, candidates=decodes))
         if max_tokens == 1:  # P alone computes the whole answer: no KV to ship
-            return [_Leg(p, EngineRequest(params=job.params.to_dict(), **base), n_prompt,
-                         final=True)]
-        d = self.pool.pick(ROLE_DECODE, excluded)
+            return whole(self.pool.pick(ROLE_PREFILL, candidates=prefills))
+        d = self.pool.pick(ROLE_DECODE, candidates=decodes)
+        linked = [p for p in prefills if PeerLinker.linked(p, d)]
+        if not linked:  # no P holds a handshake with this D yet (it is being linked)
+            self.metrics.degraded.labels("no_kv_link").inc()
+            return whole(d)
+        p = self.pool.pick(ROLE_PREFILL, candidates=linked)
         p_params = job.params.to_dict()
         # min_tokens stays <= 1 so P masks EOS for token 1 exactly when D would.
         p_params.update(max_tokens=1, min_tokens=min(job.params.min_tokens, 1))
-        d_kv: dict[str, Any] | None = None
-        p_kv: dict[str, Any] | None = None
-        if d.kv_endpoint:  # no endpoint: no connector, D prefills by itself
-            d_kv = {"do_remote_prefill": True}
-            p_kv = {"do_remote_decode": True, "remote_kv_addr": d.kv_endpoint}
+        d_kv = {"do_remote_prefill": True}
+        p_kv = {"do_remote_decode": True, "remote_kv_addr": d.kv_endpoint}
         return [_Leg(d, EngineRequest(params=job.params.to_dict(), kv_transfer_params=d_kv,
                                       **base), max_tokens + 1, final=True),
                 _Leg(p, EngineRequest(params=p_params, kv_transfer_params=p_kv, **base),

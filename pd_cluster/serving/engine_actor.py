@@ -40,10 +40,14 @@ class EngineActor:
         sys.setswitchinterval(_SWITCH_INTERVAL)
         threads = max(1, int(self.spec.num_cpus))
         torch.set_num_threads(threads)  # tiny models on a shared CPU: more threads = slower
-        config = EngineConfig.from_kwargs(resolve_model(self.spec.model), **self.spec.engine_args)
-        self.engine = LLMEngine(config)
-        self.incarnation = uuid.uuid4().hex[:12]
         self.node_ip = ray.util.get_node_ip_address()
+        self.node_id = ray.get_runtime_context().get_node_id()
+        args = dict(self.spec.engine_args)
+        if args.get("kv_transfer"):
+            args["kv_transfer"] = on_this_node(args["kv_transfer"], self.node_ip)
+        model = resolve_model(self.spec.model, node=self.node_ip)
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **args))
+        self.incarnation = uuid.uuid4().hex[:12]
         self.kv_endpoint: str | None = getattr(self.engine, "kv_endpoint", lambda: None)()
         self._aio: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue[EngineDelta]] = {}
@@ -56,8 +60,9 @@ class EngineActor:
     # ---- info / health -------------------------------------------------------------------
     def _info(self) -> EngineInfo:
         return EngineInfo(name=self.spec.name, role=self.spec.role, incarnation=self.incarnation,
-                          pid=os.getpid(), node_ip=self.node_ip,
-                          kv_endpoint=self.kv_endpoint, max_model_len=self.engine.max_model_len,
+                          pid=os.getpid(), node_ip=self.node_ip, node_id=self.node_id,
+                          kv_endpoint=self.kv_endpoint, kv_peers=self.engine.kv_peers(),
+                          max_model_len=self.engine.max_model_len,
                           stats=dict(self.loop.snapshot))
 
     async def ready(self) -> dict[str, Any]:
@@ -81,6 +86,19 @@ class EngineActor:
         except AssertionError as e:
             return str(e)
         return None
+
+    async def connect_peers(self, peers: dict[str, str], timeout: float = 30.0
+                            ) -> dict[str, str | None]:
+        """Producer: handshake with consumers (endpoint -> incarnation tag), in parallel and
+        off the engine thread; returns endpoint -> None or why it failed."""
+        async def one(endpoint: str, tag: str) -> tuple[str, str | None]:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.engine.connect_kv_peer, endpoint,
+                                                         tag), timeout)
+            except Exception as e:  # noqa: BLE001 - reported to the caller, who retries
+                return endpoint, f"{type(e).__name__}: {e}"[:500]
+            return endpoint, None
+        return dict(await asyncio.gather(*(one(ep, tag) for ep, tag in peers.items())))
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -159,6 +177,14 @@ class EngineActor:
         timer = threading.Timer(_FATAL_EXIT_DELAY, lambda: os._exit(1))
         timer.daemon = True
         timer.start()
+
+
+def on_this_node(kv_transfer: dict[str, Any], node_ip: str) -> dict[str, Any]:
+    """The KV endpoint listens on this node's own address unless the config names a rule
+    (host, interface or cidr) that the pipe applies here."""
+    if any(kv_transfer.get(k) for k in ("host", "interface", "cidr")):
+        return kv_transfer
+    return {**kv_transfer, "host": node_ip}
 
 
 def engine_actor_class() -> Any:

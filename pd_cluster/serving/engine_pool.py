@@ -3,7 +3,8 @@
 A background task health-checks each engine every ``health_check_interval``. An engine is
 routed around after ``unhealthy_threshold`` failed checks, or at once when its actor dies or
 a request sees it fail; it comes back when a check succeeds again (e.g. after Ray restarted
-it, with a new incarnation and therefore a fresh KV endpoint).
+it, with a new incarnation and therefore a fresh KV endpoint). After each round, producers
+are asked to handshake with consumers they do not hold a link to (PeerLinker).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 from pd_cluster.serving.cluster_config import ProxyConfig
 from pd_cluster.serving.messages import EngineInfo, EngineStatus
+from pd_cluster.serving.peer_linker import PeerLinker
 from pd_cluster.serving.router import Router, create_router
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,9 @@ class EngineState:
     incarnation: str | None = None
     restarts: int = 0
     kv_endpoint: str | None = None
+    kv_peers: dict[str, Any] = field(default_factory=dict)  # producer: endpoint -> D incarnation
+    node_ip: str = ""
+    node_id: str = ""
     pid: int = 0
     max_model_len: int = 0
     inflight: int = 0
@@ -49,6 +54,7 @@ class EnginePool:
         self.routers: dict[str, Router] = {e.role: create_router(config.routing)
                                            for e in self.engines}
         self._task: asyncio.Task | None = None
+        self.peers = PeerLinker(self.engines, config.health_check_timeout)
 
     async def start(self) -> None:
         await self.check_all()
@@ -58,6 +64,7 @@ class EnginePool:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await self.peers.close()
 
     async def _loop(self) -> None:
         while True:
@@ -69,6 +76,7 @@ class EnginePool:
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(e) for e in self.engines))
+        self.peers.sync()  # new or restarted consumers: producers handshake in the background
 
     async def check(self, e: EngineState) -> None:
         import ray.exceptions
@@ -85,6 +93,7 @@ class EnginePool:
         if not e.healthy:
             logger.info("%s is healthy", e.name)
         e.incarnation, e.kv_endpoint, e.pid = info.incarnation, info.kv_endpoint, info.pid
+        e.node_ip, e.node_id, e.kv_peers = info.node_ip, info.node_id, dict(info.kv_peers)
         e.max_model_len, e.stats = info.max_model_len, info.stats
         e.healthy, e.failures = True, 0
 
@@ -96,9 +105,14 @@ class EnginePool:
             e.healthy = False
 
     # ---- routing ----------------------------------------------------------------------------
-    def pick(self, role: str, excluded: set[str] | frozenset[str] = frozenset()) -> EngineState:
-        candidates = [e for e in self.engines
-                      if e.role == role and e.healthy and e.name not in excluded]
+    def available(self, role: str, excluded: set[str] | frozenset[str] = frozenset()
+                  ) -> list[EngineState]:
+        return [e for e in self.engines if e.role == role and e.healthy and e.name not in excluded]
+
+    def pick(self, role: str, excluded: set[str] | frozenset[str] = frozenset(),
+             candidates: list[EngineState] | None = None) -> EngineState:
+        if candidates is None:
+            candidates = self.available(role, excluded)
         if not candidates:
             raise NoHealthyEngine(f"no healthy {role} engine available")
         return self.routers[role].pick(candidates)  # type: ignore[return-value]
@@ -120,6 +134,8 @@ class EnginePool:
 
     def status(self) -> list[EngineStatus]:
         return [EngineStatus(name=e.name, role=e.role, healthy=e.healthy, inflight=e.inflight,
-                             restarts=e.restarts, pid=e.pid, kv_endpoint=e.kv_endpoint,
+                             restarts=e.restarts, pid=e.pid, node_ip=e.node_ip,
+                             node_id=e.node_id, kv_endpoint=e.kv_endpoint,
+                             kv_peers=len(e.kv_peers),
                              last_error=e.last_error, stats=dict(e.stats))
                 for e in self.engines]

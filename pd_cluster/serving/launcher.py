@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from pd_cluster.serving.cluster_config import ClusterConfig
-from pd_cluster.serving.messages import EngineSpec
+from pd_cluster.serving.messages import ROLE_DECODE, ROLE_PREFILL, EngineSpec
+from pd_cluster.serving.placement import Placement, check_feasible
 from pd_cluster.serving.ray_runtime import RayRuntime, start_ray, stop_head
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 PROXY_NAME = "proxy"
 _READY_TIMEOUT = 600.0  # s: model loading (and first-use generation of a preset) per engine
 _STOP_TIMEOUT = 10.0
+_LINK_TIMEOUT = 15.0  # s: every launch-time P -> D handshake, all in parallel
 
 
 def state_dir() -> Path:
@@ -74,6 +76,7 @@ class Cluster:
     engines: dict[str, Any]  # name -> actor handle
     specs: list[EngineSpec]
     proxy: Any
+    placement: Placement
     detached: bool = False
     _down: bool = field(default=False, repr=False)
 
@@ -91,6 +94,7 @@ class Cluster:
             return
         self._down = True
         kill_actors(self.proxy, self.engines.values())
+        self.placement.release()
         ClusterState(self.namespace, None, "", [], False, 0).remove()
         self.runtime.disconnect()
         if self.runtime.head_pid:
@@ -117,7 +121,8 @@ def kill_actors(proxy: Any, engines: Any) -> None:
 
 def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = False,
            progress: bool = True, ready_timeout: float = _READY_TIMEOUT) -> Cluster:
-    """Start everything and wait until every engine is ready and the proxy serves."""
+    """Start everything and wait until every engine is ready, every prefill engine holds a
+    KV link to every decode engine, and the proxy serves on this node."""
     import ray
 
     from pd_cluster.serving.engine_actor import engine_actor_class
@@ -129,39 +134,83 @@ def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = 
     lifetime = "detached" if detach else None
     engines: dict[str, Any] = {}
     proxy = None
+    placement = Placement(config, detach)
     try:
-        restarts = {role: rc.max_restarts for role, rc in config.roles.items()}
+        check_feasible(config, ray.nodes())
+        placement.reserve()
         specs = config.engine_specs()
         cls = engine_actor_class()
         for spec in specs:
+            index = int(spec.name.rsplit("-", 1)[1])
             engines[spec.name] = cls.options(
-                name=spec.name, namespace=ns, num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
-                max_restarts=restarts[spec.role], max_task_retries=0, lifetime=lifetime,
+                name=spec.name, namespace=ns, max_restarts=config.roles[spec.role].max_restarts,
+                max_task_retries=0, lifetime=lifetime, **placement.options(spec, index),
             ).remote(spec.to_dict())
-        wait_ready(engines, ready_timeout, progress)
+        infos = wait_ready(engines, ready_timeout, progress)
+        link_engines(engines, infos, config)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         here = ray.get_runtime_context().get_node_id()  # serve where the user launched
         proxy = proxy_actor_class().options(
             name=PROXY_NAME, namespace=ns, num_cpus=0, max_concurrency=4, lifetime=lifetime,
             max_restarts=config.proxy.max_restarts,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         ).remote(config.to_dict(), [{"name": s.name, "role": s.role} for s in specs], ns)
         url = ray.get(proxy.url.remote(), timeout=ready_timeout)
     except BaseException:
         kill_actors(proxy, engines.values())
+        placement.release()
         runtime.disconnect()
         if runtime.head_pid:
             stop_head(runtime.head_pid, runtime.address)
         raise
-    cluster = Cluster(config, runtime, url, engines, specs, proxy, detached=detach)
+    cluster = Cluster(config, runtime, url, engines, specs, proxy, placement, detached=detach)
     cluster.state().save()
     return cluster
 
 
-def wait_ready(engines: dict[str, Any], timeout: float, progress: bool) -> None:
-    """Block until every engine's ready() returns, showing per-engine progress."""
+def link_engines(engines: dict[str, Any], infos: dict[str, dict[str, Any]],
+                 config: ClusterConfig, timeout: float = _LINK_TIMEOUT) -> None:
+    """Every prefill engine handshakes with every decode engine, in parallel and bounded.
+    A pair that cannot connect fails the launch with both addresses and the reason (or, with
+    ``kv_transfer.unreachable: warn``, is logged loudly and retried later by the proxy)."""
     import ray
 
+    consumers = {n: i for n, i in infos.items() if i["role"] == ROLE_DECODE and i["kv_endpoint"]}
+    producers = [n for n, i in infos.items() if i["role"] == ROLE_PREFILL]
+    if not consumers or not producers:
+        return
+    peers = {i["kv_endpoint"]: i["incarnation"] for i in consumers.values()}
+    refs = {n: engines[n].connect_peers.remote(peers, timeout) for n in producers}
+    by_endpoint = {i["kv_endpoint"]: n for n, i in consumers.items()}
+    failures = []
+    for name, ref in refs.items():
+        try:
+            results = ray.get(ref, timeout=timeout + 10)
+        except Exception as e:  # noqa: BLE001 - the producer itself is the problem
+            results = {ep: f"{type(e).__name__}: {e}" for ep in peers}
+        for endpoint, error in sorted(results.items()):
+            if error:
+                failures.append(f"{name} (node {infos[name]['node_ip']}) -> "
+                                f"{by_endpoint[endpoint]} at {endpoint}: {error}")
+    if not failures:
+        logger.info("KV links: %d prefill x %d decode engines connected", len(producers),
+                    len(consumers))
+        return
+    msg = ("prefill engines cannot reach decode engines' KV endpoints (open the KV ports "
+           "between nodes, or pick the network with kv_transfer.interface / cidr):\n  "
+           + "\n  ".join(failures))
+    if config.kv_transfer.unreachable == "error":
+        raise RuntimeError(msg)
+    logger.warning("%s\n(kv_transfer.unreachable: warn - those pairs are not used until a "
+                   "retried handshake succeeds)", msg)
+
+
+def wait_ready(engines: dict[str, Any], timeout: float, progress: bool
+               ) -> dict[str, dict[str, Any]]:
+    """Block until every engine's ready() returns (its EngineInfo), showing progress."""
+    import ray
+
+    infos: dict[str, dict[str, Any]] = {}
     pending = {actor.ready.remote(): name for name, actor in engines.items()}
     view = _Progress(list(engines), progress)
     start = time.monotonic()
@@ -175,14 +224,23 @@ def wait_ready(engines: dict[str, Any], timeout: float, progress: bool) -> None:
             for ref in done:
                 name = pending.pop(ref)
                 try:
-                    info = ray.get(ref)
+                    info = infos[name] = ray.get(ref)
                 except Exception as e:
-                    raise RuntimeError(f"engine {name} failed to start: {e}") from None
+                    raise RuntimeError(f"engine {name} failed to start: {_cause(e)}") from None
                 view.ready(name, f"ready: pid {info['pid']} on {info['node_ip']}, "
                                  f"{info['stats'].get('kv_blocks_total', '?')} KV blocks")
             view.tick()
     finally:
         view.close()
+    return infos
+
+
+def _cause(e: BaseException) -> str:
+    """The engine's own error out of Ray's wrapping (the last line says what went wrong)."""
+    text = str(getattr(e, "error_msg", None) or e).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error:" in ln]
+    return errors[-1].strip() if errors else (lines[-1] if lines else repr(e))
 
 
 class _Progress:

@@ -80,6 +80,8 @@ class EngineInfo(_Msg):
     node_ip: str
     kv_endpoint: str | None
     max_model_len: int
+    node_id: str = ""
+    kv_peers: dict[str, Any] = field(default_factory=dict)  # producer: endpoint -> tag
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -92,6 +94,9 @@ class EngineStatus(_Msg):
     inflight: int = 0
     restarts: int = 0
     pid: int = 0
+    node_ip: str = ""
+    node_id: str = ""
     kv_endpoint: str | None = None
+    kv_peers: int = 0  # producer: consumers it has a working handshake with
     last_error: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)

@@ -59,6 +59,9 @@ class ProxyMetrics:
         self.generation_tokens = Counter("pd_generation_tokens", "Generated tokens", registry=r)
         self.retries = Counter("pd_retries", "Requests retried on another engine pair",
                                registry=r)
+        self.degraded = Counter(
+            "pd_degraded_requests", "Requests served by one engine in a disaggregated cluster, "
+            "by reason (no_decode, no_prefill, no_kv_link)", ["reason"], registry=r)
         self.first_token_mismatch = Counter(
             "pd_first_token_mismatch", "D's first token differed from P's", registry=r)
         r.register(_EngineCollector(engines_snapshot))

@@ -55,6 +55,7 @@ class ProxyState:
         self.metrics = ProxyMetrics(lambda: self.pool.engines)
         self.dispatcher = Dispatcher(self.pool, cfg.mode, self.metrics, cfg.proxy.max_retries)
         self.inflight = 0
+        self.node_ip = _node_ip()
 
     # ---- prompt handling -----------------------------------------------------------------
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
@@ -277,10 +278,11 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]]) -> FastA
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        # Degraded (one role down) still serves: the other role runs whole requests.
         roles = state.pool.ready_roles()
-        ok = all(roles.values())
-        return JSONResponse({"status": "ok" if ok else "degraded", "engines": roles},
-                            status_code=200 if ok else 503)
+        status = "ok" if all(roles.values()) else "degraded" if any(roles.values()) else "down"
+        return JSONResponse({"status": status, "engines": roles},
+                            status_code=503 if status == "down" else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -291,7 +293,20 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]]) -> FastA
     async def cluster_status() -> Response:
         await state.pool.check_all()  # fresh stats, bounded by health_check_timeout
         body = {"mode": cfg.mode, "model": cfg.model_name, "inflight": state.inflight,
+                "proxy": {"node_ip": state.node_ip},
                 "engines": [s.to_dict() for s in state.pool.status()]}
         return Response(json.dumps(body), media_type="application/json")
 
     return app
+
+
+def _node_ip() -> str:
+    """This proxy's node as the cluster knows it (the host name outside Ray, e.g. in tests)."""
+    import socket
+    try:
+        import ray
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    return socket.gethostname()
