@@ -105,6 +105,12 @@ class PDConnectorWorker(KVConnectorBase_Worker):
                 self._peers = {**self._peers, peer: tag}
                 self._warned.discard(peer)
 
+    def disconnect_peer(self, peer: str) -> None:
+        """Forget a consumer that is gone for good (a restarted one has a new endpoint)."""
+        with self._peer_lock:
+            self._peers = {k: v for k, v in self._peers.items() if k != peer}
+        self.pipe.disconnect(peer)
+
     def peers(self) -> dict[str, str | None]:
         """Connected consumers (address -> tag)."""
         return dict(self._peers)

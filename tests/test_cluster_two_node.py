@@ -113,11 +113,12 @@ def test_two_nodes_prefill_here_decode_there(tmp_path: Path,
         return [list(o.outputs[0].token_ids)
                 for o in offline.generate([p for p, _ in work], params)]
 
-    env = _env(tmp_path, monkeypatch)
     ns = f"two-node-{os.getpid()}"
     with TwoNodes() as nodes:
+        env = {**_env(tmp_path, monkeypatch), **nodes.client_env}
         launcher = Launcher(["launch", "--config", str(_config(tmp_path, ns)), "--address",
                              nodes.address, "--no-progress"], env)
+        url = ""
         try:
             url = launcher.wait_for_url(timeout=300)
             st = _status(url)
@@ -173,6 +174,10 @@ def test_two_nodes_prefill_here_decode_there(tmp_path: Path,
             assert launcher.proc.wait(timeout=60) == 0, "".join(launcher.output)
         except BaseException:
             print("".join(launcher.output)[-5000:], "\n", nodes.logs())
+            try:
+                print("status at failure:", _status(url))
+            except Exception as e:  # noqa: BLE001 - diagnostics only
+                print("no status:", e)
             raise
         finally:
             launcher.kill()

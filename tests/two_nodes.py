@@ -23,8 +23,9 @@ from pd_cluster.serving.ray_runtime import free_port
 HEAD_LABEL = {"pd-test-node": "head"}
 WORKER_LABEL = {"pd-test-node": "worker"}
 # Fast node-death detection so the test sees a lost node in seconds, not ~30 s.
+# No token auth: every process of this test cluster (nodes, launcher) runs with this env.
 _RAY_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
-            "RAY_health_check_timeout_ms": "1000"}
+            "RAY_health_check_timeout_ms": "1000", "RAY_AUTH_MODE": "disabled"}
 
 
 def why_unavailable() -> str | None:
@@ -58,6 +59,7 @@ class TwoNodes:
         self.worker: subprocess.Popen | None = None
         self.env = {**os.environ, **_RAY_ENV}
         self.env.pop("RAY_ADDRESS", None)
+        self.client_env = {"RAY_AUTH_MODE": _RAY_ENV["RAY_AUTH_MODE"]}  # for drivers
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> "TwoNodes":

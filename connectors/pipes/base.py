@@ -112,6 +112,9 @@ class KVPipe(ABC):
         and for the consumer's replies. Connecting again replaces the old connection.
         """
 
+    def disconnect(self, peer_addr: str) -> None:
+        """Forget a consumer (it is gone for good): stop reconnecting, fail its queued sends."""
+
     @abstractmethod
     def set_handshake_validator(
         self, fn: Optional[Callable[[dict], Optional[str]]], info: Optional[dict] = None

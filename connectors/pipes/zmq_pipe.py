@@ -122,6 +122,9 @@ class ZmqPipe(KVPipe):
             raise HandshakeError(f"{peer_addr} rejected the handshake: {reply.get('error')}")
         return reply
 
+    def disconnect(self, peer_addr: str) -> None:
+        self._run_in_io(lambda: self._close_dealer(peer_addr, PipeError("peer disconnected")))
+
     def send_tensor(self, peer: str, header: dict, tensor: Optional[torch.Tensor]) -> Future:
         if not isinstance(header, dict):
             raise TypeError("header must be a dict")

@@ -71,6 +71,11 @@ class LLMEngine:
             raise ValueError("kv_transfer: this engine has no KV connector")
         self.runner.connector.connect_peer(endpoint, tag)
 
+    def disconnect_kv_peer(self, endpoint: str) -> None:
+        """Producer: forget a consumer that is gone for good. Thread safe."""
+        if self.runner.connector is not None:
+            self.runner.connector.disconnect_peer(endpoint)
+
     def kv_peers(self) -> dict[str, str | None]:
         """Consumers this producer has a working handshake with (endpoint -> tag)."""
         return self.runner.connector.peers() if self.runner.connector else {}

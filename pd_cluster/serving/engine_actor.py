@@ -87,10 +87,13 @@ class EngineActor:
             return str(e)
         return None
 
-    async def connect_peers(self, peers: dict[str, str], timeout: float = 30.0
-                            ) -> dict[str, str | None]:
+    async def connect_peers(self, peers: dict[str, str], timeout: float = 30.0,
+                            stale: list[str] | None = None) -> dict[str, str | None]:
         """Producer: handshake with consumers (endpoint -> incarnation tag), in parallel and
-        off the engine thread; returns endpoint -> None or why it failed."""
+        off the engine thread, after forgetting ``stale`` endpoints (consumers gone for
+        good); returns endpoint -> None or why it failed."""
+        for endpoint in stale or []:
+            await asyncio.to_thread(self.engine.disconnect_kv_peer, endpoint)
         async def one(endpoint: str, tag: str) -> tuple[str, str | None]:
             try:
                 await asyncio.wait_for(asyncio.to_thread(self.engine.connect_kv_peer, endpoint,

@@ -44,22 +44,26 @@ class PeerLinker:
         live = {(d.kv_endpoint, d.incarnation) for d in consumers}
         for key in [k for k in self._retry_at if (k[1], k[2]) not in live]:
             self._retry_at.pop(key, None), self._delay.pop(key, None)  # gone: forget it
+        known = {d.kv_endpoint for d in self.engines if d.role == ROLE_DECODE and d.kv_endpoint}
         now = time.monotonic()
         for p in self.engines:
             if p.role != ROLE_PREFILL or not p.healthy or p.name in self._busy:
                 continue
             due = {d.kv_endpoint: d.incarnation for d in consumers if not self.linked(p, d)
                    and self._retry_at.get((p.name, d.kv_endpoint, d.incarnation), 0.0) <= now}
-            if due:
+            # An endpoint no consumer has any more belongs to an engine that restarted.
+            stale = [ep for ep in p.kv_peers if ep not in known]
+            if due or stale:
                 self._busy.add(p.name)
-                task = asyncio.get_running_loop().create_task(self._link(p, due))
+                task = asyncio.get_running_loop().create_task(self._link(p, due, stale))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    async def _link(self, p: Any, peers: dict[str, str]) -> None:
+    async def _link(self, p: Any, peers: dict[str, str], stale: list[str]) -> None:
         try:
-            results = await asyncio.wait_for(p.handle.connect_peers.remote(peers, self.timeout),
-                                             self.timeout + 5.0)
+            results = await asyncio.wait_for(
+                p.handle.connect_peers.remote(peers, self.timeout, stale), self.timeout + 5.0)
+            p.kv_peers = {ep: tag for ep, tag in p.kv_peers.items() if ep not in stale}
         except Exception as e:  # noqa: BLE001 - the producer itself failed: retry every link
             results = {ep: f"{type(e).__name__}: {e}"[:300] for ep in peers}
         finally:
