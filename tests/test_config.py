@@ -11,7 +11,8 @@ from pd_cluster.serving.cluster_config import (ClusterConfig, load_config, parse
 from pd_cluster.serving.schema import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-CLUSTER_CONFIGS = ["local.yaml", "local-2p2d.yaml", "local-colocated.yaml", "two-gpu.yaml"]
+CLUSTER_CONFIGS = ["local.yaml", "local-2p2d.yaml", "local-colocated.yaml", "two-gpu.yaml",
+                   "multi-node.yaml"]
 
 
 @pytest.mark.parametrize("name", CLUSTER_CONFIGS)
@@ -39,6 +40,27 @@ def test_shipped_config_shapes() -> None:
     gpu = load_config(CONFIGS / "two-gpu.yaml")
     assert gpu.kv_transfer.pipe == "nccl" and gpu.required_gpus() == 2
     assert gpu.engine["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
+def test_shipped_configs_carry_no_kv_address(name: str) -> None:
+    """KV endpoints are found per node: a shipped config names no host (least of all
+    loopback), only optional per-node rules (interface / cidr)."""
+    assert load_config(CONFIGS / name).kv_transfer.host is None
+    kv = yaml.safe_load((CONFIGS / name).read_text()).get("kv_transfer", {})
+    assert "host" not in kv and "127.0.0.1" not in str(kv)
+
+
+def test_onprem_cluster_file_pins_roles_with_labels() -> None:
+    data = yaml.safe_load((CONFIGS / "ray-cluster-onprem.yaml").read_text())
+    assert data["provider"]["type"] == "local"
+    assert "PLACEHOLDER" in data["provider"]["head_ip"]
+    multi = load_config(CONFIGS / "multi-node.yaml")
+    head = " ".join(data["head_start_ray_commands"])
+    worker = " ".join(data["worker_start_ray_commands"])
+    for role, cmd in (("prefill", head), ("decode", worker)):
+        (key, value), = multi.roles[role].node_labels.items()
+        assert f'"{key}": "{value}"' in cmd
 
 
 def test_ray_up_cluster_file() -> None:

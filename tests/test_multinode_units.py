@@ -213,3 +213,33 @@ def test_producer_relinks_after_consumer_restart(tiny_model: Any) -> None:
     assert d2.stats()["kv_fallbacks"] == 0 and d2.stats()["kv_bytes_received"] > 0
     p.check_no_leaks(), d2.check_no_leaks()
     p.close(), d2.close()
+
+
+def test_launch_fails_naming_both_ends_of_an_unreachable_pair() -> None:
+    """The launch-time reachability check: every P -> D pair, with both addresses and why."""
+    import ray
+
+    from pd_cluster.serving.launcher import link_engines
+    from pd_cluster.serving.testing import ensure_ray
+    ensure_ray()
+
+    @ray.remote(num_cpus=0)
+    class FakeProducer:
+        def connect_peers(self, peers: dict, timeout: float) -> dict:
+            return {ep: (None if ep.endswith(":1") else "PipeTimeout: no handshake reply from "
+                         f"{ep} within 10.0s") for ep in peers}
+
+    engines = {"prefill-0": FakeProducer.remote()}
+    infos = {"prefill-0": {"role": "prefill", "node_ip": "10.0.0.1", "kv_endpoint": None},
+             "decode-0": {"role": "decode", "node_ip": "10.0.0.2", "incarnation": "a",
+                          "kv_endpoint": "tcp://10.0.0.2:1"},
+             "decode-1": {"role": "decode", "node_ip": "10.0.0.3", "incarnation": "b",
+                          "kv_endpoint": "tcp://10.0.0.3:2"}}
+    with pytest.raises(RuntimeError) as exc:
+        link_engines(engines, infos, parse_config({}), timeout=5.0)
+    msg = str(exc.value)
+    assert "prefill-0 (node 10.0.0.1) -> decode-1 at tcp://10.0.0.3:2: PipeTimeout" in msg
+    assert "decode-0" not in msg and "kv_transfer.interface" in msg
+    # unreachable: warn -> the launch goes on (the proxy keeps retrying that pair)
+    link_engines(engines, infos, parse_config({"kv_transfer": {"unreachable": "warn"}}), 5.0)
+    ray.kill(engines["prefill-0"])
