@@ -132,6 +132,7 @@ def test_two_nodes_prefill_here_decode_there(tmp_path: Path,
             shown = _cli(["status", "--namespace", ns], env)
             assert shown.returncode == 0, shown.stderr
             assert nodes.head_ip in shown.stdout and nodes.worker_ip in shown.stdout
+            print("\n" + shown.stdout)
 
             # 1. P/D across the nodes.
             work = _workload(16, seed=3)

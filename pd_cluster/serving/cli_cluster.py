@@ -99,6 +99,9 @@ def run_launch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted; cleaned up", file=sys.stderr)
         return 130
+    except (RuntimeError, TimeoutError, ValueError) as e:  # launch checks: say why, no traceback
+        print(f"error: launch failed: {e}", file=sys.stderr)
+        return 1
     print(f"pd-cluster serving on {cluster.url}  (OpenAI base_url: {cluster.url}/v1)", flush=True)
     if args.detach:
         print(f"detached; `pd-cluster status --namespace {cluster.namespace}` / "
