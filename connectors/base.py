@@ -30,9 +30,9 @@ class KVConnectorBase_Scheduler(ABC):  # noqa: N801 (vLLM's name)
         """The step's transfer plan; resets per-step state."""
 
     @abstractmethod
-    def request_finished(self, request: Any, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
-        """(delay freeing the blocks until the worker reports the send done, params)."""
+    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+        """Delay freeing the blocks until the worker reports the send done? (The first token
+        travels to the consumer in the FIN, so no kv_transfer_params go back to the proxy.)"""
 
     def stats(self) -> dict[str, Any]:
         return {}

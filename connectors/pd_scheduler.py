@@ -56,18 +56,17 @@ class PDConnectorScheduler(KVConnectorBase_Scheduler):
         self._finishes, self._recvs, self._cancels = [], [], []
         return meta
 
-    def request_finished(self, request: Any, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         params = _params(request)
         if params.get("do_remote_prefill"):
             self._cancels.append(request.request_id)  # no-op for the worker if already done
-            return False, None
+            return False
         if not params.get("do_remote_decode"):
-            return False, None
+            return False
         sent = self._sent_upto.pop(request.request_id, 0)
         complete = sent >= request.num_prompt_tokens and request.output_token_ids
         first = request.output_token_ids[0] if complete and request.finish_reason != "abort" \
             else None
         self._finishes.append(FinishSpec(request.request_id, params["remote_kv_addr"], first,
                                          request.num_prompt_tokens))
-        return bool(block_ids), {"first_token_id": first}
+        return bool(block_ids)

@@ -42,6 +42,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
     num_preemptions: int = 0
+    # The prompt's KV is computed here, whatever kv_transfer_params say (set after a KV
+    # fallback or a preemption: the remote KV will not come again).
+    prefill_locally: bool = False
     block_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None

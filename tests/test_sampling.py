@@ -8,11 +8,20 @@ import msgpack
 import pytest
 import torch
 
-from pd_cluster.engine.sampler import Sampler, apply_min_tokens_mask, make_generator
+from pd_cluster.engine.sampler import Sampler, apply_min_tokens_mask
 from pd_cluster.sampling_params import SamplingParams
 
 V = 64
 
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """A seeded CPU generator, or None (= the sampler's default)."""
+    if seed is None:
+        return None
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
 
 def _logits(n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

@@ -25,15 +25,6 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """Generator for a seeded request, or None (= use the sampler default)."""
-    if seed is None:
-        return None
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
-
-
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self._seed = seed

@@ -90,7 +90,7 @@ class Scheduler:
         self.remote_waiting.pop(request.request_id, None)
         delay_free = False
         if self.connector is not None:
-            delay_free, _ = self.connector.request_finished(request, request.block_ids)
+            delay_free = self.connector.request_finished(request, request.block_ids)
         if delay_free and self.block_manager.holds(request.request_id):
             self.sending[request.request_id] = request
         else:
@@ -127,7 +127,7 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             num_external, load_async = 0, False
-            if self.connector is not None and request.status is RequestStatus.WAITING:
+            if self.connector is not None and not request.prefill_locally:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(
                     request, request.num_computed_tokens)
             use_cache = num_external == 0
@@ -158,6 +158,7 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
+        request.prefill_locally = True  # recompute here: the remote KV will not come again
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -195,10 +196,12 @@ class Scheduler:
         if first_token is None:
             self.num_kv_fallbacks += 1
             logger.warning("KV for %s did not arrive; prefilling locally", request_id)
-            # KV did not (fully) arrive: prefill locally into the blocks we already hold.
+            # KV did not (fully) arrive: the blocks may hold partial data, so free them and
+            # compute the whole prompt here on re-admission.
             self.block_manager.free(request)
             request.num_computed_tokens = 0
-            request.status = RequestStatus.PREEMPTED  # skips the connector on re-admission
+            request.status = RequestStatus.WAITING
+            request.prefill_locally = True
             self.waiting.appendleft(request)
             return []
         request.num_computed_tokens = request.num_prompt_tokens

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import types
-import typing
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 
@@ -115,8 +114,3 @@ def set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
             raise ConfigError(f"{dotted}: {key} is not a section")
         node = child
     node[keys[-1]] = value
-
-
-def to_plain(obj: Any) -> Any:
-    """A dataclass tree as plain dicts (the inverse of ``build``)."""
-    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else typing.cast(Any, obj)
