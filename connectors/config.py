@@ -1,28 +1,64 @@
-"""The ``kv_transfer`` config section as a frozen dataclass."""
+"""The ``kv_transfer`` section: one model from the cluster YAML down to each engine's connector.
+
+Pipe keys (``transport``, ``host``, ``cidr``, ``port_range``, ...) may sit directly in the section
+for readability; they are moved into ``pipe_config`` (a PipeConfig), so each key and its default
+lives in exactly one place. ``options`` is the cluster YAML's bag of further connector/pipe keys.
+"""
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-ROLES = ("producer", "consumer", "both")
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from connectors.pipes.base import PipeConfig
+
+MiB = 1 << 20
 
 
-@dataclass(frozen=True)
-class KVTransferConfig:
-    role: str = "both"  # producer (prefill), consumer (decode), or both
+class KVTransferConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    role: Literal["producer", "consumer", "both"] = "both"  # prefill / decode / both
     connector: str = "pd"
-    pipe: str = "zmq"
-    kv_transfer_timeout: float = 30.0  # seconds a transfer may take before fallback / free
-    max_staging_bytes: int = 256 * 1024 * 1024  # consumer: early arrivals held at most
-    pipe_config: dict[str, Any] = field(default_factory=dict)  # PipeConfig fields
+    pipe: str = "zmq"  # a registered pipe name (connectors/pipes/<name>_pipe.py)
+    kv_transfer_timeout: float = Field(30.0, gt=0)  # a transfer's bound: fallback / free after
+    max_staging_bytes: int = Field(256 * MiB, gt=0)  # consumer: early arrivals held at most
+    # A prefill engine that cannot reach a decode engine at launch fails it ("error") or is
+    # logged and retried in the background ("warn").
+    unreachable: Literal["error", "warn"] = "error"
+    pipe_config: PipeConfig = Field(default_factory=PipeConfig)
 
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"kv_transfer.role must be one of {ROLES}, got {self.role!r}")
-        if not self.kv_transfer_timeout > 0:
-            raise ValueError(f"kv_transfer.kv_transfer_timeout must be > 0, got "
-                             f"{self.kv_transfer_timeout}")
+    @field_validator("pipe")
+    @classmethod
+    def _known_pipe(cls, value: str) -> str:
+        from connectors.pipes.base import available_pipes
+        if value not in available_pipes():
+            raise ValueError(f"must be one of {', '.join(available_pipes())}, got {value!r}")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_pipe_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        options = data.pop("options", None) or {}
+        if not isinstance(options, dict):
+            raise ValueError("options: expected a mapping")
+        known = (set(cls.model_fields) | set(PipeConfig.model_fields)) - {"pipe_config", "role"}
+        for key in options:
+            if key not in known or key in data:
+                why = "set it directly" if key in data else "unknown key"
+                raise ValueError(f"options.{key}: {why} (expected one of: "
+                                 f"{', '.join(sorted(known))})")
+        data.update(options)
+        pipe_keys = {k: data.pop(k) for k in list(data) if k in PipeConfig.model_fields}
+        if pipe_keys:
+            base = data.get("pipe_config") or {}
+            if isinstance(base, PipeConfig):
+                base = base.model_dump(exclude_defaults=True)
+            data["pipe_config"] = {**base, **pipe_keys}
+        return data
 
     @property
     def is_producer(self) -> bool:
@@ -34,9 +70,10 @@ class KVTransferConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "KVTransferConfig":
-        """Top-level keys that are not ours go to the pipe (transport, host, port, ...)."""
-        own = {f.name for f in dataclasses.fields(cls)}
-        pipe_config = dict(d.get("pipe_config") or {})
-        pipe_config.update({k: v for k, v in d.items() if k not in own})
-        return cls(**{k: v for k, v in d.items() if k in own and k != "pipe_config"},
-                   pipe_config=pipe_config)
+        return cls.model_validate(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for Ray/JSON: the keys that were set, pipe keys flattened as in YAML."""
+        out = self.model_dump(exclude_unset=True, exclude={"pipe_config"})
+        out.update(self.pipe_config.model_dump(exclude_unset=True))
+        return out

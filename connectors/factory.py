@@ -20,8 +20,7 @@ def register_connector(name: str) -> Callable:
 def create_connector(kv_transfer: dict[str, Any] | KVTransferConfig,
                      engine_info: dict[str, Any]) -> ConnectorPair:
     """engine_info: block_size, num_layers, num_kv_heads, head_dim, dtype, model_id."""
-    config = (kv_transfer if isinstance(kv_transfer, KVTransferConfig)
-              else KVTransferConfig.from_dict(kv_transfer))
+    config = KVTransferConfig.model_validate(kv_transfer)
     import connectors.pd_connector  # noqa: F401  (registers "pd")
     if config.connector not in _CONNECTORS:
         raise ValueError(f"kv_transfer.connector: unknown connector {config.connector!r}; "

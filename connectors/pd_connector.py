@@ -27,7 +27,7 @@ from connectors.kv_receiver import KVReceiver
 from connectors.metadata import (AckHeader, FinHeader, KVConnectorMetadata, KVLayerHeader,
                                  decode_header, encode_header)
 from connectors.pd_scheduler import PDConnectorScheduler
-from connectors.pipes.base import PipeConfig, PipeError, create_pipe
+from connectors.pipes.base import PipeError, create_pipe
 
 logger = logging.getLogger(__name__)
 _MAX_ZERO_COPY_RUNS = 4
@@ -47,7 +47,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
     def __init__(self, config: KVTransferConfig, engine_info: dict[str, Any]):
         self.config = config
         self.hello = {k: engine_info[k] for k in _HANDSHAKE_KEYS}
-        self.pipe = create_pipe(config.pipe, PipeConfig.from_dict(config.pipe_config))
+        self.pipe = create_pipe(config.pipe, config.pipe_config)
         self.receiver = KVReceiver(engine_info["num_layers"], engine_info["block_size"],
                                    config.kv_transfer_timeout, config.max_staging_bytes)
         self._endpoint = None
@@ -55,8 +55,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             self.pipe.set_handshake_validator(self._validate_hello, info=self.hello)
             self._endpoint = self.pipe.listen()
         self._meta: KVConnectorMetadata | None = None
-        self._buffers = BufferPool(max_bytes=int(config.pipe_config.get(
-            "max_inflight_bytes", 256 << 20)))
+        self._buffers = BufferPool(max_bytes=config.pipe_config.max_inflight_bytes)
         self._peers: dict[str, str | None] = {}  # connected consumer -> its tag
         self._connecting: dict[str, threading.Lock] = {}
         self._peer_lock = threading.Lock()

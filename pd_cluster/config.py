@@ -1,22 +1,25 @@
-"""Engine configuration: one frozen dataclass, validated once, with errors that name the field."""
+"""Engine configuration: pydantic models validated once, with errors that name the field."""
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from connectors.config import KVTransferConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16}
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str
+class EngineArgs(BaseModel):
+    """Everything about an engine except which model it serves and its KV transfer role:
+    the cluster YAML's ``engine`` section, shared by every engine of a cluster."""
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on CUDA
     device: str = "auto"
     seed: int = 0
@@ -30,30 +33,51 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | triton
     tokenizer: str | None = None
-    kv_transfer: dict[str, Any] | None = field(default=None, compare=False)
 
-    def __post_init__(self) -> None:
-        if not 8 <= self.block_size <= 128 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two in [8, 128], got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
-                             f"{self.gpu_memory_utilization}")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, value: int) -> int:
+        if not 8 <= value <= 128 or value & (value - 1):
+            raise ValueError(f"must be a power of two in [8, 128], got {value}")
+        return value
+
+    @field_validator("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len")
+    @classmethod
+    def _positive(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"must be >= 1, got {value}")
+        return value
+
+    @field_validator("gpu_memory_utilization")
+    @classmethod
+    def _fraction(cls, value: float) -> float:
+        if not 0 < value <= 1:
+            raise ValueError(f"must be in (0, 1], got {value}")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, value: str) -> str:
+        if value != "auto" and value not in _DTYPES:
+            raise ValueError(f"must be auto or one of {sorted(_DTYPES)}, got {value!r}")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value not in ("auto", "cpu", "cuda") and not value.startswith("cuda:"):
+            raise ValueError(f"must be auto, cpu or cuda[:N], got {value!r}")
+        return value
+
+
+class EngineConfig(EngineArgs):
+    """One engine's whole configuration, validated once (errors name the field)."""
+    model: str
+    kv_transfer: KVTransferConfig | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        unknown = sorted(set(kwargs) - set(cls.model_fields))
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(model=model, **kwargs)

@@ -68,7 +68,7 @@ def test_pipe_listens_on_the_selected_address_and_port_range() -> None:
     ({"kv_transfer": {"port_range": [9000]}}, "kv_transfer.port_range:"),
     ({"kv_transfer": {"unreachable": "ignore"}}, "kv_transfer.unreachable: must be one of"),
     ({"decode": {"strategy": "diagonal"}}, "decode.strategy: must be one of"),
-    ({"decode": {"node_labels": {"zone": 3}}}, "decode.node_labels.zone: must be a string"),
+    ({"decode": {"node_labels": {"zone": 3}}}, "decode.node_labels.zone: expected a string"),
     ({"prefill": {"resources": {"GPU": 1}}}, "prefill.resources.GPU: use num_cpus"),
     ({"prefill": {"resources": {"fast_nic": 0}}}, "prefill.resources.fast_nic: must be a number"),
     ({"prefill": {"num_cpus": 0, "strategy": "spread"}}, "prefill.strategy: a placement group"),

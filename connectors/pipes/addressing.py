@@ -45,7 +45,10 @@ def select_address(*, host: str | None = None, interface: str | None = None,
                              f"has no IP address")
         return (v4 or table[interface])[0]
     if cidr:
-        network = parse_cidr(cidr)
+        try:
+            network = parse_cidr(cidr)
+        except ValueError as e:
+            raise ValueError(f"kv_transfer.cidr: {e}") from None
         table = addresses()
         for ips in table.values():
             for ip in ips:
@@ -62,7 +65,7 @@ def parse_cidr(cidr: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     try:
         return ipaddress.ip_network(cidr, strict=False)
     except ValueError as e:
-        raise ValueError(f"cidr: {e}") from None
+        raise ValueError(str(e)) from None
 
 
 def route_address() -> str:

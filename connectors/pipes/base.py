@@ -6,15 +6,14 @@ and a peer. Transports register by name; a new transport is one new file
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import pkgutil
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MiB = 1 << 20
 
@@ -35,44 +34,52 @@ class HandshakeError(ValueError):
     """The consumer rejected the producer's hello (model/dtype/shape mismatch)."""
 
 
-@dataclass(frozen=True)
-class PipeConfig:
-    transport: str = "tcp"                # "tcp" | "ipc"
+class PipeConfig(BaseModel):
+    """One pipe's settings (the ``kv_transfer`` keys that belong to the transport)."""
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    transport: Literal["tcp", "ipc"] = "tcp"
     host: str = "127.0.0.1"               # address listen() binds and advertises (tcp)
     interface: str = ""                   # instead of host: this node's address on that NIC
     cidr: str = ""                        # instead of host: this node's address in that network
-    port: int = 0                         # 0: the OS picks one (or one from port_range)
-    port_range: tuple = ()                # (low, high): listen on a free port in it (firewalls)
+    port: int = Field(0, ge=0, lt=65536)  # 0: the OS picks one (or one from port_range)
+    port_range: tuple[int, int] | None = None  # (low, high): a free port in it (firewalls)
     ipc_dir: str = ""                     # "" -> tempfile.gettempdir()
-    max_inflight_bytes: int = 256 * MiB   # send side: queued + not yet released by the transport
-    max_recv_bytes: int = 256 * MiB       # receive side: received but not yet taken by recv_tensor
-    max_frame_bytes: int = 8 * MiB        # large payloads are split into frames of at most this
-    send_timeout: float = 30.0            # how long send_tensor may block on backpressure
-    handshake_timeout: float = 10.0       # connect(): wait for the consumer's reply
-    linger: float = 1.0                   # close(): how long unsent data may still be flushed
-    hwm: int = 1000                       # ZMQ SNDHWM/RCVHWM (messages)
-    extra: dict = field(default_factory=dict)  # transport-specific options
+    max_inflight_bytes: int = Field(256 * MiB, gt=0)  # send side: queued + not yet released
+    max_recv_bytes: int = Field(256 * MiB, gt=0)  # receive side: not yet taken by recv_tensor
+    max_frame_bytes: int = Field(8 * MiB, gt=0)  # large payloads are split into such frames
+    send_timeout: float = Field(30.0, ge=0)  # how long send_tensor may block on backpressure
+    handshake_timeout: float = Field(10.0, ge=0)  # connect(): wait for the consumer's reply
+    linger: float = Field(1.0, ge=0)      # close(): how long unsent data may still be flushed
+    hwm: int = Field(1000, gt=0)          # ZMQ SNDHWM/RCVHWM (messages)
+    extra: dict[str, Any] = Field(default_factory=dict)  # transport-specific options
 
-    def __post_init__(self) -> None:
-        if self.transport not in ("tcp", "ipc"):
-            raise ValueError(f"pipe transport must be 'tcp' or 'ipc', got {self.transport!r}")
-        for name in ("max_inflight_bytes", "max_recv_bytes", "max_frame_bytes", "hwm"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"PipeConfig.{name} must be > 0")
-        for name in ("send_timeout", "handshake_timeout", "linger"):
-            if not float(getattr(self, name)) >= 0:
-                raise ValueError(f"PipeConfig.{name} must be >= 0")
-        if self.port_range:
-            lo_hi = tuple(self.port_range)
-            if (len(lo_hi) != 2 or not all(isinstance(p, int) for p in lo_hi)
-                    or not 0 < lo_hi[0] <= lo_hi[1] < 65536):
-                raise ValueError(f"port_range: expected [low, high] ports, got {self.port_range!r}")
-            object.__setattr__(self, "port_range", lo_hi)
-        if self.interface and self.cidr:
-            raise ValueError("interface: set interface or cidr, not both")
-        if self.cidr:
+    @field_validator("port_range", mode="before")
+    @classmethod
+    def _port_range(cls, value: Any) -> Any:
+        if value in (None, (), []):
+            return None
+        lo_hi = tuple(value) if isinstance(value, (list, tuple)) else None
+        if (lo_hi is None or len(lo_hi) != 2 or not all(type(p) is int for p in lo_hi)
+                or not 0 < lo_hi[0] <= lo_hi[1] < 65536):
+            raise ValueError(f"expected [low, high] ports, got {value!r}")
+        return lo_hi
+
+    @field_validator("cidr")
+    @classmethod
+    def _cidr(cls, value: str) -> str:
+        if value:
             from connectors.pipes.addressing import parse_cidr
-            parse_cidr(self.cidr)
+            parse_cidr(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_address_rule(self) -> "PipeConfig":
+        rules = [k for k in ("host", "interface", "cidr")
+                 if k in self.model_fields_set and getattr(self, k)]
+        if len(rules) > 1:
+            raise ValueError(f"{rules[1]}: set only one of host, interface, cidr")
+        return self
 
     def bind_host(self) -> str:
         """The address this node listens on: by interface or network if given, else host."""
@@ -83,11 +90,11 @@ class PipeConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "PipeConfig":
         """Build from a YAML section; unknown keys are an error, not silently ignored."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - set(cls.model_fields))
         if unknown:
-            raise ValueError(f"unknown pipe config keys {unknown}; known: {sorted(known)}")
-        return cls(**d)
+            raise ValueError(f"unknown pipe config keys {unknown}; known: "
+                             f"{sorted(cls.model_fields)}")
+        return cls.model_validate(d)
 
 
 Message = tuple[str, dict, Optional[torch.Tensor]]

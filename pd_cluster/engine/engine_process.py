@@ -7,8 +7,6 @@ alternates between handling commands and stepping the engine, streaming outputs 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -35,7 +33,7 @@ class EngineProcess:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-        cfg = json.dumps(dataclasses.asdict(config))
+        cfg = config.model_dump_json()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pd_cluster.engine.engine_process", "--config", cfg,
              "--control", f"tcp://127.0.0.1:{port}"], env={**os.environ, **(env or {})})
@@ -184,4 +182,4 @@ if __name__ == "__main__":
     args = parser.parse_args()
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    _serve(EngineConfig(**json.loads(args.config)), args.control)
+    _serve(EngineConfig.model_validate_json(args.config), args.control)

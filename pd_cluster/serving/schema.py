@@ -1,105 +1,84 @@
-"""Build frozen dataclasses from parsed YAML, with errors that name the offending key path.
+"""Config errors that name the offending key path, from pydantic's validation errors.
 
-A small structural validator (no pydantic) so config errors read like
-``prefill.replcas: unknown key (expected one of: num_cpus, num_gpus, replicas)``.
-Dataclass ``__post_init__`` checks raise ``ValueError("<key>: <problem>")``; the builder
-prefixes the path of the enclosing section.
+``prefill.replcas: unknown key (expected one of: ...)``, ``proxy.port: expected an integer``.
+Validators raise ``ValueError("<key>: <problem>")`` when the key is below the field they check
+(``resources.GPU: use num_gpus``); the path of the enclosing section goes in front.
 """
 from __future__ import annotations
 
-import dataclasses
-import types
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+_EXPECTED = {"int_type": "expected an integer", "int_parsing": "expected an integer",
+             "int_from_float": "expected an integer", "float_type": "expected a number",
+             "float_parsing": "expected a number", "bool_type": "expected true or false",
+             "bool_parsing": "expected true or false", "string_type": "expected a string",
+             "dict_type": "expected a mapping", "model_type": "expected a mapping",
+             "model_attributes_type": "expected a mapping", "list_type": "expected a list",
+             "tuple_type": "expected a list"}
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<",
+           "less_than_equal": "<="}
+_BOUND_KEYS = {"greater_than": "gt", "greater_than_equal": "ge", "less_than": "lt",
+               "less_than_equal": "le"}
+# Keys the YAML writes flat although the model nests them (kv_transfer's pipe keys).
+_FLATTENED = {"pipe_config"}
 
 
 class ConfigError(ValueError):
     """A config value or key is invalid; the message starts with the key path."""
 
 
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
+def config_error(e: ValidationError, model: type[BaseModel]) -> ConfigError:
+    """The first error of validating ``model`` as one line: ``<key path>: <problem>``."""
+    err = e.errors(include_url=False)[0]
+    loc = [str(p) for p in err["loc"] if p not in _FLATTENED]
+    kind, ctx, value = err["type"], err.get("ctx", {}), err.get("input")
+    if kind == "extra_forbidden":
+        known = _fields_at(model, loc[:-1])
+        text = "unknown key" + (f" (expected one of: {', '.join(known)})" if known else "")
+    elif kind == "literal_error":
+        text = f"must be one of {ctx.get('expected', '?')}, got {value!r}"
+    elif kind in _BOUNDS:
+        text = f"must be {_BOUNDS[kind]} {ctx.get(_BOUND_KEYS[kind])}, got {value!r}"
+    elif kind == "value_error":
+        text = str(ctx.get("error", err["msg"]))
+        head = text.split(" ", 1)[0]
+        if head.endswith(":") and head[:-1].replace(".", "").replace("_", "").isalnum():
+            loc, text = loc + [head[:-1]], text[len(head):].lstrip()  # "key: problem" below
+    elif kind in _EXPECTED:
+        text = f"{_EXPECTED[kind]}, got {value!r}"
+    else:
+        text = err["msg"]
+    path = ".".join(loc)
+    return ConfigError(f"{path or '<root>'}: {text}")
 
 
-def build(cls: type, data: Any, path: str = "") -> Any:
-    """Validate ``data`` (a mapping) against dataclass ``cls`` and construct it."""
-    where = path or "<root>"
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
-    hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    for key in data:
-        if key not in names:
-            raise ConfigError(f"{_join(path, str(key))}: unknown key "
-                              f"(expected one of: {', '.join(sorted(names))})")
-    kwargs = {k: coerce(hints[k], v, _join(path, k)) for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
-        msg = str(e)
-        # Messages of the form "key: problem" get the section path in front.
-        if msg.split(" ")[0].endswith(":"):
-            raise ConfigError(_join(path, msg)) from None
-        raise ConfigError(f"{where}: {msg}") from None
+def _fields_at(model: type[BaseModel] | None, loc: list[str]) -> list[str]:
+    """The keys a section accepts, found by walking the models along ``loc``."""
+    for key in loc:
+        if model is None:
+            return []
+        field = model.model_fields.get(key)
+        if field is None:
+            field = _nested_field(model, key)
+        ann = getattr(field, "annotation", None)
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    if model is None:
+        return []
+    names = set(model.model_fields)
+    for nested in _FLATTENED & names:  # flattened keys are accepted at this level too
+        ann = model.model_fields[nested].annotation
+        names = (names - {nested}) | set(getattr(ann, "model_fields", {}))
+    return sorted(names)
 
 
-def coerce(tp: Any, value: Any, path: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; ints widen to float, nothing else."""
-    origin = get_origin(tp)
-    if origin in (Union, types.UnionType):
-        options = get_args(tp)
-        if value is None:
-            if type(None) in options:
-                return None
-            raise ConfigError(f"{path}: must not be null")
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return coerce(option, value, path)
-            except ConfigError as e:
-                errors.append(str(e).split(": ", 1)[-1])
-        raise ConfigError(f"{path}: {'; or '.join(errors)}")
-    if origin is Literal:
-        allowed = get_args(tp)
-        if value not in allowed:
-            raise ConfigError(f"{path}: must be one of {', '.join(map(str, allowed))}, "
-                              f"got {value!r}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        return build(tp, value, path)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-        return value
-    if origin is list or tp is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
-        item = (get_args(tp) or (Any,))[0]
-        return [coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
-        return dict(value)
-    raise ConfigError(f"{path}: unsupported annotation {tp!r}")  # a bug in the schema
+def _nested_field(model: type[BaseModel], key: str) -> Any:
+    for nested in _FLATTENED & set(model.model_fields):
+        ann = model.model_fields[nested].annotation
+        if key in getattr(ann, "model_fields", {}):
+            return ann.model_fields[key]
+    return None
 
 
 def set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
