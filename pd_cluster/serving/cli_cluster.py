@@ -10,8 +10,10 @@ import threading
 import time
 from typing import Any
 
-from pd_cluster.serving.cluster_config import (ClusterConfig, load_config, parse_overrides)
-from pd_cluster.serving.schema import set_path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the config (and torch behind it) loads only when a command runs
+    from pd_cluster.serving.cluster_config import ClusterConfig
 
 _DEFAULT_NAMESPACE = "pd-cluster"
 
@@ -53,11 +55,14 @@ def _namespace(args: argparse.Namespace) -> str:
     if args.namespace:
         return args.namespace
     if args.config:
+        from pd_cluster.serving.cluster_config import load_config
         return load_config(args.config).ray.namespace
     return _DEFAULT_NAMESPACE
 
 
-def _config_from_args(args: argparse.Namespace) -> ClusterConfig:
+def _config_from_args(args: argparse.Namespace) -> "ClusterConfig":
+    from pd_cluster.serving.cluster_config import load_config, parse_overrides
+    from pd_cluster.serving.schema import set_path
     overrides = parse_overrides(args.set)
     for key, value in (("proxy.host", args.host), ("proxy.port", args.port),
                        ("ray.namespace", args.namespace)):
@@ -72,6 +77,11 @@ def run_launch(args: argparse.Namespace) -> int:
     from pd_cluster.serving.ray_runtime import pid_alive, resolve_address
 
     cfg = _config_from_args(args)
+    busy = _port_in_use(cfg.proxy.host, cfg.proxy.port)
+    if busy:  # checked before Ray starts: fail in a second, not after loading every engine
+        print(f"error: proxy.port {cfg.proxy.port} on {cfg.proxy.host} is not available "
+              f"({busy}); free it, or pass --port (0: any free port)", file=sys.stderr)
+        return 1
     old = ClusterState.load(cfg.ray.namespace)
     if old is not None and old.launcher_pid != os.getpid() and (
             pid_alive(old.launcher_pid) if not old.detached
@@ -123,7 +133,21 @@ def run_launch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(cfg: ClusterConfig) -> str:
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why the proxy could not bind (host, port) on this node, or None."""
+    if port == 0:
+        return None
+    import socket
+
+    from pd_cluster.serving.proxy_actor import bind_socket
+    try:
+        bind_socket(host, port).close()
+    except (OSError, socket.gaierror) as e:
+        return e.strerror or str(e)
+    return None
+
+
+def _describe(cfg: "ClusterConfig") -> str:
     return ", ".join(f"{rc.replicas}x {role}" for role, rc in cfg.roles.items())
 
 
@@ -133,7 +157,7 @@ def run_status(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from pd_cluster.serving.launcher import ClusterState
+    from pd_cluster.serving.launch_record import ClusterState
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no per-request INFO lines here
     ns = _namespace(args)

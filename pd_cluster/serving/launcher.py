@@ -5,16 +5,14 @@ in the config's namespace, so ``status``/``stop`` (or a restarted proxy) can fin
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pd_cluster.serving.cluster_config import ClusterConfig
+from pd_cluster.serving.launch_record import ClusterState, state_dir
 from pd_cluster.serving.messages import ROLE_DECODE, ROLE_PREFILL, EngineSpec
 from pd_cluster.serving.placement import Placement, check_feasible
 from pd_cluster.serving.ray_runtime import RayRuntime, start_ray, stop_head
@@ -25,47 +23,6 @@ PROXY_NAME = "proxy"
 _READY_TIMEOUT = 600.0  # s: model loading (and first-use generation of a preset) per engine
 _STOP_TIMEOUT = 10.0
 _LINK_TIMEOUT = 15.0  # s: every launch-time P -> D handshake, all in parallel
-
-
-def state_dir() -> Path:
-    root = os.environ.get("PD_CLUSTER_STATE_DIR")
-    if root:
-        return Path(root)
-    cache = os.environ.get("PD_CLUSTER_CACHE") or Path.home() / ".cache" / "pd_cluster"
-    return Path(cache) / "run"
-
-
-@dataclass
-class ClusterState:
-    """Written by `launch`, read by `status` and `stop` (one file per namespace)."""
-    namespace: str
-    address: str | None
-    url: str
-    engines: list[str]
-    detached: bool
-    launcher_pid: int
-    head_pid: int | None = None
-
-    @staticmethod
-    def path(namespace: str) -> Path:
-        return state_dir() / f"{namespace}.json"
-
-    def save(self) -> None:
-        p = self.path(self.namespace)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2))
-        os.replace(tmp, p)
-
-    @classmethod
-    def load(cls, namespace: str) -> "ClusterState | None":
-        try:
-            return cls(**json.loads(cls.path(namespace).read_text()))
-        except (OSError, ValueError, TypeError):
-            return None
-
-    def remove(self) -> None:
-        self.path(self.namespace).unlink(missing_ok=True)
 
 
 @dataclass
