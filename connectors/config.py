@@ -23,6 +23,9 @@ class KVTransferConfig(BaseModel):
     pipe: str = "zmq"  # a registered pipe name (connectors/pipes/<name>_pipe.py)
     kv_transfer_timeout: float = Field(30.0, gt=0)  # a transfer's bound: fallback / free after
     max_staging_bytes: int = Field(256 * MiB, gt=0)  # consumer: early arrivals held at most
+    # Producer: a finished request's blocks are held while the consumer renews this lease
+    # (it renews every lease_seconds / 3 while receiving); silence frees them.
+    lease_seconds: float = Field(3.0, gt=0)
     # A prefill engine that cannot reach a decode engine at launch fails it ("error") or is
     # logged and retried in the background ("warn").
     unreachable: Literal["error", "warn"] = "error"

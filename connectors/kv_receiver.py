@@ -49,6 +49,7 @@ class KVReceiver:
         self._staged_bytes = 0
         self._done: dict[str, int | None] = {}
         self._cancelled: OrderedDict[str, float] = OrderedDict()  # ended here, bounded
+        self._nacks: list[tuple[str, str, bool]] = []  # gave up: tell those producers
         # Wall-clock arrival of each request's first layer, for overlap measurements (bounded).
         self.first_layer_times: OrderedDict[str, float] = OrderedDict()
         self.bytes_received = 0
@@ -98,10 +99,28 @@ class KVReceiver:
                                    self.timeout)
                     del self._active[rid]
                     self._done[rid] = None
+                    self._cancelled[rid] = now  # a late FIN is NACKed at once
+                    if state.peer is not None:  # the producer may free its blocks now
+                        self._nacks.append((state.peer, rid, False))
             for rid in [r for r, s in self._staged.items() if now - s.arrived > self.timeout]:
                 self._drop_staged(rid)  # never claimed: unknown or already-finished request
             done, self._done = self._done, {}
             return done
+
+    def take_nacks(self) -> list[tuple[str, str, bool]]:
+        """(peer, request id, False) for receives given up since the last call."""
+        with self._lock:
+            nacks, self._nacks = self._nacks, []
+            return nacks
+
+    def receiving_by_peer(self) -> dict[str, list[str]]:
+        """Requests still being received, per producer (to renew their leases)."""
+        with self._lock:
+            out: dict[str, list[str]] = {}
+            for rid, state in self._active.items():
+                if state.peer is not None:
+                    out.setdefault(state.peer, []).append(rid)
+            return out
 
     # ---- receiver-thread-driven ----------------------------------------------------------
     def on_message(self, header: KVLayerHeader | FinHeader, tensor: torch.Tensor | None,

@@ -58,6 +58,7 @@ class FinHeader:
     request_id: str
     first_token: int | None
     num_prompt_tokens: int
+    lease_seconds: float = 0.0  # the producer's lease: renew at least 3 times within it
     kind: str = "fin"
 
 
@@ -68,14 +69,22 @@ class AckHeader:
     kind: str = "ack"
 
 
-_HEADERS = {"kv": KVLayerHeader, "fin": FinHeader, "ack": AckHeader}
+@dataclass(frozen=True)
+class RenewHeader:
+    """Consumer -> producer: still receiving these requests; keep holding their blocks."""
+    request_ids: tuple[str, ...]
+    kind: str = "renew"
 
 
-def encode_header(header: KVLayerHeader | FinHeader | AckHeader) -> dict[str, Any]:
+Header = KVLayerHeader | FinHeader | AckHeader | RenewHeader
+_HEADERS = {"kv": KVLayerHeader, "fin": FinHeader, "ack": AckHeader, "renew": RenewHeader}
+
+
+def encode_header(header: Header) -> dict[str, Any]:
     return asdict(header)
 
 
-def decode_header(raw: dict[str, Any]) -> KVLayerHeader | FinHeader | AckHeader:
+def decode_header(raw: dict[str, Any]) -> Header:
     """Typed header from a received dict; ValueError on anything malformed."""
     cls = _HEADERS.get(raw.get("kind")) if isinstance(raw, dict) else None
     if cls is None:
@@ -85,10 +94,18 @@ def decode_header(raw: dict[str, Any]) -> KVLayerHeader | FinHeader | AckHeader:
         header = cls(**fields)
     except TypeError as e:
         raise ValueError(f"malformed {cls.__name__}: {e}") from None
+    if isinstance(header, RenewHeader):
+        if not isinstance(header.request_ids, (list, tuple)) or not all(
+                isinstance(r, str) for r in header.request_ids):
+            raise ValueError("malformed header: request_ids must be a list of strings")
+        return header
     if not isinstance(header.request_id, str):
         raise ValueError("malformed header: request_id must be a string")
     if getattr(header, "part", 2) not in (0, 1, 2):
         raise ValueError(f"malformed header: part={header.part!r}")
+    lease = getattr(header, "lease_seconds", 0.0)
+    if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease >= 0:
+        raise ValueError(f"malformed header: lease_seconds={lease!r}")
     for name in ("layer", "first_block", "num_prompt_tokens"):
         value = getattr(header, name, 0)
         if not isinstance(value, int) or value < 0:

@@ -25,8 +25,9 @@ from connectors.config import KVTransferConfig
 from connectors.factory import ConnectorPair, register_connector
 from connectors.kv_receiver import KVReceiver
 from connectors.metadata import (AckHeader, FinHeader, KVConnectorMetadata, KVLayerHeader,
-                                 decode_header, encode_header)
+                                 RenewHeader, decode_header, encode_header)
 from connectors.pd_scheduler import PDConnectorScheduler
+from connectors.send_leases import SendLeases
 from connectors.pipes.base import PipeError, create_pipe
 
 logger = logging.getLogger(__name__)
@@ -61,13 +62,11 @@ class PDConnectorWorker(KVConnectorBase_Worker):
         self._peer_lock = threading.Lock()
         self._warned: set[str] = set()
         self._step_futures: list[tuple[str, Future]] = []  # (request id, send)
-        self._awaiting_ack: dict[str, float] = {}  # request id -> deadline
+        self.leases = SendLeases(config.lease_seconds)
+        self._next_renewal = 0.0
+        self._renew_every = config.lease_seconds / 3  # shortened by a producer's shorter lease
         self._failed_sends: set[str] = set()
-        self._done_sending: set[str] = set()
-        self._lock = threading.Lock()
         self.bytes_sent = 0
-        self.send_seconds = 0.0  # first layer sent to the consumer's ACK, summed
-        self._send_started: dict[str, float] = {}
         self.num_send_timeouts = 0
         self.last_layer_times: OrderedDict[str, float] = OrderedDict()
         self._running = True
@@ -159,7 +158,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
                 if pooled:
                     self._buffers.release_when_done(payload, future)
                 self._step_futures.append((spec.request_id, future))
-                self._send_started.setdefault(spec.request_id, time.monotonic())
+                self.leases.sending(spec.request_id)
                 self.bytes_sent += payload.nbytes
         if layer == len(self.kv_caches) - 1:
             now = time.time()
@@ -196,53 +195,50 @@ class PDConnectorWorker(KVConnectorBase_Worker):
 
     def wait_for_save(self) -> None:
         """Every payload of this step released by the pipe: zero-copy views point into the
-        cache, which the next step may write. A send still pending after the timeout marks
-        its request failed (the consumer will recompute rather than trust the data)."""
+        cache, which the next step may write. A send that failed, or is still pending after
+        the timeout, fails its request: the FIN tells the consumer to recompute at once."""
         if not self._step_futures:
             return
-        _, pending = wait([f for _, f in self._step_futures],
-                          timeout=self.config.kv_transfer_timeout)
+        done, pending = wait([f for _, f in self._step_futures],
+                             timeout=self.config.kv_transfer_timeout)
+        failed = {rid for rid, f in self._step_futures
+                  if f in pending or f.cancelled() or f.exception() is not None}
         if pending:
             self.num_send_timeouts += 1
-            self._failed_sends.update(rid for rid, f in self._step_futures if f in pending)
             logger.error("%d KV sends still pending after %.1fs", len(pending),
                          self.config.kv_transfer_timeout)
+        elif failed:
+            logger.error("KV sends of %s failed: %s", sorted(failed), next(
+                f.exception() for _, f in self._step_futures if f in done and not f.cancelled()
+                and f.exception() is not None))
+        self._failed_sends.update(failed)
         self._step_futures = []
 
     def _send_fin(self, fin: Any) -> None:
         ok = fin.request_id not in self._failed_sends and fin.first_token is not None
         self._failed_sends.discard(fin.request_id)
-        if self._usable(fin.peer):
-            header = FinHeader(fin.request_id, fin.first_token if ok else None,
-                               fin.num_prompt_tokens)
-            try:
-                self.pipe.send_tensor(fin.peer, encode_header(header), None)
-            except PipeError as e:
-                logger.error("FIN for %s failed: %s", fin.request_id, e)
-                ok = False
+        if not self._usable(fin.peer):
+            self.leases.drop(fin.request_id)  # no consumer can answer: free now
+            return
+        header = FinHeader(fin.request_id, fin.first_token if ok else None, fin.num_prompt_tokens,
+                           self.config.lease_seconds)
+        try:
+            self.pipe.send_tensor(fin.peer, encode_header(header), None)
+        except PipeError as e:
+            logger.error("FIN for %s failed: %s", fin.request_id, e)
+            ok = False
+        # A failed transfer's FIN (first_token None) makes the consumer recompute at once;
+        # nothing of ours is read any more, so the blocks go now.
+        if ok:
+            self.leases.hold(fin.request_id)
         else:
-            ok = False  # no usable consumer: nobody will ACK, free now
-        with self._lock:
-            if ok:
-                self._awaiting_ack[fin.request_id] = (time.monotonic()
-                                                      + self.config.kv_transfer_timeout)
-            else:
-                self._done_sending.add(fin.request_id)
-                self._send_started.pop(fin.request_id, None)
+            self.leases.drop(fin.request_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], dict[str, int | None]]:
-        now = time.monotonic()
-        with self._lock:
-            for rid, deadline in list(self._awaiting_ack.items()):
-                if now > deadline:
-                    logger.warning("no ACK for %s within %.1fs: freeing its blocks", rid,
-                                   self.config.kv_transfer_timeout)
-                    self.num_send_timeouts += 1
-                    del self._awaiting_ack[rid]
-                    self._done_sending.add(rid)
-                    self._send_started.pop(rid, None)
-            sending, self._done_sending = self._done_sending, set()
-        return sending, self.receiver.take_finished()
+        recving = self.receiver.take_finished()
+        for nack in self.receiver.take_nacks():  # gave up: the producer frees at once
+            self._ack(nack)
+        return self.leases.take_done(), recving
 
     # ---- receiver thread -----------------------------------------------------------------
     def _recv_loop(self) -> None:
@@ -253,6 +249,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
                 if self._running:
                     logger.exception("KV pipe receive failed")
                 return
+            self._renew_leases()
             if msg is None:
                 continue
             peer, raw, tensor = msg
@@ -262,14 +259,25 @@ class PDConnectorWorker(KVConnectorBase_Worker):
                 logger.warning("dropped malformed KV message from %s: %s", peer, e)
                 continue
             if isinstance(header, AckHeader):
-                with self._lock:
-                    if self._awaiting_ack.pop(header.request_id, None) is not None:
-                        self._done_sending.add(header.request_id)
-                        started = self._send_started.pop(header.request_id, None)
-                        if started is not None:
-                            self.send_seconds += time.monotonic() - started
+                self.leases.release(header.request_id, header.ok)
+            elif isinstance(header, RenewHeader):
+                self.leases.renew(list(header.request_ids))
             else:
+                if isinstance(header, FinHeader) and header.lease_seconds > 0:
+                    self._renew_every = min(self._renew_every, header.lease_seconds / 3)
                 self._ack(self.receiver.on_message(header, tensor, peer))
+
+    def _renew_leases(self) -> None:
+        """Consumer: tell each producer which of its requests are still being received."""
+        now = time.monotonic()
+        if now < self._next_renewal:
+            return
+        self._next_renewal = now + self._renew_every
+        for peer, rids in self.receiver.receiving_by_peer().items():
+            try:
+                self.pipe.send_tensor(peer, encode_header(RenewHeader(tuple(rids))), None)
+            except PipeError as e:
+                logger.warning("lease renewal to %s not sent: %s", peer, e)
 
     def _ack(self, ended: tuple[str, str, bool] | None) -> None:
         """Tell the producer at once that it may free the request's blocks (ok=False: the
@@ -284,8 +292,9 @@ class PDConnectorWorker(KVConnectorBase_Worker):
 
     def stats(self) -> dict[str, Any]:
         return {"kv_bytes_sent": self.bytes_sent, "kv_bytes_received": self.receiver.bytes_received,
-                "kv_send_seconds": self.send_seconds, "kv_recv_seconds": self.receiver.recv_seconds,
-                "kv_send_timeouts": self.num_send_timeouts,
+                "kv_send_seconds": self.leases.send_seconds,
+                "kv_recv_seconds": self.receiver.recv_seconds,
+                "kv_send_timeouts": self.num_send_timeouts + self.leases.num_expired,
                 "kv_dropped_messages": self.receiver.num_dropped}
 
     def close(self) -> None:

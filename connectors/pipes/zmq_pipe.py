@@ -13,10 +13,11 @@ import queue
 import socket as pysocket
 import tempfile
 import threading
+import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import msgpack
@@ -43,6 +44,7 @@ class _Out:
     keep: Any = None               # owns the payload memory until zmq releases it
     tracker: Any = None            # one MessageTracker over all payload frames, once sent
     started: bool = False
+    queued: float = field(default_factory=time.monotonic)  # for the send_timeout bound
 
 
 def _peer_name(ident: bytes) -> str:
@@ -331,8 +333,14 @@ class ZmqPipe(KVPipe):
                 frames.insert(0, _identity(out.peer))
             try:   # only a message's first frame can be refused: zmq's HWM counts messages
                 s.send(frames[0], zmq.NOBLOCK | (zmq.SNDMORE if len(frames) > 1 else 0))
-            except zmq.Again:
-                return                         # retried next turn
+            except zmq.Again:                  # retried next turn, for send_timeout at most
+                if time.monotonic() - out.queued <= self.config.send_timeout:
+                    return
+                q.popleft()
+                self._finish(out, PipeTimeout(f"send to {out.peer!r} not accepted within "
+                                              f"{self.config.send_timeout}s (peer gone or "
+                                              f"not draining)"))
+                continue
             except zmq.ZMQError as e:
                 q.popleft()
                 why = "unknown or disconnected peer" if e.errno == zmq.EHOSTUNREACH else e

@@ -1,0 +1,118 @@
+"""The KV transfer failure contract: a failed send fails its request at once, a consumer that
+gives up frees the producer at once, and a producer holds blocks under a lease the consumer
+renews (a silent consumer frees them after the lease, not after a long fixed hold)."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from connectors.config import KVTransferConfig
+from connectors.metadata import FinishSpec, KVConnectorMetadata, RecvSpec, SendSpec
+from connectors.pd_connector import PDConnectorWorker
+from connectors.pipes.base import PipeError
+from pd_cluster import SamplingParams
+from tests.pd_helpers import colocated_tokens, engine, prompts_of_lengths, run_in_process
+from tests.pd_helpers import submit_pair
+
+INFO = {"model_id": "t", "dtype": "torch.float32", "block_size": 4, "num_layers": 2,
+        "num_kv_heads": 2, "head_dim": 8}
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+def _pair(consumer_timeout: float = 30.0, lease: float = 30.0) -> tuple[Any, Any, list]:
+    cons = PDConnectorWorker(KVTransferConfig(role="consumer",
+                                              kv_transfer_timeout=consumer_timeout), INFO)
+    prod = PDConnectorWorker(KVTransferConfig(role="producer", lease_seconds=lease), INFO)
+    src = [torch.randn(2, 12, 4, 2, 8) for _ in range(2)]
+    prod.register_kv_caches(src)
+    cons.register_kv_caches([torch.zeros(2, 12, 4, 2, 8) for _ in range(2)])
+    prod.connect_peer(cons.endpoint())
+    return prod, cons, src
+
+
+def _send(prod: Any, peer: str, layers: range, fin: bool = True) -> None:
+    prod.bind_connector_metadata(KVConnectorMetadata(sends=[SendSpec("r", peer, (1, 2), 0)]))
+    for layer in layers:
+        prod.save_kv_layer(layer, prod.kv_caches[layer], None)
+    prod.wait_for_save()
+    if fin:
+        prod.bind_connector_metadata(KVConnectorMetadata(finishes=[FinishSpec("r", peer, 7, 8)]))
+
+
+def _until(pred: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.01)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def test_a_failed_send_fails_the_request_and_the_consumer_recomputes_at_once(tiny_model):
+    model = tiny_model()
+    p = engine(model, "producer", timeout=60.0, block_size=8)
+    d = engine(model, "consumer", timeout=60.0, block_size=8)
+    real = p.runner.connector.pipe.send_tensor
+
+    def failing(peer: str, header: dict, tensor: Any) -> Future:
+        if tensor is None:
+            return real(peer, header, tensor)  # FIN / control messages go through
+        f: Future = Future()
+        f.set_exception(PipeError("connection reset by peer"))
+        return f
+    p.runner.connector.pipe.send_tensor = failing
+    prompt = prompts_of_lengths([40])[0]
+    submit_pair(p, d, "r", prompt, GREEDY, d.kv_endpoint())
+    got = run_in_process(p, d, timeout=20.0)  # far less than the 60 s transfer timeout
+    assert got["r"] == colocated_tokens(model, [prompt], [GREEDY], block_size=8)[0]
+    assert d.stats()["kv_fallbacks"] == 1  # told by the FIN, not by a timeout
+    p.check_no_leaks(), d.check_no_leaks()
+    p.close(), d.close()
+
+
+def test_a_consumer_that_gives_up_frees_the_producer_at_once():
+    prod, cons, _ = _pair(consumer_timeout=0.5, lease=60.0)
+    peer = cons.endpoint()
+    cons.bind_connector_metadata(KVConnectorMetadata(recvs=[RecvSpec("r", (3, 4), 8)]))
+    _send(prod, peer, range(1))  # layer 1 never comes: the consumer will give up
+    assert prod.get_finished(set())[0] == set()  # held: waiting for the consumer
+    assert _until(lambda: cons.get_finished(set())[1], 5.0, "consumer fallback") == {"r": None}
+    assert _until(lambda: prod.get_finished(set())[0], 5.0, "NACK") == {"r"}  # not 60 s
+    prod.close(), cons.close()
+
+
+def test_a_renewed_lease_holds_and_a_silent_consumer_frees_after_the_lease():
+    prod, cons, _ = _pair(consumer_timeout=30.0, lease=0.6)
+    peer = cons.endpoint()
+    cons.bind_connector_metadata(KVConnectorMetadata(recvs=[RecvSpec("r", (3, 4), 8)]))
+    _send(prod, peer, range(1))  # incomplete: the consumer keeps receiving and renewing
+    time.sleep(2.0)  # > 3 leases
+    assert prod.get_finished(set())[0] == set()
+    cons.close()  # the consumer dies: no more renewals
+    assert _until(lambda: prod.get_finished(set())[0], 5.0, "lease expiry") == {"r"}
+    assert prod.stats()["kv_send_timeouts"] == 1
+    prod.close()
+
+
+def test_pipe_fails_a_send_no_peer_accepts_within_send_timeout():
+    from connectors.pipes.base import PipeConfig, PipeTimeout
+    from connectors.pipes.zmq_pipe import ZmqPipe
+    cons = ZmqPipe(PipeConfig(hwm=1))
+    prod = ZmqPipe(PipeConfig(hwm=1, send_timeout=0.5))
+    try:
+        addr = cons.listen()
+        prod.connect(addr, {})
+        cons.close()  # gone: the producer's queue fills up and nothing drains it
+        futures = [prod.send_tensor(addr, {"i": i}, torch.zeros(1 << 16)) for i in range(50)]
+        # zmq keeps the first few queued for a reconnect (their memory stays referenced, so
+        # they stay pending; the connector's wait_for_save bounds those); the rest are refused
+        # and must fail after send_timeout instead of being retried forever.
+        _until(lambda: any(f.done() for f in futures), 10.0, "a bounded send")
+        done = [f for f in futures if f.done()]
+        assert all(isinstance(f.exception(), PipeTimeout) for f in done)
+    finally:
+        prod.close()
