@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any, Callable
 
+import msgspec
 import pytest
 import ray.exceptions
 
@@ -12,7 +14,7 @@ from pd_cluster.serving.cluster_config import ProxyConfig
 from pd_cluster.serving.dispatch import Dispatcher, GenerateJob
 from pd_cluster.serving.engine_pool import EnginePool
 from pd_cluster.serving.errors import APIError
-from pd_cluster.serving.messages import EngineDelta, EngineRequest
+from pd_cluster.serving.messages import EngineDelta, EngineRequest, decode_request, encode
 from pd_cluster.serving.metrics import ProxyMetrics
 from pd_cluster.serving.router import create_router, router_names
 
@@ -32,8 +34,14 @@ class _Ref:
 
 
 class _Gen:
+    """Plays a script written with cumulative deltas (readable) as an engine does: incremental
+    deltas numbered from 0, never emitting text that a later step cuts (stop strings)."""
+
     def __init__(self, script: Script):
         self.items = list(script)
+        deltas = [i for i in script if isinstance(i, EngineDelta)]
+        self.final_text = deltas[-1].text if deltas else ""
+        self.tokens, self.chars, self.seq = 0, 0, 0
 
     async def __anext__(self) -> _Ref:
         while self.items and isinstance(self.items[0], float):
@@ -43,7 +51,15 @@ class _Gen:
         item = self.items.pop(0)
         if isinstance(item, BaseException):
             raise item
-        return _Ref(item.to_dict())
+        return _Ref(encode([self._increment(item)]))
+
+    def _increment(self, d: EngineDelta) -> EngineDelta:
+        stable = len(os.path.commonprefix([d.text, self.final_text]))
+        text = d.text[self.chars:stable] if stable > self.chars else ""
+        inc = msgspec.structs.replace(d, seq=self.seq, token_ids=d.token_ids[self.tokens:],
+                                      text=text)
+        self.seq, self.tokens, self.chars = self.seq + 1, len(d.token_ids), max(stable, self.chars)
+        return inc
 
 
 class _Method:
@@ -62,8 +78,8 @@ class FakeEngine:
         self.requests: list[EngineRequest] = []
         self.aborted: list[str] = []
 
-        def generate(req: dict) -> _Gen:
-            r = EngineRequest.from_dict(req)
+        def generate(req: bytes) -> _Gen:
+            r = decode_request(req)
             self.requests.append(r)
             return _Gen(script(r))
 
@@ -118,7 +134,7 @@ def test_first_token_from_p_rest_from_d() -> None:
     assert run(disp) == [("a", [5], None), ("b", [6], None), ("c", [7], "length")]
     (preq,), (dreq,) = p.requests, d.requests
     assert preq.request_id == dreq.request_id == "cmpl-1"  # one id end to end
-    assert preq.params["max_tokens"] == 1 and dreq.params["max_tokens"] == 3
+    assert preq.params.max_tokens == 1 and dreq.params.max_tokens == 3
     assert preq.kv_transfer_params == {"do_remote_decode": True,
                                        "remote_kv_addr": "tcp://decode-0"}
     assert dreq.kv_transfer_params == {"do_remote_prefill": True}
@@ -197,7 +213,7 @@ def test_degraded_modes_serve_whole_requests_on_the_other_role() -> None:
         next(e for e in pool.engines if e.name == down).healthy = False
         assert run(disp) == [("x", [9], None), ("yz", [8, 7], "length")]
         (req,) = engines[serving].requests
-        assert req.kv_transfer_params is None and req.params["max_tokens"] == 3
+        assert req.kv_transfer_params is None and req.params.max_tokens == 3
         assert not engines[down].requests
         reason = "no_decode" if down == "decode-0" else "no_prefill"
         assert metrics.degraded.labels(reason)._value.get() == 1
@@ -233,3 +249,34 @@ def test_routers() -> None:
     assert picks == {"b", "c"}  # never the busy one; ties rotate
     rr = create_router("round_robin")
     assert [rr.pick([busy, idle1]).name for _ in range(4)] == ["a", "b", "a", "b"]
+
+
+def test_a_lost_or_repeated_delta_fails_the_leg_instead_of_being_merged() -> None:
+    """Deltas are incremental: a gap in their numbers means output was lost. The leg fails
+    (here before anything was sent, so the request is retried on another decode engine)."""
+    class GapGen(_Gen):
+        def _increment(self, d: EngineDelta) -> EngineDelta:
+            inc = super()._increment(d)
+            return msgspec.structs.replace(inc, seq=inc.seq + 1) if inc.seq == 1 else inc
+
+    gappy = FakeEngine(d_ok)
+    gappy.generate = _Method(lambda req: GapGen(d_ok(decode_request(req))))
+    disp, pool, metrics = make({"prefill-0": FakeEngine(lambda r: [0.05] + p_ok(r)),
+                                "decode-0": gappy, "decode-1": FakeEngine(d_ok)},
+                               retries=2)
+    with pytest.raises(APIError) as exc:  # D-0's second delta skipped a number
+        run(disp)
+    assert exc.value.status == 502 and "expected 1: lost or reordered" in exc.value.message
+
+
+def test_malformed_engine_messages_are_rejected_at_the_edge() -> None:
+    from pd_cluster.sampling_params import SamplingParams
+    good = encode(EngineRequest("r", [1, 2], SamplingParams(max_tokens=2)))
+    assert decode_request(good).params.max_tokens == 2
+    for bad in (b"\\x93garbage", msgspec.msgpack.encode({"request_id": "r", "oops": 1}),
+                msgspec.msgpack.encode({"request_id": "r", "prompt_token_ids": ["x"],
+                                        "params": {}}),
+                msgspec.msgpack.encode({"request_id": "r", "prompt_token_ids": [1],
+                                        "params": {"temperature": -3}})):
+        with pytest.raises(ValueError):
+            decode_request(bad)

@@ -1,8 +1,9 @@
-"""Run an LLMEngine in its own OS process, driven over ZMQ + msgpack (no Ray, no pickle).
+"""Run an LLMEngine in its own OS process, driven over ZMQ (no Ray, no pickle).
 
-Used to run a producer and a consumer engine as two processes (tests, benchmarks). The parent
-binds a ROUTER socket; the child connects a DEALER, reports ready with its KV endpoint, then
-alternates between handling commands and stepping the engine, streaming outputs back.
+Used to run a producer and a consumer engine as two processes (tests, benchmarks). The child
+runs the same driver as the Ray engine actor (EngineLoop: same message types, same error
+semantics) and speaks the same msgspec messages: the parent sends EngineRequests and control
+calls; the child streams EngineDelta batches back on a socket owned by the engine thread.
 """
 from __future__ import annotations
 
@@ -13,16 +14,33 @@ import sys
 import time
 from typing import Any
 
-import msgpack
+import msgspec
 import zmq
 
 from pd_cluster.config import EngineConfig
 
 _READY_TIMEOUT = 120.0
+_CALL_TIMEOUT = 60.0
 
 
-def _pack(msg: dict[str, Any]) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
+class Control(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """Parent -> child: run ``op`` ("add", "abort", "stats", "check_no_leaks", "timings",
+    "connect", "shutdown") with ``args``."""
+    op: str
+    args: dict[str, Any] = {}
+    request: bytes = b""  # an encoded EngineRequest for "add"
+
+
+class Reply(msgspec.Struct, tag=True):
+    """Child -> parent: "ready" (with the KV endpoint), a control call's result or error."""
+    kind: str
+    result: Any = None
+    error: str | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_control = msgspec.msgpack.Decoder(Control)
+_reply = msgspec.msgpack.Decoder(Reply)
 
 
 class EngineProcess:
@@ -33,42 +51,43 @@ class EngineProcess:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-        cfg = config.model_dump_json()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pd_cluster.engine.engine_process", "--config", cfg,
-             "--control", f"tcp://127.0.0.1:{port}"], env={**os.environ, **(env or {})})
-        self._ident: bytes | None = None
-        self.outputs: dict[str, dict[str, Any]] = {}  # latest output per request
-        self._replies: list[dict[str, Any]] = []
+            [sys.executable, "-m", "pd_cluster.engine.engine_process", "--config",
+             config.model_dump_json(), "--control", f"tcp://127.0.0.1:{port}"],
+            env={**os.environ, **(env or {})})
+        self._ctl: bytes | None = None  # the child's control identity (its output one differs)
+        self.outputs: dict[str, dict[str, Any]] = {}  # per request: assembled from its deltas
+        self._replies: list[Reply] = []
         self.kv_endpoint: str | None = None
 
     def wait_ready(self, timeout: float = _READY_TIMEOUT) -> "EngineProcess":
         """Block until the child loaded its model (start several first, then wait)."""
-        self._wait(lambda: self._ident is not None, timeout, "engine start")
-        self.kv_endpoint = self._ready["kv_endpoint"]
+        self._wait(lambda: self._ctl is not None, timeout, "engine start")
         return self
 
     # ---- commands ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
                     kv_transfer_params: dict[str, Any] | None = None) -> None:
-        self._send({"op": "add", "request_id": request_id, "prompt_token_ids": prompt_token_ids,
-                    "params": params.to_dict(), "kv_transfer_params": kv_transfer_params})
+        from pd_cluster.serving.messages import EngineRequest, encode
+        req = EngineRequest(request_id, list(prompt_token_ids), params, kv_transfer_params,
+                            timeout=3600.0)
+        self._send(Control("add", request=encode(req)))
 
     def connect_kv_peer(self, endpoint: str, timeout: float = 30.0) -> None:
         """Producer: handshake with a consumer before sending it requests."""
         self.call("connect", timeout, endpoint=endpoint)
 
     def abort(self, request_ids: list[str]) -> None:
-        self._send({"op": "abort", "request_ids": list(request_ids)})
+        self._send(Control("abort", {"request_ids": list(request_ids)}))
 
-    def call(self, op: str, timeout: float = 30.0, **kwargs: Any) -> Any:
-        """Synchronous query: "stats", "check_no_leaks", "timings"."""
-        self._send({"op": op, **kwargs})
+    def call(self, op: str, timeout: float = _CALL_TIMEOUT, **kwargs: Any) -> Any:
+        """Synchronous query: "stats", "check_no_leaks", "timings", "connect"."""
+        self._send(Control(op, kwargs))
         self._wait(lambda: bool(self._replies), timeout, op)
         reply = self._replies.pop(0)
-        if "error" in reply:
-            raise RuntimeError(reply["error"])
-        return reply["result"]
+        if reply.error is not None:
+            raise RuntimeError(reply.error)
+        return reply.result
 
     def wait_finished(self, request_ids: list[str], timeout: float) -> dict[str, dict[str, Any]]:
         self._wait(lambda: all(self.outputs.get(r, {}).get("finished") for r in request_ids),
@@ -82,7 +101,7 @@ class EngineProcess:
     def shutdown(self, timeout: float = 10.0) -> None:
         if self.proc.poll() is None:
             try:
-                self._send({"op": "shutdown"})
+                self._send(Control("shutdown"))
                 self.proc.wait(timeout=timeout)
             except (subprocess.TimeoutExpired, zmq.ZMQError):
                 self.proc.kill()
@@ -90,8 +109,8 @@ class EngineProcess:
         self._sock.close(0)
 
     # ---- plumbing ------------------------------------------------------------------------
-    def _send(self, msg: dict[str, Any]) -> None:
-        self._sock.send_multipart([self._ident, _pack(msg)])
+    def _send(self, msg: Control) -> None:
+        self._sock.send_multipart([self._ctl, _encoder.encode(msg)])
 
     def _wait(self, done: Any, timeout: float, what: str) -> bool:
         deadline = time.monotonic() + timeout
@@ -102,69 +121,75 @@ class EngineProcess:
             if left <= 0:
                 raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
             if self._sock.poll(min(left, 0.1) * 1000):
-                ident, raw = self._sock.recv_multipart()
-                self._on_message(ident, msgpack.unpackb(raw, raw=False))
+                ident, kind, raw = self._sock.recv_multipart()
+                self._on_message(ident, kind, raw)
         return True
 
-    def _on_message(self, ident: bytes, msg: dict[str, Any]) -> None:
-        kind = msg.pop("kind")
-        if kind == "ready":
-            self._ident, self._ready = ident, msg
-        elif kind == "output":
-            self.outputs[msg["request_id"]] = msg
+    def _on_message(self, ident: bytes, kind: bytes, raw: bytes) -> None:
+        if kind == b"deltas":
+            from pd_cluster.serving.messages import decode_deltas
+            for d in decode_deltas(raw):
+                out = self.outputs.setdefault(d.request_id, {"token_ids": [], "text": "",
+                                                             "finished": False})
+                out["token_ids"] = out["token_ids"] + list(d.token_ids)
+                out["text"] += d.text
+                out.update(finished=d.finished, finish_reason=d.finish_reason, error=d.error)
+            return
+        reply = _reply.decode(raw)
+        if reply.kind == "ready":
+            self._ctl, self.kv_endpoint = ident, reply.result
         else:
-            self._replies.append(msg)
+            self._replies.append(reply)
 
 
 def _serve(config: EngineConfig, control: str) -> None:
-    """Child side: one loop owning the engine."""
+    """Child side: the EngineLoop driver owns the engine; this thread answers the parent."""
     from pd_cluster.engine.llm_engine import LLMEngine
-    from pd_cluster.sampling_params import SamplingParams
+    from pd_cluster.serving.engine_loop import EngineLoop
+    from pd_cluster.serving.messages import decode_request, encode
+
     engine = LLMEngine(config)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    ctx = zmq.Context.instance()
+    outputs: dict[str, zmq.Socket] = {}
+
+    def emit(deltas: list[Any]) -> None:  # always on the engine thread: it owns its socket
+        sock = outputs.get("s")
+        if sock is None:
+            sock = outputs["s"] = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(control)
+        sock.send_multipart([b"deltas", encode(deltas)])
+
+    loop = EngineLoop(engine, emit, on_fatal=lambda e: os._exit(1),
+                      num_threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    loop.start()
+    sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(control)
-    sock.send(_pack({"kind": "ready", "kv_endpoint": engine.kv_endpoint()}))
-    queries = {"stats": engine.stats, "check_no_leaks": lambda: engine.check_no_leaks() or True,
-               "timings": lambda: _timings(engine),
-               "connect": lambda endpoint: engine.connect_kv_peer(endpoint) or True}
+    sock.send_multipart([b"reply", _encoder.encode(Reply("ready", engine.kv_endpoint()))])
+    queries = {"stats": lambda e: e.stats(),
+               "check_no_leaks": lambda e: e.check_no_leaks() or True,
+               "timings": _timings}
     while True:
-        busy = engine.has_unfinished_requests()
-        while sock.poll(0 if busy else 50):
-            msg = msgpack.unpackb(sock.recv(), raw=False)
-            op = msg["op"]
+        msg = _control.decode(sock.recv())
+        if msg.op == "shutdown":
+            loop.stop()
+            engine.close()
+            return
+        if msg.op == "add":
+            loop.submit(decode_request(msg.request))
+        elif msg.op == "abort":
+            loop.abort(msg.args["request_ids"])
+        else:
             try:
-                if op == "shutdown":
-                    engine.close()
-                    return
-                if op == "add":
-                    engine.add_request(msg["request_id"], msg["prompt_token_ids"],
-                                       SamplingParams.from_dict(msg["params"]),
-                                       msg["kv_transfer_params"])
-                elif op == "abort":
-                    _emit(sock, engine.abort_request(msg["request_ids"]))
+                if msg.op == "connect":  # a handshake: off the engine thread, as in a cluster
+                    result = engine.connect_kv_peer(msg.args["endpoint"]) or True
                 else:
-                    args = {k: v for k, v in msg.items() if k != "op"}
-                    sock.send(_pack({"kind": "reply", "result": queries[op](**args)}))
-            except (ValueError, AssertionError, KeyError, RuntimeError) as e:
-                error = f"{type(e).__name__}: {e}"
-                if op == "add":  # the caller waits on this request's output, not a reply
-                    sock.send(_pack({"kind": "output", "request_id": msg["request_id"],
-                                     "token_ids": [], "text": "", "finished": True,
-                                     "finish_reason": "error", "error": error}))
-                else:
-                    sock.send(_pack({"kind": "reply", "error": error}))
-            busy = True
-        if engine.has_unfinished_requests():
-            _emit(sock, engine.step())
-
-
-def _emit(sock: zmq.Socket, outputs: list[Any]) -> None:
-    for out in outputs:
-        c = out.outputs[0]
-        sock.send(_pack({"kind": "output", "request_id": out.request_id,
-                         "token_ids": c.token_ids, "text": c.text, "finished": out.finished,
-                         "finish_reason": c.finish_reason}))
+                    result = loop.call(queries[msg.op]).result(timeout=_CALL_TIMEOUT)
+                reply = Reply("result", result)
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                reply = Reply("result", error=f"{type(e).__name__}: {e}")
+            sock.send_multipart([b"reply", _encoder.encode(reply)])
 
 
 def _timings(engine: Any) -> dict[str, dict[str, float]]:

@@ -19,6 +19,7 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
     stop_checker: StopChecker
     num_seen_tokens: int = 0
+    num_emitted_chars: int = 0  # text handed out in deltas so far
     first_token_time: float | None = None
 
 
@@ -44,7 +45,6 @@ class OutputProcessor:
             state = self.states[request.request_id]
             detok, checker = state.detokenizer, state.stop_checker
             new_tokens = request.output_token_ids[state.num_seen_tokens:]
-            old_len = len(detok.text)
             reason, by_string = None, False
             for i in range(len(new_tokens)):
                 seen = state.num_seen_tokens + i + 1
@@ -70,9 +70,21 @@ class OutputProcessor:
                 request.stop_reason = checker.stop_reason
                 to_finish.append((request, _FINISH_STATUS[reason]))
                 request.finish_reason = reason
-            outputs.append(self._output(request, state, detok.text[old_len:], new_tokens,
-                                        finished=reason is not None))
+            outputs.append(self._output(request, state, self._delta_text(request, state, reason),
+                                        new_tokens, finished=reason is not None))
         return outputs, to_finish
+
+    @staticmethod
+    def _delta_text(request: Request, state: _RequestState, reason: str | None) -> str:
+        """New text that can no longer change: while running, the last max_stop_len - 1
+        characters could still become a stop string (then they are cut, not sent)."""
+        text = state.detokenizer.text
+        end = len(text)
+        if reason is None and request.sampling_params.stop:
+            end = max(end - (request.sampling_params.max_stop_len - 1), state.num_emitted_chars)
+        delta = text[state.num_emitted_chars:end]
+        state.num_emitted_chars = max(end, state.num_emitted_chars)
+        return delta
 
     def finished_output(self, request: Request) -> RequestOutput:
         """Final output for a request finished from outside (abort)."""

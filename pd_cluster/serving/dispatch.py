@@ -1,13 +1,16 @@
 """Runs one request on the engines: P and D in parallel (or one colocated engine), with retries.
 
 The client sees a single stream. The first token comes from whichever leg delivers it first
-(normally P: max_tokens=1, then it ships the KV to D); everything after it comes from D, by
-diffing D's cumulative text/token_ids against what was already sent. An engine failure before
-anything was sent retries on another pair; after that the stream ends with an error.
+(normally P: max_tokens=1, then it ships the KV to D); everything after it comes from D. Each
+engine streams incremental deltas numbered per request: they are appended to that leg's
+output (a gap or repeat fails the leg), and the client gets what it has not been sent yet.
+An engine failure before anything was sent retries on another pair; after that the stream
+ends with an error.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,7 +20,8 @@ from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.engine_pool import EnginePool, EngineState, NoHealthyEngine
 from pd_cluster.serving.errors import APIError, internal_error, invalid_request, timeout_error
 from pd_cluster.serving.messages import (ERROR_INVALID_REQUEST, ERROR_TIMEOUT, ROLE_COLOCATED,
-                                         ROLE_DECODE, ROLE_PREFILL, EngineDelta, EngineRequest)
+                                         ROLE_DECODE, ROLE_PREFILL, EngineDelta, EngineRequest,
+                                         decode_deltas, encode)
 from pd_cluster.serving.metrics import ProxyMetrics
 from pd_cluster.serving.peer_linker import PeerLinker
 
@@ -55,6 +59,21 @@ class _Leg:
     work: int
     final: bool  # its finish ends the request (D, or the only engine)
     finished: bool = False
+    # What this engine produced so far, assembled from its deltas (appended, never re-sent).
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    next_seq: int = 0
+
+    def apply(self, delta: EngineDelta) -> None:
+        """Append one incremental delta; a gap or repeat is the engine's failure."""
+        if delta.seq != self.next_seq:
+            raise EngineFailed(self.engine, f"delta {delta.seq} of {delta.request_id} arrived, "
+                                            f"expected {self.next_seq}: lost or reordered",
+                               dead=False)
+        self.next_seq += 1
+        self.token_ids.extend(delta.token_ids)
+        self.text += delta.text
+        self.finished = delta.finished
 
 
 @dataclass
@@ -101,7 +120,7 @@ class Dispatcher:
                     timeout=max(1.0, job.deadline - time.monotonic()))
 
         def whole(e: EngineState) -> list[_Leg]:  # one engine computes the whole answer
-            return [_Leg(e, EngineRequest(params=job.params.to_dict(), **base),
+            return [_Leg(e, EngineRequest(params=job.params, **base),
                          n_prompt + max_tokens, final=True)]
 
         if self.mode == "colocated":
@@ -124,12 +143,12 @@ class Dispatcher:
             self.metrics.degraded.labels("no_kv_link").inc()
             return whole(d)
         p = self.pool.pick(ROLE_PREFILL, candidates=linked)
-        p_params = job.params.to_dict()
         # min_tokens stays <= 1 so P masks EOS for token 1 exactly when D would.
-        p_params.update(max_tokens=1, min_tokens=min(job.params.min_tokens, 1))
+        p_params = dataclasses.replace(job.params, max_tokens=1,
+                                       min_tokens=min(job.params.min_tokens, 1))
         d_kv = {"do_remote_prefill": True}
         p_kv = {"do_remote_decode": True, "remote_kv_addr": d.kv_endpoint}
-        return [_Leg(d, EngineRequest(params=job.params.to_dict(), kv_transfer_params=d_kv,
+        return [_Leg(d, EngineRequest(params=job.params, kv_transfer_params=d_kv,
                                       **base), max_tokens + 1, final=True),
                 _Leg(p, EngineRequest(params=p_params, kv_transfer_params=p_kv, **base),
                      n_prompt, final=False)]
@@ -137,26 +156,28 @@ class Dispatcher:
     # ---- one attempt -----------------------------------------------------------------------
     async def _run(self, job: GenerateJob, legs: list[_Leg], sent: _Sent
                    ) -> AsyncIterator[StreamEvent]:
-        q: asyncio.Queue[tuple[_Leg, EngineDelta | None, Exception | None]] = asyncio.Queue()
+        q: asyncio.Queue[tuple[_Leg, list[EngineDelta], Exception | None]] = asyncio.Queue()
         for leg in legs:
             self.pool.acquire(leg.engine, leg.work)
         tasks = [asyncio.create_task(self._pump(leg, q, job.deadline)) for leg in legs]
         try:
             while True:
                 try:
-                    leg, delta, failure = await _get(q, job.deadline)
+                        leg, batch, failure = await _get(q, job.deadline)
                 except asyncio.TimeoutError:
                     raise timeout_error("request timed out waiting for the engines") from None
                 if failure is not None:
                     if isinstance(failure, APIError) or leg.final or not sent.any:
                         raise failure
                     continue  # P failed after its token went out: D prefills by itself
-                assert delta is not None
-                if delta.error:
-                    self._raise_for(leg, delta, sent)
-                event = self._advance(leg, delta, job, sent)
+                for delta in batch:
+                    if delta.error:
+                        self._raise_for(leg, delta, sent)
+                    leg.apply(delta)
+                last = batch[-1]
+                event = self._advance(leg, last, job, sent)
                 if event is not None:
-                    self.metrics.proxy_overhead.observe(max(time.time() - delta.emit_time, 0.0))
+                    self.metrics.proxy_overhead.observe(max(time.time() - last.emit_time, 0.0))
                     yield event
                     if event.finish_reason is not None:
                         return
@@ -169,39 +190,41 @@ class Dispatcher:
                     asyncio.ensure_future(_quietly(leg.engine.handle.abort.remote(
                         [job.request_id])))
 
-    def _advance(self, leg: _Leg, d: EngineDelta, job: GenerateJob, sent: _Sent
+    def _advance(self, leg: _Leg, last: EngineDelta, job: GenerateJob, sent: _Sent
                  ) -> StreamEvent | None:
+        """What the client gets next from ``leg``, given everything it produced so far."""
         if not leg.final:
             if sent.any:
                 return None  # D got there first: P's token only matters for the KV it ships
-            done = d.finished and d.finish_reason == "stop" and job.params.min_tokens <= 1
-            if d.finished and not done and d.finish_reason != "length":
+            done = leg.finished and last.finish_reason == "stop" and job.params.min_tokens <= 1
+            if leg.finished and not done and last.finish_reason != "length":
                 return None  # P stopped under a larger min_tokens: D has the real answer
             sent.first_from_prefill = True
         else:
-            done = d.finished
-            if sent.first_from_prefill and d.token_ids:
+            done = leg.finished
+            if sent.first_from_prefill and leg.token_ids:
                 sent.first_from_prefill = False  # compare once: D must continue P's token
-                if d.token_ids[0] != sent.token_ids[0]:
+                if leg.token_ids[0] != sent.token_ids[0]:
                     self.metrics.first_token_mismatch.inc()
                     logger.warning("%s: D's first token %d != P's %d", job.request_id,
-                                   d.token_ids[0], sent.token_ids[0])
-        new_tokens = d.token_ids[len(sent.token_ids):]
-        text = d.text
+                                   leg.token_ids[0], sent.token_ids[0])
+        new_tokens = leg.token_ids[len(sent.token_ids):]
+        end = len(leg.text)
         if not done and job.params.stop:
             # Hold back what could be the start of a stop string: once sent, text cannot be
             # taken back if the engine later truncates it at the match (as vLLM does).
-            text = text[:max(len(text) - (job.params.max_stop_len - 1), len(sent.text))]
-        if not leg.final and not done and _REPLACEMENT_CHAR in text:
+            end = max(end - (job.params.max_stop_len - 1), len(sent.text))
+        if not leg.final and not done and _REPLACEMENT_CHAR in leg.text:
             new_text = ""  # P flushed a partial character; D's text will carry it whole
         else:
-            new_text = text[len(sent.text):]
+            new_text = leg.text[len(sent.text):end]
         if not new_tokens and not new_text and not done:
             return None
         sent.token_ids.extend(new_tokens)
         sent.text += new_text
-        reason = (d.finish_reason or "stop") if done else None
-        return StreamEvent(new_text, new_tokens, reason, d.num_prompt_tokens, d.num_cached_tokens)
+        reason = (last.finish_reason or "stop") if done else None
+        return StreamEvent(new_text, new_tokens, reason, last.num_prompt_tokens,
+                           last.num_cached_tokens)
 
     def _raise_for(self, leg: _Leg, d: EngineDelta, sent: _Sent) -> None:
         if d.error_type == ERROR_INVALID_REQUEST:  # the request's fault: engine stays healthy
@@ -218,22 +241,25 @@ class Dispatcher:
         except asyncio.CancelledError:
             raise
         except asyncio.TimeoutError:
-            q.put_nowait((leg, None, timeout_error(f"{leg.engine.name}: no output in time")))
+            q.put_nowait((leg, [], timeout_error(f"{leg.engine.name}: no output in time")))
         except StopAsyncIteration:
-            q.put_nowait((leg, None, EngineFailed(leg.engine, "stream ended early", dead=False)))
+            q.put_nowait((leg, [], EngineFailed(leg.engine, "stream ended early", dead=False)))
+        except EngineFailed as e:
+            q.put_nowait((leg, [], e))
         except Exception as e:  # noqa: BLE001 - classified: actor death vs anything else
-            q.put_nowait((leg, None, EngineFailed(leg.engine, f"{type(e).__name__}: {e}",
-                                                  dead=_is_actor_death(e))))
+            q.put_nowait((leg, [], EngineFailed(leg.engine, f"{type(e).__name__}: {e}",
+                                                dead=_is_actor_death(e))))
 
     @staticmethod
     async def _pump_items(leg: _Leg, q: asyncio.Queue) -> None:
         gen = leg.engine.handle.generate.options(num_returns="streaming").remote(
-            leg.request.to_dict())
+            encode(leg.request))
         while True:
-            delta = EngineDelta.from_dict(await (await gen.__anext__()))
-            leg.finished = delta.finished
-            q.put_nowait((leg, delta, None))
-            if delta.finished:
+            batch = decode_deltas(await (await gen.__anext__()))
+            if not batch:
+                raise EngineFailed(leg.engine, "empty delta batch", dead=False)
+            q.put_nowait((leg, batch, None))
+            if batch[-1].finished:
                 return
 
 

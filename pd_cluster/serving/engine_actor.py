@@ -1,9 +1,11 @@
 """A prefill, decode or colocated engine as a Ray actor.
 
 The actor is async: its event loop serves many concurrent request streams (Ray streaming
-generators) and health checks, while the engine itself runs on the EngineLoop thread. Outputs
-cross from that thread to the event loop with ``call_soon_threadsafe`` and fan out to one
-asyncio queue per request. Every wait is bounded by the request's timeout.
+generators) and health checks, while the engine itself runs on the EngineLoop thread (the
+same driver a stand-alone engine process uses). Deltas cross from that thread to the event
+loop with ``call_soon_threadsafe`` and fan out to one asyncio queue per request; each stream
+item carries every delta queued since the last one. Every wait is bounded by the request's
+timeout.
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ import uuid
 from typing import Any, AsyncIterator
 
 from pd_cluster.serving.engine_loop import EngineLoop
-from pd_cluster.serving.messages import (ERROR_ENGINE, ERROR_TIMEOUT, EngineDelta, EngineInfo,
-                                         EngineRequest, EngineSpec)
+from pd_cluster.serving.messages import (ERROR_ENGINE, ERROR_INVALID_REQUEST, ERROR_TIMEOUT,
+                                         EngineDelta, EngineInfo, EngineSpec, decode_request,
+                                         encode)
 
 logger = logging.getLogger(__name__)
 
@@ -104,38 +107,42 @@ class EngineActor:
         return dict(await asyncio.gather(*(one(ep, tag) for ep, tag in peers.items())))
 
     # ---- requests ------------------------------------------------------------------------
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream EngineDelta dicts (cumulative output, coalesced) until the request finishes."""
+    async def generate(self, request: bytes) -> AsyncIterator[bytes]:
+        """Stream the request's EngineDeltas until it finishes: each item is every delta queued
+        since the previous one (in order, never merged), msgpack-encoded."""
         self._bind_loop()
-        req = EngineRequest.from_dict(request)
+        try:
+            req = decode_request(request)
+        except ValueError as e:  # malformed at the edge: the request's fault, not ours
+            yield encode([EngineDelta("?", finished=True, error=f"malformed request: {e}",
+                                      error_type=ERROR_INVALID_REQUEST)])
+            return
         rid = req.request_id
-        q: asyncio.Queue[EngineDelta] = asyncio.Queue()
         if not self.loop.alive:  # fail fast: a restart is coming (see _on_fatal)
-            yield EngineDelta(rid, finished=True, error=f"engine loop is down: "
-                              f"{self.loop.error!r}", error_type=ERROR_ENGINE).to_dict()
+            yield encode([EngineDelta(rid, finished=True, error_type=ERROR_ENGINE,
+                                      error=f"engine loop is down: {self.loop.error!r}")])
             return
         if rid in self._streams:
-            yield EngineDelta(rid, finished=True, error=f"request_id {rid!r} is already in use",
-                              error_type="invalid_request").to_dict()
+            yield encode([EngineDelta(rid, finished=True, error_type=ERROR_INVALID_REQUEST,
+                                      error=f"request_id {rid!r} is already in use")])
             return
+        q: asyncio.Queue[EngineDelta] = asyncio.Queue()
         self._streams[rid] = q
         finished = False
         self.loop.submit(req)
         try:
-            while True:
+            while not finished:
                 try:
-                    delta = await asyncio.wait_for(q.get(), timeout=req.timeout)
+                    batch = [await asyncio.wait_for(q.get(), timeout=req.timeout)]
                 except asyncio.TimeoutError:
-                    yield EngineDelta(rid, finished=True, finish_reason="abort",
-                                      error=f"no output for {req.timeout:.0f}s",
-                                      error_type=ERROR_TIMEOUT).to_dict()
+                    yield encode([EngineDelta(rid, -1, finished=True, finish_reason="abort",
+                                              error=f"no output for {req.timeout:.0f}s",
+                                              error_type=ERROR_TIMEOUT)])
                     return
-                while not delta.finished and not q.empty():  # cumulative: newest wins
-                    delta = q.get_nowait()
-                finished = delta.finished
-                yield delta.to_dict()
-                if finished:
-                    return
+                while not q.empty():
+                    batch.append(q.get_nowait())
+                finished = batch[-1].finished
+                yield encode(batch)
         finally:
             self._streams.pop(rid, None)
             if not finished:  # consumer went away (cancelled, disconnected): free the engine

@@ -1,8 +1,9 @@
-"""One thread that owns an LLMEngine (which is not thread safe).
+"""The one engine driver: a thread that owns an LLMEngine (which is not thread safe).
 
-Requests, aborts and inspection calls come in through one queue, in order; per-step outputs
-go out through ``emit`` (called on the engine thread with a batch of EngineDeltas). Nothing
-else touches the engine, so the engine needs no locks.
+Used by the Ray engine actor and by the stand-alone engine process alike. Requests, aborts and
+inspection calls come in through one queue, in order; each step's outputs go out through
+``emit`` (called on the engine thread) as incremental EngineDeltas, numbered per request.
+Nothing else touches the engine, so the engine needs no locks.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from pd_cluster.outputs import RequestOutput
-from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.messages import (ERROR_ENGINE, ERROR_INVALID_REQUEST, EngineDelta,
                                          EngineRequest)
 
@@ -33,7 +33,7 @@ class EngineLoop:
         self._on_fatal = on_fatal
         self._num_threads = num_threads
         self._cmds: queue.Queue[tuple[Any, ...]] = queue.Queue()
-        self._active: set[str] = set()
+        self._active: dict[str, int] = {}  # request id -> seq of its next delta
         self._stop = threading.Event()
         self.error: BaseException | None = None
         # steps/step_seconds: every step() call; output_*: only steps that produced tokens
@@ -97,10 +97,11 @@ class EngineLoop:
         except BaseException as e:  # noqa: BLE001 - the engine state is unknown now: fail loudly
             logger.exception("engine loop died")
             self.error = e
-            failed = [EngineDelta(rid, finished=True, finish_reason="abort",
+            failed = [EngineDelta(rid, seq, finished=True, finish_reason="abort",
                                   error_type=ERROR_ENGINE,
                                   error=f"engine failed: {type(e).__name__}: {e}",
-                                  emit_time=time.time()) for rid in sorted(self._active)]
+                                  emit_time=time.time()) for rid, seq in
+                      sorted(self._active.items())]
             self._active.clear()
             if failed:
                 self._emit(failed)
@@ -139,8 +140,7 @@ class EngineLoop:
         try:
             if req.request_id in self._active:
                 raise ValueError(f"request_id {req.request_id!r} is already running here")
-            params = SamplingParams.from_dict(req.params)
-            self.engine.add_request(req.request_id, list(req.prompt_token_ids), params,
+            self.engine.add_request(req.request_id, req.prompt_token_ids, req.params,
                                     kv_transfer_params=req.kv_transfer_params)
         except (ValueError, TypeError) as e:  # the request is bad, not the engine
             self.counters["requests_rejected"] += 1
@@ -148,7 +148,7 @@ class EngineLoop:
                                     error=str(e), error_type=ERROR_INVALID_REQUEST,
                                     emit_time=time.time())])
             return
-        self._active.add(req.request_id)
+        self._active[req.request_id] = 0
         self.counters["requests_total"] += 1
 
     def _emit_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -156,15 +156,20 @@ class EngineLoop:
         deltas = []
         for out in outputs:
             comp = out.outputs[0]
+            rid = out.request_id
+            seq = self._active.get(rid)
+            if seq is None:  # not (or no longer) ours: nothing to number it by
+                continue
             self.counters["tokens_generated"] += len(comp.delta_token_ids)
             if out.finished:
-                self._active.discard(out.request_id)
+                del self._active[rid]
                 self.counters["requests_finished"] += 1
+            else:
+                self._active[rid] = seq + 1
             deltas.append(EngineDelta(
-                out.request_id, text=comp.text, token_ids=list(comp.token_ids),
-                finished=out.finished, finish_reason=comp.finish_reason,
-                stop_reason=comp.stop_reason, num_prompt_tokens=len(out.prompt_token_ids),
-                num_cached_tokens=out.num_cached_tokens, emit_time=now))
+                rid, seq, comp.delta_token_ids, comp.delta_text, out.finished,
+                comp.finish_reason, comp.stop_reason, len(out.prompt_token_ids),
+                out.num_cached_tokens, now))
         self._emit(deltas)
 
     def _refresh_snapshot(self) -> None:

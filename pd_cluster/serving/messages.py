@@ -1,15 +1,20 @@
-"""Typed messages that cross process boundaries (launcher -> actors, proxy <-> engine actors).
+"""Typed messages that cross process boundaries: launcher -> actors, proxy <-> engine actors,
+and a stand-alone engine process <-> its parent.
 
-Ray carries them as plain msgpack-able dicts built with ``to_dict`` and rebuilt with
-``from_dict``, so both ends agree on one schema and unknown fields are an error, not a surprise.
+One format everywhere: msgspec Structs, encoded with msgspec's msgpack. Decoding is typed, so
+a malformed or unknown-field message is rejected at the edge (``msgspec.ValidationError``, a
+ValueError), never half-used. The request/delta hot path crosses Ray as encoded bytes; the
+control messages (spec, info, status) as plain builtins (``to_dict``/``from_dict``).
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-T = TypeVar("T")
+import msgspec
+
+from pd_cluster.sampling_params import SamplingParams
+
+T = TypeVar("T", bound="Msg")
 
 ROLE_PREFILL = "prefill"
 ROLE_DECODE = "decode"
@@ -21,45 +26,42 @@ ERROR_ENGINE = "engine"
 ERROR_TIMEOUT = "timeout"
 
 
-class _Msg:
+class Msg(msgspec.Struct, forbid_unknown_fields=True):
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        return msgspec.to_builtins(self)
 
     @classmethod
-    def from_dict(cls: type[T], d: dict[str, Any]) -> T:
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}")
-        return cls(**d)
+    def from_dict(cls: type[T], d: Any) -> T:
+        return msgspec.convert(d, cls)
 
 
-@dataclass(frozen=True)
-class EngineSpec(_Msg):
+class EngineSpec(Msg, frozen=True):
     """Everything an engine actor needs to start (derived from the cluster config)."""
     name: str
     role: str
-    model: str  # a path or a built-in preset name, resolved on the engine's own node
+    model: str  # a path, an HF repo id or a built-in preset, resolved on the engine's node
     engine_args: dict[str, Any]  # EngineConfig fields except model (kv_transfer included)
     num_cpus: float = 1.0
     num_gpus: float = 0.0
 
 
-@dataclass(frozen=True)
-class EngineRequest(_Msg):
+class EngineRequest(Msg, frozen=True):
     request_id: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]  # SamplingParams.to_dict()
+    params: SamplingParams
     kv_transfer_params: dict[str, Any] | None = None
     timeout: float = 120.0  # the engine ends the stream with an error after this long idle
 
 
-@dataclass
-class EngineDelta(_Msg):
-    """The latest state of one request on one engine (cumulative text/token_ids)."""
+class EngineDelta(Msg, array_like=True):
+    """What one engine produced for one request since its previous delta (never cumulative).
+
+    ``seq`` counts a request's deltas on one engine from 0: the receiver detects a lost or
+    repeated delta instead of merging it."""
     request_id: str
+    seq: int = 0
+    token_ids: list[int] = []
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -70,8 +72,7 @@ class EngineDelta(_Msg):
     error_type: str | None = None
 
 
-@dataclass(frozen=True)
-class EngineInfo(_Msg):
+class EngineInfo(Msg, frozen=True):
     """What an engine reports when ready and in every health check."""
     name: str
     role: str
@@ -81,12 +82,11 @@ class EngineInfo(_Msg):
     kv_endpoint: str | None
     max_model_len: int
     node_id: str = ""
-    kv_peers: dict[str, Any] = field(default_factory=dict)  # producer: endpoint -> tag
-    stats: dict[str, Any] = field(default_factory=dict)
+    kv_peers: dict[str, Any] = {}  # producer: endpoint -> tag
+    stats: dict[str, Any] = {}
 
 
-@dataclass(frozen=True)
-class EngineStatus(_Msg):
+class EngineStatus(Msg, frozen=True):
     """One row of `pd-cluster status`: the proxy's view of an engine."""
     name: str
     role: str
@@ -99,4 +99,22 @@ class EngineStatus(_Msg):
     kv_endpoint: str | None = None
     kv_peers: int = 0  # producer: consumers it has a working handshake with
     last_error: str | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = {}
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(EngineRequest)
+_deltas_decoder = msgspec.msgpack.Decoder(list[EngineDelta])
+
+
+def encode(msg: Any) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(data: bytes) -> EngineRequest:
+    """Raises msgspec.DecodeError / ValidationError (ValueError) for a malformed request."""
+    return _request_decoder.decode(data)
+
+
+def decode_deltas(data: bytes) -> list[EngineDelta]:
+    return _deltas_decoder.decode(data)
