@@ -39,6 +39,10 @@ class KVConnectorBase_Scheduler(ABC):  # noqa: N801 (vLLM's name)
 
 
 class KVConnectorBase_Worker(ABC):  # noqa: N801
+    # A connector whose consumer loads KV layer by layer during the forward pass sets this:
+    # only then are start_load_kv / wait_for_layer_load called (a push design needs neither).
+    loads_layerwise: bool = False
+
     @abstractmethod
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None: ...
 
@@ -65,8 +69,7 @@ class KVConnectorBase_Worker(ABC):  # noqa: N801
         """Producer: bound how far sends lag the forward (called at the end of a step)."""
 
     @abstractmethod
-    def get_finished(self, finished_req_ids: set[str]
-                     ) -> tuple[set[str], dict[str, int | None]]:
+    def get_finished(self) -> tuple[set[str], dict[str, int | None]]:
         """(requests whose send completed -> blocks may be freed,
         requests whose receive completed -> first token, or None if the transfer failed)."""
 

@@ -29,6 +29,7 @@ class KVTransferConfig(BaseModel):
     # A prefill engine that cannot reach a decode engine at launch fails it ("error") or is
     # logged and retried in the background ("warn").
     unreachable: Literal["error", "warn"] = "error"
+    record_timings: bool = False  # per-request layer timestamps (overlap tests, benchmarks)
     pipe_config: PipeConfig = Field(default_factory=PipeConfig)
 
     @field_validator("pipe")

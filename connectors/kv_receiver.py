@@ -39,7 +39,8 @@ class _Staged:
 
 
 class KVReceiver:
-    def __init__(self, num_layers: int, block_size: int, timeout: float, max_staging_bytes: int):
+    def __init__(self, num_layers: int, block_size: int, timeout: float, max_staging_bytes: int,
+                 record_timings: bool = False):
         self.num_layers, self.block_size = num_layers, block_size
         self.timeout, self.max_staging_bytes = timeout, max_staging_bytes
         self.kv_caches: list[torch.Tensor] = []
@@ -50,7 +51,9 @@ class KVReceiver:
         self._done: dict[str, int | None] = {}
         self._cancelled: OrderedDict[str, float] = OrderedDict()  # ended here, bounded
         self._nacks: list[tuple[str, str, bool]] = []  # gave up: tell those producers
-        # Wall-clock arrival of each request's first layer, for overlap measurements (bounded).
+        # Wall-clock arrival of each request's first layer, for overlap measurements (bounded;
+        # only with record_timings).
+        self.record_timings = record_timings
         self.first_layer_times: OrderedDict[str, float] = OrderedDict()
         self.bytes_received = 0
         self.recv_seconds = 0.0  # first message to complete, summed over requests
@@ -197,7 +200,7 @@ class KVReceiver:
         for part in parts:
             state.received[header.layer][part].update(range(header.first_block, end))
         self.bytes_received += tensor.nbytes
-        if state.first_layer_time is None:
+        if state.first_layer_time is None and self.record_timings:
             state.first_layer_time = time.time()
             self.first_layer_times[state.spec.request_id] = state.first_layer_time
             if len(self.first_layer_times) > 4096:

@@ -50,7 +50,8 @@ class PDConnectorWorker(KVConnectorBase_Worker):
         self.hello = {k: engine_info[k] for k in _HANDSHAKE_KEYS}
         self.pipe = create_pipe(config.pipe, config.pipe_config)
         self.receiver = KVReceiver(engine_info["num_layers"], engine_info["block_size"],
-                                   config.kv_transfer_timeout, config.max_staging_bytes)
+                                   config.kv_transfer_timeout, config.max_staging_bytes,
+                                   config.record_timings)
         self._endpoint = None
         if config.is_consumer:
             self.pipe.set_handshake_validator(self._validate_hello, info=self.hello)
@@ -160,7 +161,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
                 self._step_futures.append((spec.request_id, future))
                 self.leases.sending(spec.request_id)
                 self.bytes_sent += payload.nbytes
-        if layer == len(self.kv_caches) - 1:
+        if layer == len(self.kv_caches) - 1 and self.config.record_timings:
             now = time.time()
             for spec in self._meta.sends:
                 self.last_layer_times[spec.request_id] = now
@@ -234,7 +235,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
         else:
             self.leases.drop(fin.request_id)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], dict[str, int | None]]:
+    def get_finished(self) -> tuple[set[str], dict[str, int | None]]:
         recving = self.receiver.take_finished()
         for nack in self.receiver.take_nacks():  # gave up: the producer frees at once
             self._ack(nack)

@@ -55,7 +55,7 @@ def _consumer(conn, num_blocks: int, transport: str) -> None:
         conn.send("ready")
         done = {}
         while rid not in done:
-            done.update(worker.get_finished(set())[1])
+            done.update(worker.get_finished()[1])
             time.sleep(0.0005)
         conn.send(done[rid] is not None)
     worker.close()
@@ -80,7 +80,7 @@ def transfer_throughput(n_tokens: int, producer: PDConnectorWorker, conn, peer: 
         producer.wait_for_save()
         producer.bind_connector_metadata(KVConnectorMetadata(
             finishes=[FinishSpec(rid, peer, 1, n_tokens)]))
-        while rid not in producer.get_finished(set())[0]:
+        while rid not in producer.get_finished()[0]:
             time.sleep(0.0002)
         elapsed = time.perf_counter() - t0
         assert conn.recv() is True, "consumer did not complete the transfer"

@@ -10,7 +10,7 @@ from pd_cluster.engine.llm_engine import LLMEngine
 
 
 def kv_config(role: str, timeout: float = 10.0, **pipe: Any) -> dict[str, Any]:
-    return {"role": role, "kv_transfer_timeout": timeout, **pipe}
+    return {"role": role, "kv_transfer_timeout": timeout, "record_timings": True, **pipe}
 
 
 def prompts_of_lengths(lengths: list[int], vocab: int = 500) -> list[list[int]]:

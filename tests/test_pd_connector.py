@@ -198,7 +198,7 @@ def test_worker_pair_moves_blocks_exactly(src_blocks):
     deadline, received = time.monotonic() + 10, {}
     while "w" not in received:
         assert time.monotonic() < deadline
-        received.update(cons.get_finished(set())[1])
+        received.update(cons.get_finished()[1])
         time.sleep(0.005)
     assert received["w"] == 7
     for layer in range(2):
@@ -230,7 +230,7 @@ def test_long_runs_are_split_into_single_frame_messages():
     deadline, got = time.monotonic() + 10, {}
     while "s" not in got:
         assert time.monotonic() < deadline
-        got.update(worker.get_finished(set())[1])
+        got.update(worker.get_finished()[1])
         time.sleep(0.005)
     assert torch.equal(dst[:, list(dst_blocks)], src[:, list(src_blocks)])
     worker.close()

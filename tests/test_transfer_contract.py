@@ -79,9 +79,9 @@ def test_a_consumer_that_gives_up_frees_the_producer_at_once():
     peer = cons.endpoint()
     cons.bind_connector_metadata(KVConnectorMetadata(recvs=[RecvSpec("r", (3, 4), 8)]))
     _send(prod, peer, range(1))  # layer 1 never comes: the consumer will give up
-    assert prod.get_finished(set())[0] == set()  # held: waiting for the consumer
-    assert _until(lambda: cons.get_finished(set())[1], 5.0, "consumer fallback") == {"r": None}
-    assert _until(lambda: prod.get_finished(set())[0], 5.0, "NACK") == {"r"}  # not 60 s
+    assert prod.get_finished()[0] == set()  # held: waiting for the consumer
+    assert _until(lambda: cons.get_finished()[1], 5.0, "consumer fallback") == {"r": None}
+    assert _until(lambda: prod.get_finished()[0], 5.0, "NACK") == {"r"}  # not 60 s
     prod.close(), cons.close()
 
 
@@ -91,9 +91,9 @@ def test_a_renewed_lease_holds_and_a_silent_consumer_frees_after_the_lease():
     cons.bind_connector_metadata(KVConnectorMetadata(recvs=[RecvSpec("r", (3, 4), 8)]))
     _send(prod, peer, range(1))  # incomplete: the consumer keeps receiving and renewing
     time.sleep(2.0)  # > 3 leases
-    assert prod.get_finished(set())[0] == set()
+    assert prod.get_finished()[0] == set()
     cons.close()  # the consumer dies: no more renewals
-    assert _until(lambda: prod.get_finished(set())[0], 5.0, "lease expiry") == {"r"}
+    assert _until(lambda: prod.get_finished()[0], 5.0, "lease expiry") == {"r"}
     assert prod.stats()["kv_send_timeouts"] == 1
     prod.close()
 

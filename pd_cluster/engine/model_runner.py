@@ -68,7 +68,8 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if self.connector is not None and out.kv_connector_metadata is not None:
             self.connector.bind_connector_metadata(out.kv_connector_metadata)
-            self.connector.start_load_kv(self.kv_caches)
+            if self.connector.loads_layerwise:
+                self.connector.start_load_kv(self.kv_caches)
         try:
             if out.scheduled:
                 self._forward_and_sample(out.scheduled, result)
@@ -78,7 +79,7 @@ class ModelRunner:
             if self.connector is not None:
                 self.connector.clear_connector_metadata()
         if self.connector is not None:
-            sending, recving = self.connector.get_finished(set())
+            sending, recving = self.connector.get_finished()
             result.finished_sending, result.finished_recving = set(sending), dict(recving)
         return result
 

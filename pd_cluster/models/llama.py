@@ -108,7 +108,7 @@ class Attention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         q, k = RotaryEmbedding.apply(ctx.rope, q, k)
         kv_cache = ctx.kv_caches[self.layer_idx]
-        if ctx.connector is not None:
+        if ctx.connector is not None and ctx.connector.loads_layerwise:
             ctx.connector.wait_for_layer_load(self.layer_idx)
         ctx.backend.write_kv(k, v, kv_cache, ctx.attn_metadata)
         out = ctx.backend.forward(q, kv_cache, ctx.attn_metadata, self.scale)
