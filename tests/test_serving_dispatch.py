@@ -35,13 +35,16 @@ class _Ref:
 
 class _Gen:
     """Plays a script written with cumulative deltas (readable) as an engine does: incremental
-    deltas numbered from 0, never emitting text that a later step cuts (stop strings)."""
+    deltas numbered from 0, never emitting text that a later step cuts (stop strings); a
+    resumed request's output starts after what it was given."""
 
-    def __init__(self, script: Script):
+    def __init__(self, script: Script, request: EngineRequest | None = None):
         self.items = list(script)
         deltas = [i for i in script if isinstance(i, EngineDelta)]
         self.final_text = deltas[-1].text if deltas else ""
-        self.tokens, self.chars, self.seq = 0, 0, 0
+        self.tokens = len(request.resume_token_ids) if request else 0
+        self.chars = request.resume_text_len if request else 0
+        self.seq = 0
 
     async def __anext__(self) -> _Ref:
         while self.items and isinstance(self.items[0], float):
@@ -81,7 +84,7 @@ class FakeEngine:
         def generate(req: bytes) -> _Gen:
             r = decode_request(req)
             self.requests.append(r)
-            return _Gen(script(r))
+            return _Gen(script(r), r)
 
         def abort(ids: list[str]) -> _Ref:
             self.aborted.extend(ids)
@@ -280,3 +283,24 @@ def test_malformed_engine_messages_are_rejected_at_the_edge() -> None:
                                         "params": {"temperature": -3}})):
         with pytest.raises(ValueError):
             decode_request(bad)
+
+
+def test_decode_dying_mid_stream_is_migrated_and_the_stream_goes_on() -> None:
+    """D fails after two tokens: another decode engine resumes from the prompt plus the tokens
+    sent, and the client's stream continues without a repeat or a gap."""
+    def d_dies(r: EngineRequest) -> Script:
+        return [0.02, delta(r.request_id, "ab", [5, 6]), ray.exceptions.ActorDiedError()]
+
+    def resumed(r: EngineRequest) -> Script:  # continues from what it was given
+        assert r.resume_token_ids == [5, 6] and r.resume_text_len == 2
+        assert r.kv_transfer_params is None  # recomputes the prompt + output itself
+        return [delta(r.request_id, "abc", [5, 6, 7], "length")]
+
+    disp, pool, metrics = make({"prefill-0": FakeEngine(p_ok), "decode-0": FakeEngine(d_dies),
+                                "decode-1": FakeEngine(resumed)})
+    disp.max_migrations = 2
+    events = run(disp)
+    assert "".join(t for t, _, _ in events) == "abc" and events[-1][2] == "length"
+    assert [i for _, ids, _ in events for i in ids] == [5, 6, 7]
+    assert metrics.migrations._value.get() == 1
+    assert not next(e for e in pool.engines if e.name == "decode-0").healthy

@@ -15,6 +15,7 @@ from pd_cluster.engine.scheduler import Scheduler
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.request import Request, RequestStatus
 from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.validation import InvalidRequest, check_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -100,29 +101,35 @@ class LLMEngine:
                          f"{type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    kv_transfer_params: dict[str, Any] | None = None) -> Request:
+                    kv_transfer_params: dict[str, Any] | None = None,
+                    resume_token_ids: list[int] | None = None,
+                    resume_text_len: int = 0) -> Request:
+        """``resume_token_ids``: continue a request another engine was generating (its output
+        so far; ``resume_text_len`` characters of its text were already delivered). The prompt
+        and that output are recomputed here, like a preempted request, and generation goes on
+        exactly where it stopped (seeded sampling included: token i is drawn from (seed, i))."""
         text, token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
+        resume = list(resume_token_ids or [])
+        if resume and (len(resume) >= (params.max_tokens or self.max_model_len)
+                       or len(token_ids) + len(resume) >= self.max_model_len):
+            raise ValueError("resume_token_ids: the request has no tokens left to generate")
         request = Request(request_id, token_ids, params, self.eos_token_id,
-                          kv_transfer_params=kv_transfer_params)
+                          kv_transfer_params=None if resume else kv_transfer_params,
+                          output_token_ids=resume, output_logprobs=[None] * len(resume),
+                          prefill_locally=bool(resume))
         self.scheduler.add_request(request)
-        self.outputs.add(request, text)
+        self.outputs.add(request, text, resume_text_len)
         return request
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("prompt: must contain at least one token")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt_token_ids: every id must be an int in [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens leaves no room to generate within "
-                             f"max_model_len={self.max_model_len}")
-        max_total = min(len(token_ids) + (params.max_tokens or self.max_model_len),
-                        self.max_model_len)
+        room = check_prompt(token_ids, self.vocab_size, self.max_model_len)
+        max_total = len(token_ids) + min(params.max_tokens or room, room)
         capacity = self.block_manager.num_blocks * self.config.block_size
         if max_total > capacity:
-            raise ValueError(f"prompt + max_tokens: up to {max_total} tokens do not fit the KV "
-                             f"cache ({capacity} tokens); lower max_tokens or add num_kv_blocks")
+            raise InvalidRequest(f"prompt + max_tokens: up to {max_total} tokens do not fit the "
+                                 f"KV cache ({capacity} tokens); lower max_tokens or add "
+                                 f"num_kv_blocks", "max_tokens")
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         aborted = self.scheduler.abort(list(request_ids))

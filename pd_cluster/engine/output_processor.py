@@ -29,13 +29,20 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.states: dict[str, _RequestState] = {}
 
-    def add(self, request: Request, prompt: str | None) -> None:
+    def add(self, request: Request, prompt: str | None, emitted_chars: int = 0) -> None:
+        """Track a request; a resumed one arrives with output tokens, of whose text the client
+        already has ``emitted_chars`` characters."""
         params = request.sampling_params
-        self.states[request.request_id] = _RequestState(
+        state = _RequestState(
             prompt, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                            params.skip_special_tokens),
             StopChecker(params, request.eos_token_id, num_prompt_tokens=request.num_prompt_tokens,
                         max_model_len=self.max_model_len))
+        for token in request.output_token_ids:
+            state.detokenizer.append(token)
+        state.num_seen_tokens = len(request.output_token_ids)
+        state.num_emitted_chars = emitted_chars
+        self.states[request.request_id] = state
 
     def process(self, updated: list[Request]) -> tuple[list[RequestOutput], list[tuple[Request, RequestStatus]]]:
         """Outputs for requests with new tokens, and the ones that must finish now."""

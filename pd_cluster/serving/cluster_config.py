@@ -76,6 +76,8 @@ class ProxyConfig(_Section):
     health_check_timeout: float = Field(10.0, gt=0)
     unhealthy_threshold: int = Field(2, ge=1)  # failed checks before routing around an engine
     max_retries: int = Field(2, ge=0)  # extra engine pairs tried before any output is sent
+    # Times a request may move to another engine when its engine fails mid-stream.
+    max_migrations: int = Field(2, ge=0)
     max_restarts: int = 3
 
     @field_validator("port")

@@ -89,17 +89,29 @@ class _Sent:
 
 
 class Dispatcher:
-    def __init__(self, pool: EnginePool, mode: str, metrics: ProxyMetrics, max_retries: int):
-        self.pool, self.mode, self.metrics, self.max_retries = pool, mode, metrics, max_retries
+    def __init__(self, pool: EnginePool, mode: str, metrics: ProxyMetrics, max_retries: int,
+                 max_migrations: int = 0):
+        self.pool, self.mode, self.metrics = pool, mode, metrics
+        self.max_retries, self.max_migrations = max_retries, max_migrations
 
     async def stream(self, job: GenerateJob) -> AsyncIterator[StreamEvent]:
+        """The request's events. An engine that fails before any output is replaced (a
+        retry); one that fails after output is migrated: another engine resumes from the
+        prompt plus the tokens sent so far, and the client's stream goes on unbroken."""
         sent = _Sent()
         excluded: set[str] = set()
-        for attempt in range(self.max_retries + 1):
+        retries = migrations = 0
+        while True:
             try:
-                legs = self._plan(job, excluded)
+                legs = self._resume(job, excluded, sent) if sent.any else \
+                    self._plan(job, excluded)
             except NoHealthyEngine as e:
+                if sent.any:
+                    raise internal_error(f"cannot resume the request: {e}", status=503) from None
                 raise APIError(503, str(e), "service_unavailable") from None
+            if not legs:  # everything was generated before the engine failed
+                yield StreamEvent("", [], "length")
+                return
             try:
                 async for event in self._run(job, legs, sent):
                     yield event
@@ -107,10 +119,42 @@ class Dispatcher:
             except EngineFailed as e:
                 self.pool.mark_failed(e.engine, str(e), dead=e.dead)
                 excluded.add(e.engine.name)
-                if sent.any or attempt == self.max_retries or time.monotonic() >= job.deadline:
+                out_of_time = time.monotonic() >= job.deadline
+                if sent.any:
+                    if migrations >= self.max_migrations or out_of_time:
+                        raise internal_error(f"engine failure: {e}", status=502) from None
+                    migrations += 1
+                    self.metrics.migrations.inc()
+                    logger.warning("%s: %s failed after %d tokens; migrating: %s",
+                                   job.request_id, e.engine.name, len(sent.token_ids), e)
+                    continue
+                if retries >= self.max_retries or out_of_time:
                     raise internal_error(f"engine failure: {e}", status=502) from None
+                retries += 1
                 self.metrics.retries.inc()
                 logger.warning("%s: retrying on another engine after: %s", job.request_id, e)
+
+    def _resume(self, job: GenerateJob, excluded: set[str], sent: _Sent) -> list[_Leg]:
+        """One engine continues the request from what the client already has."""
+        if len(sent.token_ids) >= (job.params.max_tokens or 0):
+            return []
+        roles = (ROLE_COLOCATED,) if self.mode == "colocated" else (ROLE_DECODE, ROLE_PREFILL)
+        engine = None
+        for role in roles:  # decode engines first: they are sized for long generations
+            candidates = self.pool.available(role, excluded)
+            if candidates:
+                engine = self.pool.pick(role, candidates=candidates)
+                break
+        if engine is None:
+            raise NoHealthyEngine("no healthy engine left to resume on")
+        request = EngineRequest(job.request_id, job.prompt_token_ids, job.params,
+                                timeout=max(1.0, job.deadline - time.monotonic()),
+                                resume_token_ids=list(sent.token_ids),
+                                resume_text_len=len(sent.text))
+        sent.first_from_prefill = False
+        leg = _Leg(engine, request, len(job.prompt_token_ids) + (job.params.max_tokens or 1),
+                   final=True, token_ids=list(sent.token_ids), text=sent.text)
+        return [leg]
 
     # ---- plan: which engines, with which instructions -------------------------------------
     def _plan(self, job: GenerateJob, excluded: set[str]) -> list[_Leg]:

@@ -141,7 +141,9 @@ class EngineLoop:
             if req.request_id in self._active:
                 raise ValueError(f"request_id {req.request_id!r} is already running here")
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.params,
-                                    kv_transfer_params=req.kv_transfer_params)
+                                    kv_transfer_params=req.kv_transfer_params,
+                                    resume_token_ids=req.resume_token_ids,
+                                    resume_text_len=req.resume_text_len)
         except (ValueError, TypeError) as e:  # the request is bad, not the engine
             self.counters["requests_rejected"] += 1
             self._emit([EngineDelta(req.request_id, finished=True, finish_reason="abort",

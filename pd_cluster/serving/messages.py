@@ -51,6 +51,10 @@ class EngineRequest(Msg, frozen=True):
     params: SamplingParams
     kv_transfer_params: dict[str, Any] | None = None
     timeout: float = 120.0  # the engine ends the stream with an error after this long idle
+    # Resuming a request another engine was generating (migration): its output so far, and
+    # how many characters of that output's text the client already has.
+    resume_token_ids: list[int] = []
+    resume_text_len: int = 0
 
 
 class EngineDelta(Msg, array_like=True):

@@ -58,6 +58,9 @@ class ProxyMetrics:
         self.generation_tokens = Counter("pd_generation_tokens", "Generated tokens", registry=r)
         self.retries = Counter("pd_retries", "Requests retried on another engine pair",
                                registry=r)
+        self.migrations = Counter(
+            "pd_migrations", "Requests resumed on another engine after theirs failed mid-stream",
+            registry=r)
         self.degraded = Counter(
             "pd_degraded_requests", "Requests served by one engine in a disaggregated cluster, "
             "by reason (no_decode, no_prefill, no_kv_link)", ["reason"], registry=r)

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pd_cluster.serving.cluster_config import ClusterConfig, resolve_model
+from pd_cluster.validation import InvalidRequest, check_max_tokens, check_prompt
 from pd_cluster.serving.dispatch import Dispatcher, GenerateJob, StreamEvent
 from pd_cluster.serving.engine_pool import EnginePool
 from pd_cluster.serving.errors import (APIError, invalid_request, model_not_found,
@@ -53,7 +54,8 @@ class ProxyState:
                                  or hf.get("max_position_embeddings", 2048))
         self.pool = EnginePool(engines, cfg.proxy)
         self.metrics = ProxyMetrics(lambda: self.pool.engines)
-        self.dispatcher = Dispatcher(self.pool, cfg.mode, self.metrics, cfg.proxy.max_retries)
+        self.dispatcher = Dispatcher(self.pool, cfg.mode, self.metrics, cfg.proxy.max_retries,
+                                     cfg.proxy.max_migrations)
         self.inflight = 0
         self.node_ip = _node_ip()
 
@@ -66,9 +68,6 @@ class ProxyState:
             prompt = prompt[0]
         if isinstance(prompt, str):  # as the engine (and vLLM) tokenize a text prompt
             return list(self.tokenizer.encode(prompt))
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise invalid_request(f"prompt: token ids must be in [0, {self.vocab_size})",
-                                  "prompt")
         return list(prompt)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
@@ -80,23 +79,13 @@ class ProxyState:
             raise invalid_request(f"messages: chat template failed: {e}", "messages") from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def max_tokens(self, requested: int | None, n_prompt: int, prompt_param: str) -> int | None:
-        if n_prompt == 0:
-            raise invalid_request(f"{prompt_param}: must contain at least one token",
-                                  prompt_param)
-        room = self.max_model_len - n_prompt
-        if room <= 0:
-            raise invalid_request(
-                f"This model's maximum context length is {self.max_model_len} tokens; the "
-                f"prompt has {n_prompt} tokens.", prompt_param, "context_length_exceeded")
-        if requested is None:
-            return room
-        if isinstance(requested, int) and requested > room:
-            raise invalid_request(
-                f"This model's maximum context length is {self.max_model_len} tokens; you "
-                f"requested {n_prompt + requested} ({n_prompt} in the prompt, {requested} "
-                f"for the completion).", "max_tokens", "context_length_exceeded")
-        return requested
+    def max_tokens(self, requested: int | None, ids: list[int], prompt_param: str) -> int:
+        """The request's max_tokens under the shared rules (pd_cluster.validation)."""
+        try:
+            room = check_prompt(ids, self.vocab_size, self.max_model_len, prompt_param)
+            return check_max_tokens(requested, room, len(ids), self.max_model_len)
+        except InvalidRequest as e:
+            raise invalid_request(str(e), e.param, e.code) from None
 
 
 class _Tracker:
@@ -202,7 +191,7 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
             else req.max_tokens
     else:
         ids, param, requested = state.completion_prompt(req), "prompt", req.max_tokens
-    params = req.sampling_params(state.max_tokens(requested, len(ids), param))
+    params = req.sampling_params(state.max_tokens(requested, ids, param))
     if not params.is_greedy and params.seed is None:
         params.seed = random.getrandbits(31)  # P and D must sample the same first token
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
