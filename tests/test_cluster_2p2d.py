@@ -157,6 +157,63 @@ def test_decode_killed_mid_run_loses_nothing(cluster, offline) -> None:
     assert leak_reports(cluster) == {}
 
 
+
+def test_prefill_killed_mid_run_loses_nothing(cluster, offline) -> None:
+    """prefill-0's process is SIGKILLed while 24 streams are being prefilled: requests it had
+    not answered go to prefill-1; decode engines waiting for its KV recompute the prompt."""
+    wait_until(lambda: all(e["healthy"] and e["kv_peers"] == 2 for e in
+                           cluster_status(cluster.url)["engines"] if e["role"] == "prefill"),
+               120, "both prefill engines healthy and linked", interval=0.5)
+    work = [([4 + (i * 13 + j * 7) % 490 for j in range(300 + 10 * i)], 16) for i in range(24)]
+    expected = references(offline, work)
+    pid = next(e["pid"] for e in cluster_status(cluster.url)["engines"]
+               if e["name"] == "prefill-0")
+
+    async def run() -> list[tuple[str, list[int], str | None]]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=90) as http:
+            first = asyncio.Event()
+            tasks = [asyncio.create_task(_stream(http, p, m, first)) for p, m in work]
+            await asyncio.wait_for(first.wait(), 60)  # prefill is under way
+            os.kill(pid, signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+    for i, ((outcome, ids, err), ref) in enumerate(zip(asyncio.run(run()), expected)):
+        assert outcome == "ok" and ids == ref, (i, outcome, err)
+    wait_until(lambda: all(e["healthy"] and (e["name"] != "prefill-0" or e["pid"] != pid)
+                           for e in cluster_status(cluster.url)["engines"]), 120,
+               "prefill-0 restarted by Ray and healthy again", interval=0.5)
+    wait_idle(cluster.url, timeout=60)
+    assert leak_reports(cluster) == {}
+
+
+def test_clients_disconnecting_mid_stream_leave_nothing_held(cluster) -> None:
+    """20 clients read a few tokens and hang up: every engine aborts the request and frees its
+    blocks (P's included) within a bound."""
+    wait_until(lambda: all(e["healthy"] for e in cluster_status(cluster.url)["engines"]), 120,
+               "all engines healthy", interval=0.5)
+
+    async def hang_up(http: httpx.AsyncClient, prompt: list[int]) -> int:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        chunks = 0
+        async with http.stream("POST", "/v1/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                chunks += line.startswith("data: {")
+                if chunks >= 3:
+                    break  # leaving the block closes the connection mid-stream
+        return chunks
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as http:
+            return await asyncio.gather(*(hang_up(http, p) for p, _ in workload(20, seed=7)))
+
+    assert all(n >= 3 for n in asyncio.run(run()))
+    st = wait_idle(cluster.url, timeout=30)
+    assert all(e["stats"]["kv_blocks_used"] == 0 and not e["stats"]["num_active"]
+               for e in st["engines"])
+    assert leak_reports(cluster) == {}
+
+
 def _metric(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

@@ -304,3 +304,39 @@ def test_decode_dying_mid_stream_is_migrated_and_the_stream_goes_on() -> None:
     assert [i for _, ids, _ in events for i in ids] == [5, 6, 7]
     assert metrics.migrations._value.get() == 1
     assert not next(e for e in pool.engines if e.name == "decode-0").healthy
+
+
+def test_a_first_token_mismatch_is_never_streamed() -> None:
+    """D's first token differs from P's (already sent): D's continuation is not used; the
+    request resumes from the client's token on another engine."""
+    def d_disagrees(r: EngineRequest) -> Script:
+        return [0.05, delta(r.request_id, "zq", [9, 6]), delta(r.request_id, "zqc", [9, 6, 7],
+                                                                "length")]
+
+    def resumed(r: EngineRequest) -> Script:
+        assert r.resume_token_ids == [5]
+        return [delta(r.request_id, "abc", [5, 6, 7], "length")]
+
+    disp, _, metrics = make({"prefill-0": FakeEngine(p_ok), "decode-0": FakeEngine(d_disagrees),
+                             "decode-1": FakeEngine(resumed)})
+    disp.max_migrations = 1
+    events = run(disp)
+    assert [i for _, ids, _ in events for i in ids] == [5, 6, 7]
+    assert "".join(t for t, _, _ in events) == "abc"
+    assert metrics.first_token_mismatch._value.get() == 1
+
+
+def test_colocated_engine_dying_mid_stream_is_migrated() -> None:
+    def dies(r: EngineRequest) -> Script:
+        return [delta(r.request_id, "ab", [5, 6]), ray.exceptions.ActorDiedError()]
+
+    def resumed(r: EngineRequest) -> Script:
+        assert r.resume_token_ids == [5, 6]
+        return [delta(r.request_id, "abc", [5, 6, 7], "length")]
+
+    disp, _, metrics = make({"colocated-0": FakeEngine(dies),
+                             "colocated-1": FakeEngine(resumed)}, mode="colocated")
+    disp.max_migrations = 1
+    events = run(disp)
+    assert [i for _, ids, _ in events for i in ids] == [5, 6, 7]
+    assert metrics.migrations._value.get() == 1

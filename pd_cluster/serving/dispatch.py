@@ -249,9 +249,13 @@ class Dispatcher:
             if sent.first_from_prefill and leg.token_ids:
                 sent.first_from_prefill = False  # compare once: D must continue P's token
                 if leg.token_ids[0] != sent.token_ids[0]:
+                    # D recomputed the prompt (its KV did not arrive) and disagrees with the
+                    # token the client already has: never continue a different sequence.
+                    # The request resumes elsewhere from the client's tokens.
                     self.metrics.first_token_mismatch.inc()
-                    logger.warning("%s: D's first token %d != P's %d", job.request_id,
-                                   leg.token_ids[0], sent.token_ids[0])
+                    raise EngineFailed(leg.engine, f"its first token {leg.token_ids[0]} differs "
+                                                   f"from the prefill engine's "
+                                                   f"{sent.token_ids[0]}", dead=False)
         new_tokens = leg.token_ids[len(sent.token_ids):]
         end = len(leg.text)
         if not done and job.params.stop:
