@@ -13,11 +13,10 @@ import asyncio
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.engine_pool import EnginePool, EngineState, NoHealthyEngine
+from pd_cluster.serving.legs import EngineFailed, GenerateJob, Leg, Sent, StreamEvent
 from pd_cluster.serving.errors import APIError, internal_error, invalid_request, timeout_error
 from pd_cluster.serving.messages import (ERROR_INVALID_REQUEST, ERROR_TIMEOUT, ROLE_COLOCATED,
                                          ROLE_DECODE, ROLE_PREFILL, EngineDelta, EngineRequest,
@@ -27,65 +26,6 @@ from pd_cluster.serving.peer_linker import PeerLinker
 
 logger = logging.getLogger(__name__)
 _REPLACEMENT_CHAR = "\ufffd"
-
-
-@dataclass
-class GenerateJob:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    deadline: float  # time.monotonic() bound for the whole request
-
-
-@dataclass
-class StreamEvent:
-    text: str  # new text since the previous event
-    token_ids: list[int]  # new token ids since the previous event
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-
-
-class EngineFailed(Exception):
-    def __init__(self, engine: EngineState, message: str, dead: bool):
-        super().__init__(f"{engine.name}: {message}")
-        self.engine, self.dead = engine, dead
-
-
-@dataclass
-class _Leg:
-    engine: EngineState
-    request: EngineRequest
-    work: int
-    final: bool  # its finish ends the request (D, or the only engine)
-    finished: bool = False
-    # What this engine produced so far, assembled from its deltas (appended, never re-sent).
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    next_seq: int = 0
-
-    def apply(self, delta: EngineDelta) -> None:
-        """Append one incremental delta; a gap or repeat is the engine's failure."""
-        if delta.seq != self.next_seq:
-            raise EngineFailed(self.engine, f"delta {delta.seq} of {delta.request_id} arrived, "
-                                            f"expected {self.next_seq}: lost or reordered",
-                               dead=False)
-        self.next_seq += 1
-        self.token_ids.extend(delta.token_ids)
-        self.text += delta.text
-        self.finished = delta.finished
-
-
-@dataclass
-class _Sent:
-    """What the client has been sent so far (across retries nothing is sent twice)."""
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    first_from_prefill: bool = False  # the first token came from P: check D agrees
-
-    @property
-    def any(self) -> bool:
-        return bool(self.token_ids or self.text)
 
 
 class Dispatcher:
@@ -98,7 +38,7 @@ class Dispatcher:
         """The request's events. An engine that fails before any output is replaced (a
         retry); one that fails after output is migrated: another engine resumes from the
         prompt plus the tokens sent so far, and the client's stream goes on unbroken."""
-        sent = _Sent()
+        sent = Sent()
         excluded: set[str] = set()
         retries = migrations = 0
         while True:
@@ -134,7 +74,7 @@ class Dispatcher:
                 self.metrics.retries.inc()
                 logger.warning("%s: retrying on another engine after: %s", job.request_id, e)
 
-    def _resume(self, job: GenerateJob, excluded: set[str], sent: _Sent) -> list[_Leg]:
+    def _resume(self, job: GenerateJob, excluded: set[str], sent: Sent) -> list[Leg]:
         """One engine continues the request from what the client already has."""
         if len(sent.token_ids) >= (job.params.max_tokens or 0):
             return []
@@ -152,19 +92,19 @@ class Dispatcher:
                                 resume_token_ids=list(sent.token_ids),
                                 resume_text_len=len(sent.text))
         sent.first_from_prefill = False
-        leg = _Leg(engine, request, len(job.prompt_token_ids) + (job.params.max_tokens or 1),
+        leg = Leg(engine, request, len(job.prompt_token_ids) + (job.params.max_tokens or 1),
                    final=True, token_ids=list(sent.token_ids), text=sent.text)
         return [leg]
 
     # ---- plan: which engines, with which instructions -------------------------------------
-    def _plan(self, job: GenerateJob, excluded: set[str]) -> list[_Leg]:
+    def _plan(self, job: GenerateJob, excluded: set[str]) -> list[Leg]:
         n_prompt = len(job.prompt_token_ids)
         max_tokens = job.params.max_tokens or 1
         base = dict(request_id=job.request_id, prompt_token_ids=job.prompt_token_ids,
                     timeout=max(1.0, job.deadline - time.monotonic()))
 
-        def whole(e: EngineState) -> list[_Leg]:  # one engine computes the whole answer
-            return [_Leg(e, EngineRequest(params=job.params, **base),
+        def whole(e: EngineState) -> list[Leg]:  # one engine computes the whole answer
+            return [Leg(e, EngineRequest(params=job.params, **base),
                          n_prompt + max_tokens, final=True)]
 
         if self.mode == "colocated":
@@ -192,15 +132,15 @@ class Dispatcher:
                                        min_tokens=min(job.params.min_tokens, 1))
         d_kv = {"do_remote_prefill": True}
         p_kv = {"do_remote_decode": True, "remote_kv_addr": d.kv_endpoint}
-        return [_Leg(d, EngineRequest(params=job.params, kv_transfer_params=d_kv,
+        return [Leg(d, EngineRequest(params=job.params, kv_transfer_params=d_kv,
                                       **base), max_tokens + 1, final=True),
-                _Leg(p, EngineRequest(params=p_params, kv_transfer_params=p_kv, **base),
+                Leg(p, EngineRequest(params=p_params, kv_transfer_params=p_kv, **base),
                      n_prompt, final=False)]
 
     # ---- one attempt -----------------------------------------------------------------------
-    async def _run(self, job: GenerateJob, legs: list[_Leg], sent: _Sent
+    async def _run(self, job: GenerateJob, legs: list[Leg], sent: Sent
                    ) -> AsyncIterator[StreamEvent]:
-        q: asyncio.Queue[tuple[_Leg, list[EngineDelta], Exception | None]] = asyncio.Queue()
+        q: asyncio.Queue[tuple[Leg, list[EngineDelta], Exception | None]] = asyncio.Queue()
         for leg in legs:
             self.pool.acquire(leg.engine, leg.work)
         tasks = [asyncio.create_task(self._pump(leg, q, job.deadline)) for leg in legs]
@@ -234,7 +174,7 @@ class Dispatcher:
                     asyncio.ensure_future(_quietly(leg.engine.handle.abort.remote(
                         [job.request_id])))
 
-    def _advance(self, leg: _Leg, last: EngineDelta, job: GenerateJob, sent: _Sent
+    def _advance(self, leg: Leg, last: EngineDelta, job: GenerateJob, sent: Sent
                  ) -> StreamEvent | None:
         """What the client gets next from ``leg``, given everything it produced so far."""
         if not leg.final:
@@ -274,14 +214,14 @@ class Dispatcher:
         return StreamEvent(new_text, new_tokens, reason, last.num_prompt_tokens,
                            last.num_cached_tokens)
 
-    def _raise_for(self, leg: _Leg, d: EngineDelta, sent: _Sent) -> None:
+    def _raise_for(self, leg: Leg, d: EngineDelta, sent: Sent) -> None:
         if d.error_type == ERROR_INVALID_REQUEST:  # the request's fault: engine stays healthy
             raise invalid_request(d.error or "invalid request")
         if d.error_type == ERROR_TIMEOUT:
             raise timeout_error(f"{leg.engine.name}: {d.error}")
         raise EngineFailed(leg.engine, d.error or "engine error", dead=False)
 
-    async def _pump(self, leg: _Leg, q: asyncio.Queue, deadline: float) -> None:
+    async def _pump(self, leg: Leg, q: asyncio.Queue, deadline: float) -> None:
         """Feed one engine's stream into the shared queue; every outcome becomes an item."""
         try:  # one bound for the whole stream (not a wait_for task per item: the hot path)
             await asyncio.wait_for(self._pump_items(leg, q),
@@ -299,7 +239,7 @@ class Dispatcher:
                                                 dead=_is_actor_death(e))))
 
     @staticmethod
-    async def _pump_items(leg: _Leg, q: asyncio.Queue) -> None:
+    async def _pump_items(leg: Leg, q: asyncio.Queue) -> None:
         gen = leg.engine.handle.generate.options(num_returns="streaming").remote(
             encode(leg.request))
         while True:

@@ -1,0 +1,74 @@
+"""The state of one request inside the proxy: the job, each engine's leg, what was sent.
+
+A Leg is one engine's part of a request: its incremental deltas are appended in order (a gap
+or repeat is that engine's failure). Sent is what the client already has; it survives
+retries and migrations, so nothing is sent twice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.serving.engine_pool import EngineState
+from pd_cluster.serving.messages import EngineDelta, EngineRequest
+
+
+@dataclass
+class GenerateJob:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    deadline: float  # time.monotonic() bound for the whole request
+
+
+@dataclass
+class StreamEvent:
+    text: str  # new text since the previous event
+    token_ids: list[int]  # new token ids since the previous event
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class EngineFailed(Exception):
+    def __init__(self, engine: EngineState, message: str, dead: bool):
+        super().__init__(f"{engine.name}: {message}")
+        self.engine, self.dead = engine, dead
+
+
+@dataclass
+class Leg:
+    engine: EngineState
+    request: EngineRequest
+    work: int
+    final: bool  # its finish ends the request (D, or the only engine)
+    finished: bool = False
+    # What this engine produced so far, assembled from its deltas (appended, never re-sent).
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    next_seq: int = 0
+
+    def apply(self, delta: EngineDelta) -> None:
+        """Append one incremental delta; a gap or repeat is the engine's failure."""
+        if delta.seq != self.next_seq:
+            raise EngineFailed(self.engine, f"delta {delta.seq} of {delta.request_id} arrived, "
+                                            f"expected {self.next_seq}: lost or reordered",
+                               dead=False)
+        self.next_seq += 1
+        self.token_ids.extend(delta.token_ids)
+        self.text += delta.text
+        self.finished = delta.finished
+
+
+@dataclass
+class Sent:
+    """What the client has been sent so far (across retries nothing is sent twice)."""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    first_from_prefill: bool = False  # the first token came from P: check D agrees
+
+    @property
+    def any(self) -> bool:
+        return bool(self.token_ids or self.text)
+
+__all__ = ["EngineFailed", "GenerateJob", "Leg", "Sent", "StreamEvent"]
