@@ -165,7 +165,6 @@ BAD_INPUTS = [  # (body or raw bytes, path, status, param)
     ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, "/v1/completions", 400, "max_tokens"),
     ({"model": MODEL, "prompt": 123}, "/v1/completions", 400, "prompt"),
     ({"model": MODEL, "prompt": "hi", "stream": "yes"}, "/v1/completions", 400, "stream"),
-    ({"model": MODEL, "prompt": "hi", "temprature": 0.5}, "/v1/completions", 400, "temprature"),
     ({"model": MODEL, "prompt": [1, 2, 99999]}, "/v1/completions", 400, "prompt"),
     ({"model": MODEL, "prompt": ""}, "/v1/completions", 400, "prompt"),
     ({"model": MODEL, "prompt": "hi " * 1500}, "/v1/completions", 400, "prompt"),
@@ -220,3 +219,41 @@ def test_over_limit_is_429_and_disconnect_aborts(cluster) -> None:
 
     assert asyncio.run(run()) == 429
     wait_idle(cluster.url, timeout=30)  # the disconnects aborted the requests on both engines
+
+
+def test_what_real_clients_send(cluster, client, offline) -> None:
+    """Unknown fields are ignored (vLLM's behaviour), continuous usage stats, cached tokens."""
+    url = cluster.url
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0,
+            "store": True, "metadata": {"run": "x"}, "service_tier": "auto",
+            "parallel_tool_calls": False}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 4 and "cached_tokens" in usage["prompt_tokens_details"]
+    stream = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True})
+    counts = [c.usage.completion_tokens for c in stream if c.choices and c.usage]
+    assert counts and counts == sorted(counts) and counts[-1] == 6
+    assert client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4,
+                                     temperature=0).choices[0].text == r.json()["choices"][0]["text"]
+    wait_idle(url)
+
+
+def test_tokenize_detokenize_version_and_openai_shaped_404_405(cluster) -> None:
+    url = cluster.url
+    with httpx.Client(base_url=url, timeout=30) as http:
+        tok = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+        assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 1024
+        text = http.post("/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}).json()
+        assert "Hello world" in text["prompt"]
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 200 and chat.json()["count"] > 1
+        assert http.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
+        assert http.get("/version").json()["version"]
+        for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+            r = http.request(method, path)
+            assert r.status_code == status
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"]

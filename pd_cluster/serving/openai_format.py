@@ -8,7 +8,8 @@ from typing import Any
 
 from pd_cluster.serving.openai_schemas import (ChatChoice, ChatCompletionResponse,
                                                ChatMessageOut, CompletionChoice,
-                                               CompletionResponse, Usage)
+                                               CompletionResponse, PromptTokensDetails,
+                                               Usage)
 
 # Extension fields left out of a body when unset, so plain OpenAI clients see plain bodies.
 _OPTIONAL = ("token_ids", "prompt_token_ids", "usage", "message", "delta")
@@ -40,11 +41,14 @@ class Result:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    num_cached_tokens: int = 0
 
     def usage(self) -> Usage:
         n_prompt, n_out = len(self.prompt_token_ids), len(self.token_ids)
         return Usage(prompt_tokens=n_prompt, completion_tokens=n_out,
-                     total_tokens=n_prompt + n_out)
+                     total_tokens=n_prompt + n_out,
+                     prompt_tokens_details=PromptTokensDetails(
+                         cached_tokens=self.num_cached_tokens))
 
 
 class Formatter:

@@ -1,12 +1,14 @@
 """OpenAI API request/response models (pydantic) and their mapping to SamplingParams.
 
-Requests are parsed strictly from the raw JSON body (wrong types are 400s, not coerced) and
-unknown fields are rejected so client typos surface. vLLM's common extensions (top_k,
-min_tokens, ignore_eos, stop_token_ids, ...) are accepted; features this server does not
-implement are rejected with the parameter named, never silently ignored.
+Requests are parsed strictly from the raw JSON body (wrong types are 400s, not coerced).
+Fields this server does not know are ignored and logged once per name, as vLLM does (clients
+send store, metadata, service_tier, ...); vLLM's common extensions (top_k, min_tokens,
+ignore_eos, stop_token_ids, ...) are accepted; known features this server does not implement
+are rejected with the parameter named, never silently ignored.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal
 
@@ -15,16 +17,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.errors import APIError, invalid_request
 
+logger = logging.getLogger(__name__)
+
 _STRICT = ConfigDict(extra="forbid", strict=True)
+_LENIENT = ConfigDict(extra="allow", strict=True)  # unknown fields: ignored, logged once
+_logged_unknown: set[str] = set()
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = _LENIENT
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage in every chunk (vLLM, guidellm)
 
 
 class _SamplingFields(BaseModel):
-    model_config = _STRICT
+    model_config = _LENIENT
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -135,7 +142,7 @@ class ChatCompletionRequest(_SamplingFields):
 def parse_request(model: type[_SamplingFields], raw: bytes) -> Any:
     """Parse a raw JSON body into ``model``; every problem becomes a 400 naming the param."""
     try:
-        return model.model_validate_json(raw)
+        req = model.model_validate_json(raw)
     except ValidationError as e:
         err = e.errors()[0]
         if err["type"] == "json_invalid":
@@ -147,13 +154,30 @@ def parse_request(model: type[_SamplingFields], raw: bytes) -> Any:
         param = str(err["loc"][0])
         msg = "unknown parameter" if err["type"] == "extra_forbidden" else err["msg"]
         raise invalid_request(f"{loc}: {msg}", param) from None
+    _log_unknown(req.model_extra or {}, "")
+    if req.stream_options is not None:
+        _log_unknown(req.stream_options.model_extra or {}, "stream_options.")
+    return req
+
+
+def _log_unknown(extra: dict[str, Any], prefix: str) -> None:
+    new = sorted(f"{prefix}{k}" for k in extra if f"{prefix}{k}" not in _logged_unknown)
+    if new:
+        _logged_unknown.update(new)
+        logger.warning("ignoring request field(s) this server does not know: %s "
+                       "(logged once per name)", ", ".join(new))
 
 
 # ---- responses ---------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(BaseModel):

@@ -27,6 +27,7 @@ from pd_cluster.serving.engine_pool import EnginePool
 from pd_cluster.serving.errors import (APIError, invalid_request, model_not_found,
                                        too_many_requests)
 from pd_cluster.serving.metrics import ProxyMetrics
+from pd_cluster.serving.utility_routes import add_utility_routes
 from pd_cluster.serving.openai_format import (ChatFormatter, CompletionFormatter, Formatter,
                                               Result, sse)
 from pd_cluster.serving.openai_schemas import (ChatCompletionRequest, CompletionRequest,
@@ -149,10 +150,12 @@ async def _collect(events: AsyncIterator[StreamEvent], result: Result, tracker: 
         result.text += ev.text
         result.token_ids.extend(ev.token_ids)
         result.finish_reason = ev.finish_reason or result.finish_reason
+        result.num_cached_tokens = ev.num_cached_tokens or result.num_cached_tokens
 
 
 async def _sse(first: StreamEvent | None, events: AsyncIterator[StreamEvent], fmt: Formatter,
-               result: Result, tracker: _Tracker, include_usage: bool) -> AsyncIterator[bytes]:
+               result: Result, tracker: _Tracker, include_usage: bool,
+               continuous_usage: bool) -> AsyncIterator[bytes]:
     outcome = "aborted"  # unless we get to the end: the client went away mid-stream
     try:
         for chunk in fmt.opening_chunks():
@@ -163,8 +166,11 @@ async def _sse(first: StreamEvent | None, events: AsyncIterator[StreamEvent], fm
                 tracker.on_event(ev)
                 result.token_ids.extend(ev.token_ids)
                 result.finish_reason = ev.finish_reason
+                result.num_cached_tokens = ev.num_cached_tokens or result.num_cached_tokens
                 chunk = fmt.chunk(ev.text, ev.token_ids, ev.finish_reason)
                 if chunk is not None:
+                    if continuous_usage:
+                        chunk["usage"] = result.usage().model_dump()
                     yield sse(chunk)
                 ev = None if ev.finish_reason else await anext(events, None)
             if include_usage:
@@ -217,8 +223,10 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
     except BaseException:
         tracker.close("error")
         raise
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return StreamingResponse(_sse(first, events, fmt, result, tracker, include_usage),
+    opts = req.stream_options
+    return StreamingResponse(_sse(first, events, fmt, result, tracker,
+                                  bool(opts and opts.include_usage),
+                                  bool(opts and opts.continuous_usage_stats)),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
@@ -259,6 +267,8 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]]) -> FastA
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await handle_generate(state, request, chat=True)
+
+    add_utility_routes(app, state)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
