@@ -57,6 +57,7 @@ def test_launch_serve_then_ctrl_c_leaves_nothing(tmp_path: Path,
         gcs = f"http://{state.address}"
 
         os.killpg(launcher.proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole group
+        os.killpg(launcher.proc.pid, signal.SIGINT)  # ... twice, impatiently: no deadlock
         assert launcher.proc.wait(timeout=60) == 0, "".join(launcher.output)
     finally:
         launcher.kill()

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -90,11 +89,13 @@ def run_launch(args: argparse.Namespace) -> int:
               f"({old.url}); `pd-cluster stop --namespace {cfg.ray.namespace}` first, or "
               f"use --namespace", file=sys.stderr)
         return 1
-    stop = threading.Event()
+    # A plain flag, not a threading.Event: a signal handler that takes a lock can deadlock
+    # when a second signal arrives while the first handler holds it (Ctrl-C twice).
+    stop = [False]
 
     def on_term(signum: int, _frame: Any) -> None:
         if _launched:
-            stop.set()  # repeated signals while shutting down are ignored: cleanup is bounded
+            stop[0] = True  # repeated signals while shutting down are ignored: cleanup is bounded
         else:  # still starting up: unwind through launch()'s cleanup
             raise KeyboardInterrupt
 
@@ -105,7 +106,7 @@ def run_launch(args: argparse.Namespace) -> int:
           f"Ray {'at ' + address if address else 'local'}", flush=True)
     try:
         cluster = launch(cfg, address=address, detach=args.detach,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, show_logs=not args.detach)
     except KeyboardInterrupt:
         print("interrupted; cleaned up", file=sys.stderr)
         return 130
@@ -123,8 +124,8 @@ def run_launch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_term)  # ray.init installed its own (noisy) one meanwhile
     print("press Ctrl-C to stop", flush=True)
     try:
-        while not stop.wait(1.0):
-            pass
+        while not stop[0]:
+            time.sleep(0.2)  # a signal interrupts the sleep; its handler only sets the flag
     finally:
         print("shutting down ...", flush=True)
         t0 = time.monotonic()

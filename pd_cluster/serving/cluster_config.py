@@ -79,6 +79,7 @@ class ProxyConfig(_Section):
     # Times a request may move to another engine when its engine fails mid-stream.
     max_migrations: int = Field(2, ge=0)
     max_restarts: int = 3
+    log_stats_interval: float = 10.0  # s between per-engine stats lines in the log (0: off)
 
     @field_validator("port")
     @classmethod

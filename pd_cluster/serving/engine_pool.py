@@ -17,6 +17,7 @@ from pd_cluster.serving.cluster_config import ProxyConfig
 from pd_cluster.serving.messages import EngineInfo, EngineStatus
 from pd_cluster.serving.peer_linker import PeerLinker
 from pd_cluster.serving.router import Router, create_router
+from pd_cluster.serving.stats_log import StatsLog
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class EnginePool:
                                            for e in self.engines}
         self._task: asyncio.Task | None = None
         self.peers = PeerLinker(self.engines, config.health_check_timeout)
+        self.stats_log = StatsLog(config.log_stats_interval)
 
     async def start(self) -> None:
         await self.check_all()
@@ -71,6 +73,7 @@ class EnginePool:
             await asyncio.sleep(self.config.health_check_interval)
             try:
                 await self.check_all()
+                self.stats_log.maybe_log(self.engines)
             except Exception:  # noqa: BLE001 - the loop must outlive any one bad check
                 logger.exception("health check round failed")
 

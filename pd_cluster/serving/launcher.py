@@ -77,7 +77,8 @@ def kill_actors(proxy: Any, engines: Any) -> None:
 
 
 def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = False,
-           progress: bool = True, ready_timeout: float = _READY_TIMEOUT) -> Cluster:
+           progress: bool = True, ready_timeout: float = _READY_TIMEOUT,
+           show_logs: bool = False) -> Cluster:
     """Start everything and wait until every engine is ready, every prefill engine holds a
     KV link to every decode engine, and the proxy serves on this node."""
     import ray
@@ -87,7 +88,8 @@ def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = 
 
     ns = config.ray.namespace
     num_cpus = config.ray.num_cpus or max(config.required_cpus(), 1.0)
-    runtime = start_ray(address, ns, num_cpus, config.ray.num_gpus, detach, state_dir())
+    runtime = start_ray(address, ns, num_cpus, config.ray.num_gpus, detach, state_dir(),
+                        log_to_driver=show_logs)
     lifetime = "detached" if detach else None
     engines: dict[str, Any] = {}
     proxy = None

@@ -14,6 +14,8 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pd_cluster.serving.vllm_metrics import VLLMEngineCollector, VLLMRequestMetrics
+
 disable_created_metrics()  # no *_created series: they double the scrape for no use here
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
@@ -39,9 +41,11 @@ _COUNTER_STATS = {"kv_bytes_sent": "Prompt KV bytes sent by prefill engines",
 
 
 class ProxyMetrics:
-    def __init__(self, engines_snapshot: Callable[[], list[Any]]):
+    def __init__(self, engines_snapshot: Callable[[], list[Any]], model_name: str = ""):
         self.registry = CollectorRegistry()
         r = self.registry
+        self.vllm = VLLMRequestMetrics(r, model_name)
+        r.register(VLLMEngineCollector(engines_snapshot, model_name))
         self.requests = Counter("pd_requests", "Requests by outcome", ["outcome"], registry=r)
         self.inflight = Gauge("pd_requests_inflight", "Requests in flight in the proxy",
                               registry=r)

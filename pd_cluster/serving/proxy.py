@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import random
-import time
 import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -24,9 +23,9 @@ from pd_cluster.serving.cluster_config import ClusterConfig, resolve_model
 from pd_cluster.validation import InvalidRequest, check_max_tokens, check_prompt
 from pd_cluster.serving.dispatch import Dispatcher, GenerateJob, StreamEvent
 from pd_cluster.serving.engine_pool import EnginePool
-from pd_cluster.serving.errors import (APIError, invalid_request, model_not_found,
-                                       too_many_requests)
+from pd_cluster.serving.errors import APIError, invalid_request, model_not_found
 from pd_cluster.serving.metrics import ProxyMetrics
+from pd_cluster.serving.request_tracker import RequestTracker
 from pd_cluster.serving.utility_routes import add_utility_routes
 from pd_cluster.serving.openai_format import (ChatFormatter, CompletionFormatter, Formatter,
                                               Result, sse)
@@ -54,7 +53,7 @@ class ProxyState:
         self.max_model_len = int(cfg.engine.get("max_model_len")
                                  or hf.get("max_position_embeddings", 2048))
         self.pool = EnginePool(engines, cfg.proxy)
-        self.metrics = ProxyMetrics(lambda: self.pool.engines)
+        self.metrics = ProxyMetrics(lambda: self.pool.engines, cfg.model_name)
         self.dispatcher = Dispatcher(self.pool, cfg.mode, self.metrics, cfg.proxy.max_retries,
                                      cfg.proxy.max_migrations)
         self.inflight = 0
@@ -89,41 +88,6 @@ class ProxyState:
             raise invalid_request(str(e), e.param, e.code) from None
 
 
-class _Tracker:
-    """Per-request bookkeeping: the in-flight slot, latency histograms and the outcome."""
-
-    def __init__(self, state: ProxyState, n_prompt: int):
-        self.state, self.m = state, state.metrics
-        if state.inflight >= state.cfg.proxy.max_inflight:
-            raise too_many_requests(state.cfg.proxy.max_inflight)
-        state.inflight += 1
-        self.m.inflight.inc()
-        self.m.prompt_tokens.inc(n_prompt)
-        self.start = self.last = time.monotonic()
-        self.first = True
-        self.closed = False
-
-    def on_event(self, ev: StreamEvent) -> None:
-        now = time.monotonic()
-        if ev.token_ids or ev.text:
-            if self.first:
-                self.m.ttft.observe(now - self.start)
-            else:
-                self.m.itl.observe(now - self.last)
-            self.first, self.last = False, now
-        self.m.generation_tokens.inc(len(ev.token_ids))
-
-    def close(self, outcome: str) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.state.inflight -= 1
-        self.m.inflight.dec()
-        self.m.requests.labels(outcome).inc()
-        if outcome == "success":
-            self.m.e2e.observe(time.monotonic() - self.start)
-
-
 async def _until_disconnect(request: Request, aw: Any) -> Any:
     """Await ``aw`` unless the client goes away first (then cancel it: aborts the engines)."""
     task = asyncio.ensure_future(aw)
@@ -144,7 +108,7 @@ async def _until_disconnect(request: Request, aw: Any) -> Any:
     raise ClientDisconnected()
 
 
-async def _collect(events: AsyncIterator[StreamEvent], result: Result, tracker: _Tracker) -> None:
+async def _collect(events: AsyncIterator[StreamEvent], result: Result, tracker: RequestTracker) -> None:
     async for ev in events:
         tracker.on_event(ev)
         result.text += ev.text
@@ -154,7 +118,7 @@ async def _collect(events: AsyncIterator[StreamEvent], result: Result, tracker: 
 
 
 async def _sse(first: StreamEvent | None, events: AsyncIterator[StreamEvent], fmt: Formatter,
-               result: Result, tracker: _Tracker, include_usage: bool,
+               result: Result, tracker: RequestTracker, include_usage: bool,
                continuous_usage: bool) -> AsyncIterator[bytes]:
     outcome = "aborted"  # unless we get to the end: the client went away mid-stream
     try:
@@ -203,7 +167,7 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     fmt_cls = ChatFormatter if chat else CompletionFormatter
     fmt = fmt_cls(rid, state.cfg.model_name, req.return_token_ids)
-    tracker = _Tracker(state, len(ids))
+    tracker = RequestTracker(state, rid, len(ids))
     request.state.tracked = True
     job = GenerateJob(rid, ids, params, tracker.start + state.cfg.proxy.request_timeout)
     events = state.dispatcher.stream(job)
@@ -218,7 +182,7 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
         tracker.close("aborted")
         return Response(status_code=499)
     except APIError as e:
-        tracker.close("client_error" if e.is_client_error else "error")
+        tracker.close("client_error" if e.is_client_error else "error", e.status)
         raise
     except BaseException:
         tracker.close("error")

@@ -39,6 +39,7 @@ class ProxyActor:
         from pd_cluster.serving.cluster_config import ClusterConfig
         from pd_cluster.serving.proxy import create_app
 
+        _log_to_stderr()  # Ray forwards it to the launcher's console
         cfg = ClusterConfig.from_dict(config)
         handles = [(e["name"], e["role"], ray.get_actor(e["name"], namespace=namespace))
                    for e in engines]
@@ -95,6 +96,19 @@ class ProxyActor:
             self.sock.close()
         except OSError:
             pass
+
+
+def _log_to_stderr() -> None:
+    """The access log and stats lines at INFO on this process's stderr (Ray forwards them to
+    the launcher's console in the foreground)."""
+    import sys
+    log = logging.getLogger("pd_cluster")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 def proxy_actor_class() -> Any:

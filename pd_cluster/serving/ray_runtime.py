@@ -49,17 +49,18 @@ def resolve_address(cli_address: str | None, config_address: str | None) -> str 
 
 
 def start_ray(address: str | None, namespace: str, num_cpus: float, num_gpus: float | None,
-              detach: bool, log_dir: Path) -> RayRuntime:
+              detach: bool, log_dir: Path, log_to_driver: bool = False) -> RayRuntime:
+    """``log_to_driver``: actors' output (the proxy's access and stats lines) on our console."""
     import ray
     if ray.is_initialized():  # e.g. tests, or a notebook: use the caller's connection
         return RayRuntime(_gcs_address(), "existing")
     if address:
-        connect(address, namespace)
+        connect(address, namespace, log_to_driver)
         return RayRuntime(_gcs_address(), "connected")
     if not detach:
         # address="local": a new instance even if /tmp/ray names someone else's `ray start`.
         ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, namespace=namespace,
-                 include_dashboard=False, log_to_driver=False)
+                 include_dashboard=False, log_to_driver=log_to_driver)
         return RayRuntime(_gcs_address(), "embedded")
     port = free_port()
     if "RAY_AUTH_MODE" not in os.environ:
@@ -74,14 +75,14 @@ def start_ray(address: str | None, namespace: str, num_cpus: float, num_gpus: fl
     return RayRuntime(addr, "head", pid)
 
 
-def connect(address: str, namespace: str) -> None:
+def connect(address: str, namespace: str, log_to_driver: bool = False) -> None:
     """ray.init(address) with the same auth mode a local `ray start` head uses."""
     import ray
     # Ray 2.5x+ heads enable token auth by default, but a connecting driver only does when
     # told: use the local token if there is one and the mode is not set explicitly.
     if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").is_file():
         _use_token_auth()
-    ray.init(address=address, namespace=namespace, log_to_driver=False)
+    ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
 
 
 def _use_token_auth() -> None:

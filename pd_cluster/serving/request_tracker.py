@@ -1,0 +1,62 @@
+"""Per-request bookkeeping in the proxy: the in-flight slot, latency and token metrics (pd_ and
+vllm: series), and one access-log line when the request ends."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from pd_cluster.serving.errors import too_many_requests
+
+access_log = logging.getLogger("pd_cluster.access")
+
+_STATUS = {"success": 200, "client_error": 400, "rejected": 429, "aborted": 499, "error": 500}
+
+
+class RequestTracker:
+    def __init__(self, state: Any, request_id: str, n_prompt: int):
+        self.state, self.m, self.request_id = state, state.metrics, request_id
+        if state.inflight >= state.cfg.proxy.max_inflight:
+            raise too_many_requests(state.cfg.proxy.max_inflight)
+        state.inflight += 1
+        self.m.inflight.inc()
+        self.m.prompt_tokens.inc(n_prompt)
+        self.m.vllm.prompt_tokens.inc(n_prompt)
+        self.n_prompt, self.n_output = n_prompt, 0
+        self.start = self.last = time.monotonic()
+        self.ttft: float | None = None
+        self.finish_reason: str | None = None
+        self.closed = False
+
+    def on_event(self, ev: Any) -> None:
+        now = time.monotonic()
+        if ev.token_ids or ev.text:
+            if self.ttft is None:
+                self.ttft = now - self.start
+                self.m.ttft.observe(self.ttft)
+                self.m.vllm.ttft.observe(self.ttft)
+            else:
+                self.m.itl.observe(now - self.last)
+                self.m.vllm.itl.observe(now - self.last)
+            self.last = now
+        self.n_output += len(ev.token_ids)
+        self.finish_reason = ev.finish_reason or self.finish_reason
+        self.m.generation_tokens.inc(len(ev.token_ids))
+        self.m.vllm.generation_tokens.inc(len(ev.token_ids))
+
+    def close(self, outcome: str, status: int | None = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.state.inflight -= 1
+        self.m.inflight.dec()
+        self.m.requests.labels(outcome).inc()
+        latency = time.monotonic() - self.start
+        if outcome == "success":
+            self.m.e2e.observe(latency)
+            self.m.vllm.e2e.observe(latency)
+            self.m.vllm.success.labels(self.m.vllm.model_name, self.finish_reason or "stop").inc()
+        ttft = f"{self.ttft * 1e3:.1f}ms" if self.ttft is not None else "-"
+        access_log.info("%s %d %s prompt_tokens=%d output_tokens=%d ttft=%s latency=%.1fms",
+                        self.request_id, status or _STATUS.get(outcome, 500), outcome,
+                        self.n_prompt, self.n_output, ttft, latency * 1e3)

@@ -1,0 +1,49 @@
+"""A periodic one-line summary per engine in the proxy's log, like vLLM's engine stats line:
+queue depths, KV cache usage, prefix-cache hit rate and KV transfer and token rates."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+logger = logging.getLogger("pd_cluster.stats")
+
+_RATES = (("tokens_generated", "tokens/s", 1.0), ("kv_bytes_sent", "KV sent MB/s", 1e-6),
+          ("kv_bytes_received", "KV received MB/s", 1e-6))
+
+
+class StatsLog:
+    def __init__(self, interval: float):
+        self.interval = interval
+        self._last_time = time.monotonic()
+        self._last: dict[str, dict[str, Any]] = {}
+
+    def maybe_log(self, engines: list[Any]) -> None:
+        now = time.monotonic()
+        if self.interval <= 0 or now - self._last_time < self.interval:
+            return
+        dt, self._last_time = now - self._last_time, now
+        for e in engines:
+            logger.info("%s", self.line(e, dt))
+            self._last[e.name] = dict(e.stats)
+
+    def line(self, e: Any, dt: float) -> str:
+        s, before = e.stats, self._last.get(e.name, {})
+        if not e.healthy:
+            return f"{e.name} ({e.role}, {e.node_ip or '?'}): UNHEALTHY {e.last_error or ''}"
+        parts = [f"running {s.get('num_running', 0)}", f"waiting {s.get('num_waiting', 0)}"]
+        if s.get("num_waiting_for_remote_kv"):
+            parts.append(f"awaiting KV {s['num_waiting_for_remote_kv']}")
+        if s.get("kv_blocks_total"):
+            parts.append(f"KV {100.0 * s.get('kv_blocks_used', 0) / s['kv_blocks_total']:.1f}% used")
+        queried = s.get("prefix_cache_queried_blocks", 0) - before.get(
+            "prefix_cache_queried_blocks", 0)
+        if queried > 0:
+            hits = s.get("prefix_cache_hit_blocks", 0) - before.get("prefix_cache_hit_blocks", 0)
+            parts.append(f"prefix hit {100.0 * hits / queried:.1f}%")
+        for key, label, scale in _RATES:
+            if key in s and key in before:
+                rate = (s[key] - before[key]) * scale / dt
+                if rate > 0:
+                    parts.append(f"{label} {rate:.1f}")
+        return f"{e.name} ({e.role}, {e.node_ip or '?'}): " + ", ".join(parts)

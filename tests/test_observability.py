@@ -1,0 +1,66 @@
+"""What an operator sees: one access-log line per request, a periodic stats line per engine,
+and Prometheus series under vLLM's names beside the pd_ ones."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+from pd_cluster.serving.cluster_config import parse_config
+from pd_cluster.serving.legs import StreamEvent
+from pd_cluster.serving.metrics import ProxyMetrics
+from pd_cluster.serving.request_tracker import RequestTracker
+from pd_cluster.serving.stats_log import StatsLog
+
+
+def _engine(name: str, **stats: float) -> SimpleNamespace:
+    return SimpleNamespace(name=name, role=name.split("-")[0], healthy=True, node_ip="10.0.0.7",
+                           last_error=None, inflight=0, stats=stats)
+
+
+def test_access_log_line_and_vllm_named_metrics(caplog) -> None:
+    engines = [_engine("decode-0", num_running=3, num_waiting=1, kv_blocks_used=25,
+                       kv_blocks_total=100)]
+    metrics = ProxyMetrics(lambda: engines, "my-model")
+    state = SimpleNamespace(metrics=metrics, inflight=0, cfg=parse_config({}))
+    with caplog.at_level(logging.INFO, logger="pd_cluster.access"):
+        t = RequestTracker(state, "cmpl-1", n_prompt=7)
+        t.on_event(StreamEvent("a", [5]))
+        t.on_event(StreamEvent("bc", [6, 7], "length"))
+        t.close("success")
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("cmpl-1 200 success prompt_tokens=7 output_tokens=3 ttft=")
+    assert "latency=" in line and state.inflight == 0
+    text = metrics.render().decode()
+    for series in ('vllm:num_requests_running{engine="decode-0",model_name="my-model"} 3.0',
+                   'vllm:num_requests_waiting{engine="decode-0",model_name="my-model"} 1.0',
+                   'vllm:kv_cache_usage_perc{engine="decode-0",model_name="my-model"} 0.25',
+                   'vllm:prompt_tokens_total{model_name="my-model"} 7.0',
+                   'vllm:generation_tokens_total{model_name="my-model"} 3.0',
+                   'vllm:time_to_first_token_seconds_count{model_name="my-model"} 1.0',
+                   'vllm:request_success_total{finished_reason="length",model_name="my-model"} '
+                   '1.0',
+                   "pd_time_to_first_token_seconds_count 1.0"):
+        assert series in text, series
+
+
+def test_stats_line_per_engine(caplog, monkeypatch) -> None:
+    from pd_cluster.serving import stats_log
+    clock = [0.0]
+    monkeypatch.setattr(stats_log.time, "monotonic", lambda: clock[0])
+    e = _engine("prefill-0", num_running=2, num_waiting=0, kv_blocks_used=10,
+                kv_blocks_total=40, prefix_cache_queried_blocks=10, prefix_cache_hit_blocks=2,
+                tokens_generated=100, kv_bytes_sent=0)
+    log = StatsLog(interval=10.0)
+    with caplog.at_level(logging.INFO, logger="pd_cluster.stats"):
+        clock[0] = 5.0
+        log.maybe_log([e])  # not due yet
+        assert not caplog.records
+        clock[0] = 10.0
+        log.maybe_log([e])
+        e.stats = {**e.stats, "prefix_cache_queried_blocks": 20, "prefix_cache_hit_blocks": 7,
+                   "tokens_generated": 300, "kv_bytes_sent": 20_000_000}
+        clock[0] = 20.0
+        log.maybe_log([e])
+    assert caplog.records[-1].getMessage() == (
+        "prefill-0 (prefill, 10.0.0.7): running 2, waiting 0, KV 25.0% used, prefix hit 50.0%, "
+        "tokens/s 20.0, KV sent MB/s 2.0")
