@@ -161,7 +161,7 @@ BAD_INPUTS = [  # (body or raw bytes, path, status, param)
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "/v1/completions", 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, "/v1/completions", 400, "temperature"),
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, "/v1/completions", 400, "top_p"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, "/v1/completions", 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, "/v1/completions", 400, "n"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, "/v1/completions", 400, "max_tokens"),
     ({"model": MODEL, "prompt": 123}, "/v1/completions", 400, "prompt"),
     ({"model": MODEL, "prompt": "hi", "stream": "yes"}, "/v1/completions", 400, "stream"),
@@ -257,3 +257,45 @@ def test_tokenize_detokenize_version_and_openai_shaped_404_405(cluster) -> None:
             assert r.status_code == status
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+def test_n_choices_and_lists_of_prompts(cluster, client, offline) -> None:
+    """n>1 (greedy choices identical, seeded ones distinct and reproducible) and several
+    prompts in one completions request, each choice equal to its own request."""
+    tok = offline.engine.tokenizer
+    ref_text = reference(offline, tok.encode(PROMPTS[0]), 8)[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                  n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [ref_text] * 3
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == len(tok.encode(PROMPTS[0]))
+
+    def sampled() -> list[str]:
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12,
+                                        temperature=1.0, seed=42, n=3)
+        return [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+    first = sampled()
+    assert first == sampled() and len(set(first)) > 1
+
+    batch = client.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=6,
+                                      temperature=0)
+    assert [c.text for c in batch.choices] == [
+        reference(offline, tok.encode(p), 6)[0] for p in PROMPTS[:3]]
+
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=5,
+                                       temperature=0, n=2, stream=True,
+                                       stream_options={"include_usage": True})
+    texts: dict[int, str] = {}
+    finished, usage = set(), None
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finished.add(c.index)
+        usage = chunk.usage or usage
+    assert finished == {0, 1, 2, 3}
+    assert [texts[i] for i in range(4)] == [reference(offline, tok.encode(p), 5)[0]
+                                            for p in PROMPTS[:2] for _ in range(2)]
+    assert usage.completion_tokens == 20
+    assert usage.prompt_tokens == sum(len(tok.encode(p)) for p in PROMPTS[:2])
+    wait_idle(cluster.url)

@@ -43,12 +43,15 @@ class Result:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
 
-    def usage(self) -> Usage:
-        n_prompt, n_out = len(self.prompt_token_ids), len(self.token_ids)
-        return Usage(prompt_tokens=n_prompt, completion_tokens=n_out,
-                     total_tokens=n_prompt + n_out,
-                     prompt_tokens_details=PromptTokensDetails(
-                         cached_tokens=self.num_cached_tokens))
+
+def usage(results: list[Result]) -> Usage:
+    """One request's usage: each distinct prompt counted once, every choice's output."""
+    prompts: dict[int, Result] = {id(r.prompt_token_ids): r for r in results}
+    n_prompt = sum(len(r.prompt_token_ids) for r in prompts.values())
+    n_out = sum(len(r.token_ids) for r in results)
+    cached = sum(r.num_cached_tokens for r in prompts.values())
+    return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class Formatter:
@@ -58,18 +61,18 @@ class Formatter:
         self.id, self.model, self.return_token_ids = request_id, model, return_token_ids
         self.created = int(time.time())
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
+    def opening_chunks(self, num_choices: int = 1) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None
-              ) -> dict[str, Any] | None:
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
+              index: int = 0) -> dict[str, Any] | None:
         raise NotImplementedError
 
-    def usage_chunk(self, result: Result) -> dict[str, Any]:
+    def usage_chunk(self, results: list[Result]) -> dict[str, Any]:
         return {"id": self.id, "object": self.chunk_object, "created": self.created,
-                "model": self.model, "choices": [], "usage": result.usage().model_dump()}
+                "model": self.model, "choices": [], "usage": usage(results).model_dump()}
 
-    def full(self, result: Result) -> dict[str, Any]:
+    def full(self, results: list[Result]) -> dict[str, Any]:
         raise NotImplementedError
 
     chunk_object = ""
@@ -78,52 +81,55 @@ class Formatter:
 class CompletionFormatter(Formatter):
     chunk_object = "text_completion"
 
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None
-              ) -> dict[str, Any] | None:
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
+              index: int = 0) -> dict[str, Any] | None:
         if not text and finish_reason is None and not self.return_token_ids:
             return None
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
                                   "finish_reason": finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model, "choices": [choice]}
 
-    def full(self, result: Result) -> dict[str, Any]:
+    def full(self, results: list[Result]) -> dict[str, Any]:
         ids = self.return_token_ids
         return _dump(CompletionResponse(
-            id=self.id, created=self.created, model=self.model, usage=result.usage(),
-            prompt_token_ids=result.prompt_token_ids if ids else None,
-            choices=[CompletionChoice(text=result.text, finish_reason=result.finish_reason,
-                                      token_ids=result.token_ids if ids else None)]))
+            id=self.id, created=self.created, model=self.model, usage=usage(results),
+            prompt_token_ids=results[0].prompt_token_ids if ids else None,
+            choices=[CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
+                                      token_ids=r.token_ids if ids else None)
+                     for i, r in enumerate(results)]))
 
 
 class ChatFormatter(Formatter):
     chunk_object = "chat.completion.chunk"
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None,
-               token_ids: list[int] | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+               token_ids: list[int] | None = None, index: int = 0) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
                                   "finish_reason": finish_reason}
         if self.return_token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
         return {"id": self.id, "object": self.chunk_object, "created": self.created,
                 "model": self.model, "choices": [choice]}
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
-        return [self._chunk({"role": "assistant", "content": ""}, None)]
+    def opening_chunks(self, num_choices: int = 1) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""}, None, index=i)
+                for i in range(num_choices)]
 
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None
-              ) -> dict[str, Any] | None:
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
+              index: int = 0) -> dict[str, Any] | None:
         if not text and finish_reason is None and not self.return_token_ids:
             return None
-        return self._chunk({"content": text} if text else {}, finish_reason, token_ids)
+        return self._chunk({"content": text} if text else {}, finish_reason, token_ids, index)
 
-    def full(self, result: Result) -> dict[str, Any]:
+    def full(self, results: list[Result]) -> dict[str, Any]:
         ids = self.return_token_ids
         return _dump(ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model, usage=result.usage(),
-            prompt_token_ids=result.prompt_token_ids if ids else None,
-            choices=[ChatChoice(message=ChatMessageOut(content=result.text),
-                                finish_reason=result.finish_reason,
-                                token_ids=result.token_ids if ids else None)]))
+            id=self.id, created=self.created, model=self.model, usage=usage(results),
+            prompt_token_ids=results[0].prompt_token_ids if ids else None,
+            choices=[ChatChoice(index=i, message=ChatMessageOut(content=r.text),
+                                finish_reason=r.finish_reason,
+                                token_ids=r.token_ids if ids else None)
+                     for i, r in enumerate(results)]))

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 _STRICT = ConfigDict(extra="forbid", strict=True)
 _LENIENT = ConfigDict(extra="allow", strict=True)  # unknown fields: ignored, logged once
 _logged_unknown: set[str] = set()
+MAX_N = 64  # choices per prompt in one request
 
 
 class StreamOptions(BaseModel):
@@ -68,8 +69,10 @@ class _SamplingFields(BaseModel):
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         for name, value in self.unsupported().items():
             raise invalid_request(f"{name}={value!r} is not supported by this server", name)
-        kwargs: dict[str, Any] = dict(
-            n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop,
+        if isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise invalid_request(f"n: must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
+        kwargs: dict[str, Any] = dict(  # n > 1: the proxy runs n requests (choices.py)
+            max_tokens=max_tokens, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)

@@ -21,18 +21,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pd_cluster.serving.cluster_config import ClusterConfig, resolve_model
 from pd_cluster.validation import InvalidRequest, check_max_tokens, check_prompt
-from pd_cluster.serving.dispatch import Dispatcher, GenerateJob, StreamEvent
+from pd_cluster.serving.dispatch import Dispatcher, StreamEvent
 from pd_cluster.serving.engine_pool import EnginePool
 from pd_cluster.serving.errors import APIError, invalid_request, model_not_found
 from pd_cluster.serving.metrics import ProxyMetrics
 from pd_cluster.serving.request_tracker import RequestTracker
 from pd_cluster.serving.utility_routes import add_utility_routes
+from pd_cluster.serving.choices import choice_jobs, merged
 from pd_cluster.serving.openai_format import (ChatFormatter, CompletionFormatter, Formatter,
-                                              Result, sse)
+                                              Result, sse, usage)
 from pd_cluster.serving.openai_schemas import (ChatCompletionRequest, CompletionRequest,
                                                ModelCard, ModelList, parse_request)
 
 logger = logging.getLogger(__name__)
+MAX_CHOICES = 256  # prompts x n in one request
 
 
 class ClientDisconnected(Exception):
@@ -60,15 +62,17 @@ class ProxyState:
         self.node_ip = _node_ip()
 
     # ---- prompt handling -----------------------------------------------------------------
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Token ids of each prompt: a text or token-id prompt, or a list of either."""
         prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise invalid_request("only one prompt per request is supported", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):  # as the engine (and vLLM) tokenize a text prompt
-            return list(self.tokenizer.encode(prompt))
-        return list(prompt)
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(
+            prompt[0], (str, list)) else [prompt]
+        if len(batch) * req.n > MAX_CHOICES:
+            raise invalid_request(f"prompt: {len(batch)} prompts x n={req.n} exceeds "
+                                  f"{MAX_CHOICES} choices per request", "prompt")
+        # a text prompt is tokenized as the engine (and vLLM) would
+        return [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p)
+                for p in batch]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -108,37 +112,42 @@ async def _until_disconnect(request: Request, aw: Any) -> Any:
     raise ClientDisconnected()
 
 
-async def _collect(events: AsyncIterator[StreamEvent], result: Result, tracker: RequestTracker) -> None:
-    async for ev in events:
+async def _collect(events: AsyncIterator[tuple[int, StreamEvent]], results: list[Result],
+                   tracker: RequestTracker) -> None:
+    async for index, ev in events:
         tracker.on_event(ev)
-        result.text += ev.text
-        result.token_ids.extend(ev.token_ids)
-        result.finish_reason = ev.finish_reason or result.finish_reason
-        result.num_cached_tokens = ev.num_cached_tokens or result.num_cached_tokens
+        r = results[index]
+        r.text += ev.text
+        r.token_ids.extend(ev.token_ids)
+        r.finish_reason = ev.finish_reason or r.finish_reason
+        r.num_cached_tokens = ev.num_cached_tokens or r.num_cached_tokens
 
 
-async def _sse(first: StreamEvent | None, events: AsyncIterator[StreamEvent], fmt: Formatter,
-               result: Result, tracker: RequestTracker, include_usage: bool,
+async def _sse(first: tuple[int, StreamEvent] | None,
+               events: AsyncIterator[tuple[int, StreamEvent]], fmt: Formatter,
+               results: list[Result], tracker: RequestTracker, include_usage: bool,
                continuous_usage: bool) -> AsyncIterator[bytes]:
     outcome = "aborted"  # unless we get to the end: the client went away mid-stream
     try:
-        for chunk in fmt.opening_chunks():
+        for chunk in fmt.opening_chunks(len(results)):
             yield sse(chunk)
-        ev = first
+        item = first
         try:
-            while ev is not None:
+            while item is not None:
+                index, ev = item
                 tracker.on_event(ev)
-                result.token_ids.extend(ev.token_ids)
-                result.finish_reason = ev.finish_reason
-                result.num_cached_tokens = ev.num_cached_tokens or result.num_cached_tokens
-                chunk = fmt.chunk(ev.text, ev.token_ids, ev.finish_reason)
+                r = results[index]
+                r.token_ids.extend(ev.token_ids)
+                r.finish_reason = ev.finish_reason
+                r.num_cached_tokens = ev.num_cached_tokens or r.num_cached_tokens
+                chunk = fmt.chunk(ev.text, ev.token_ids, ev.finish_reason, index)
                 if chunk is not None:
                     if continuous_usage:
-                        chunk["usage"] = result.usage().model_dump()
+                        chunk["usage"] = usage(results).model_dump()
                     yield sse(chunk)
-                ev = None if ev.finish_reason else await anext(events, None)
+                item = await anext(events, None)
             if include_usage:
-                yield sse(fmt.usage_chunk(result))
+                yield sse(fmt.usage_chunk(results))
             outcome = "success"
         except APIError as e:  # after output was sent: report in-band, then end the stream
             logger.warning("%s failed mid-stream: %s", fmt.id, e.message)
@@ -146,7 +155,7 @@ async def _sse(first: StreamEvent | None, events: AsyncIterator[StreamEvent], fm
             yield sse(e.body())
         yield sse("[DONE]")
     finally:
-        await events.aclose()  # cancels the engine streams and aborts on both engines
+        await events.aclose()  # cancels the engine streams and aborts on every engine
         tracker.close(outcome)
 
 
@@ -156,27 +165,31 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
     if req.model != state.cfg.model_name:
         raise model_not_found(req.model)
     if chat:
-        ids, param = state.chat_prompt(req), "messages"
+        prompts, param = [state.chat_prompt(req)], "messages"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
     else:
-        ids, param, requested = state.completion_prompt(req), "prompt", req.max_tokens
-    params = req.sampling_params(state.max_tokens(requested, ids, param))
-    if not params.is_greedy and params.seed is None:
-        params.seed = random.getrandbits(31)  # P and D must sample the same first token
+        prompts, param, requested = state.completion_prompts(req), "prompt", req.max_tokens
+    base_seed = random.getrandbits(31)  # P and D must sample the same first token
+    per_prompt = []
+    for ids in prompts:
+        params = req.sampling_params(state.max_tokens(requested, ids, param))
+        if not params.is_greedy and params.seed is None:
+            params.seed = base_seed
+        per_prompt.append((ids, params))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     fmt_cls = ChatFormatter if chat else CompletionFormatter
     fmt = fmt_cls(rid, state.cfg.model_name, req.return_token_ids)
-    tracker = RequestTracker(state, rid, len(ids))
+    tracker = RequestTracker(state, rid, sum(len(ids) for ids in prompts))
     request.state.tracked = True
-    job = GenerateJob(rid, ids, params, tracker.start + state.cfg.proxy.request_timeout)
-    events = state.dispatcher.stream(job)
-    result = Result(prompt_token_ids=ids)
+    jobs = choice_jobs(rid, per_prompt, req.n, tracker.start + state.cfg.proxy.request_timeout)
+    events = merged(jobs, state.dispatcher.stream)
+    results = [Result(prompt_token_ids=job.prompt_token_ids) for job in jobs]
     try:
         if not req.stream:
-            await _until_disconnect(request, _collect(events, result, tracker))
+            await _until_disconnect(request, _collect(events, results, tracker))
             tracker.close("success")
-            return JSONResponse(fmt.full(result))
+            return JSONResponse(fmt.full(results))
         first = await _until_disconnect(request, anext(events, None))
     except ClientDisconnected:
         tracker.close("aborted")
@@ -188,7 +201,7 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
         tracker.close("error")
         raise
     opts = req.stream_options
-    return StreamingResponse(_sse(first, events, fmt, result, tracker,
+    return StreamingResponse(_sse(first, events, fmt, results, tracker,
                                   bool(opts and opts.include_usage),
                                   bool(opts and opts.continuous_usage_stats)),
                              media_type="text/event-stream",
