@@ -31,6 +31,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # Normalise first so that validation and every consumer see one shape.
@@ -75,6 +79,15 @@ class SamplingParams:
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", f"in [0, {MAX_LOGPROBS}] or None", self.logprobs)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "in [-2, 2]", getattr(self, name))
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise bad("repetition_penalty", "> 0", self.repetition_penalty)
+        if self.logit_bias is not None and not all(
+                isinstance(t, int) and not _is_bool(t) and _is_number(b) and -100 <= b <= 100
+                for t, b in self.logit_bias.items()):
+            raise bad("logit_bias", "a map of token id -> bias in [-100, 100]", self.logit_bias)
         if _is_bool(self.min_tokens) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", ">= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -170,6 +170,12 @@ BAD_INPUTS = [  # (body or raw bytes, path, status, param)
     ({"model": MODEL, "prompt": "hi " * 1500}, "/v1/completions", 400, "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 5000}, "/v1/completions", 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "echo": True}, "/v1/completions", 400, "echo"),
+    ({"model": MODEL, "prompt": "hi", "presence_penalty": 5}, "/v1/completions", 400,
+     "presence_penalty"),
+    ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "/v1/completions", 400,
+     "repetition_penalty"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, "/v1/completions", 400,
+     "logit_bias"),
     ({"model": "gpt-4", "prompt": "hi"}, "/v1/completions", 404, "model"),
     ({"model": MODEL, "messages": []}, "/v1/chat/completions", 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
@@ -299,3 +305,30 @@ def test_n_choices_and_lists_of_prompts(cluster, client, offline) -> None:
     assert usage.completion_tokens == 20
     assert usage.prompt_tokens == sum(len(tok.encode(p)) for p in PROMPTS[:2])
     wait_idle(cluster.url)
+
+
+def test_penalties_and_logit_bias_match_the_engine(cluster, client, offline) -> None:
+    """Through P/D (P samples the first token, D the rest) the output equals one engine's."""
+    tok = offline.engine.tokenizer
+    ids = tok.encode(PROMPTS[2])
+    for kw in ({"presence_penalty": 1.5, "frequency_penalty": 0.7},
+               {"repetition_penalty": 1.8}, {"logit_bias": {"42": 100.0}}):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16,
+                                      temperature=0, extra_body={"ignore_eos": True,
+                                                                 "return_token_ids": True,
+                                                                 **({k: v for k, v in kw.items()
+                                                                     if k == "repetition_penalty"})},
+                                      **{k: v for k, v in kw.items()
+                                         if k != "repetition_penalty"})
+        engine_kw = {k: ({int(t): b for t, b in v.items()} if k == "logit_bias" else v)
+                     for k, v in kw.items()}
+        want = offline.generate([ids], SamplingParams(temperature=0, max_tokens=16,
+                                                      ignore_eos=True, **engine_kw))[0]
+        got = r.choices[0].token_ids  # type: ignore[attr-defined]
+        assert got == list(want.outputs[0].token_ids), kw
+        if "logit_bias" in kw:
+            assert got == [42] * 16
+    plain = reference(offline, ids, 16, ignore_eos=True)[1]
+    assert plain != [42] * 16
+    wait_idle(cluster.url)
+

@@ -10,6 +10,7 @@ from pd_cluster.attention import AttentionMetadata, create_backend
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.cache_engine import (KVCacheSpec, allocate_kv_caches,
                                             determine_num_blocks)
+from pd_cluster.engine.penalties import apply_penalties
 from pd_cluster.engine.sampler import Sampler, apply_min_tokens_mask
 from pd_cluster.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pd_cluster.models.llama import ForwardContext
@@ -121,6 +122,7 @@ class ModelRunner:
         if any(r.sampling_params.min_tokens for r in reqs):
             logits = apply_min_tokens_mask(logits, [r.sampling_params for r in reqs],
                                            [r.num_output_tokens for r in reqs], reqs[0].eos_token_id)
+        logits = apply_penalties(logits, reqs)
         sampled = self.sampler.sample(logits, [r.sampling_params for r in reqs],
                                       [r.generator_for_next_token(logits.device) for r in reqs])
         for req, token, logprobs in zip(reqs, sampled.token_ids, sampled.logprobs):

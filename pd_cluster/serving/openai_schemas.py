@@ -47,6 +47,7 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions
+    repetition_penalty: float = 1.0
     top_k: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -57,14 +58,15 @@ class _SamplingFields(BaseModel):
 
     def unsupported(self) -> dict[str, Any]:
         """Params whose value asks for a feature we do not have (name -> value)."""
-        out: dict[str, Any] = {}
-        if self.presence_penalty:
-            out["presence_penalty"] = self.presence_penalty
-        if self.frequency_penalty:
-            out["frequency_penalty"] = self.frequency_penalty
-        if self.logit_bias:
-            out["logit_bias"] = self.logit_bias
-        return out
+        return {}
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise invalid_request("logit_bias: keys must be token ids", "logit_bias") from None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         for name, value in self.unsupported().items():
@@ -75,7 +77,9 @@ class _SamplingFields(BaseModel):
             max_tokens=max_tokens, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias())
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
