@@ -14,6 +14,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float] | None] | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[dict[int, float] | None] | None = None  # when logprobs were asked
 
 
 @dataclass

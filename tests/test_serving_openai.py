@@ -332,3 +332,35 @@ def test_penalties_and_logit_bias_match_the_engine(cluster, client, offline) -> 
     assert plain != [42] * 16
     wait_idle(cluster.url)
 
+
+
+def test_logprobs_completions_and_chat(cluster, client, offline) -> None:
+    """Token logprobs through P/D (the first token's from P, the rest from D) equal one
+    engine's, in the completions and the chat shapes, streamed or not."""
+    tok = offline.engine.tokenizer
+    ids = tok.encode(PROMPTS[3])
+    want = offline.generate([ids], SamplingParams(temperature=0, max_tokens=6, logprobs=3,
+                                                  ignore_eos=True))[0].outputs[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=6, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t]) for t in want.token_ids]
+    for got, ref, top, t in zip(lp.token_logprobs, want.logprobs, lp.top_logprobs,
+                                want.token_ids):
+        assert abs(got - ref[t]) < 1e-4 and len(top) >= 3
+    assert lp.text_offset[0] == 0
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=6,
+                                         temperature=0, logprobs=3, stream=True,
+                                         extra_body={"ignore_eos": True})
+    chunks = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [x for c in chunks for x in c.token_logprobs] == pytest.approx(lp.token_logprobs,
+                                                                          abs=1e-6)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                  "content": "Hello"}],
+                                          max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    wait_idle(cluster.url)

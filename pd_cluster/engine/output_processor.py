@@ -106,7 +106,10 @@ class OutputProcessor:
             finish_reason=request.finish_reason if finished else None,
             stop_reason=request.stop_reason if finished else None,
             logprobs=list(request.output_logprobs) if params.logprobs is not None else None,
-            delta_text=delta_text, delta_token_ids=list(delta_tokens))
+            delta_text=delta_text, delta_token_ids=list(delta_tokens),
+            delta_logprobs=(request.output_logprobs[len(request.output_logprobs)
+                                                    - len(delta_tokens):]
+                            if params.logprobs is not None else None))
         metrics = {"arrival_time": request.arrival_time}
         if state.first_token_time is not None:
             metrics["first_token_time"] = state.first_token_time

@@ -93,7 +93,8 @@ class Dispatcher:
                                 resume_text_len=len(sent.text))
         sent.first_from_prefill = False
         leg = Leg(engine, request, len(job.prompt_token_ids) + (job.params.max_tokens or 1),
-                   final=True, token_ids=list(sent.token_ids), text=sent.text)
+                  final=True, token_ids=list(sent.token_ids), text=sent.text,
+                  logprobs=list(sent.logprobs))
         return [leg]
 
     # ---- plan: which engines, with which instructions -------------------------------------
@@ -208,11 +209,15 @@ class Dispatcher:
             new_text = leg.text[len(sent.text):end]
         if not new_tokens and not new_text and not done:
             return None
+        new_logprobs = None
+        if job.params.logprobs is not None:  # leg.logprobs runs parallel to leg.token_ids
+            new_logprobs = leg.logprobs[len(sent.token_ids):len(leg.token_ids)]
+            sent.logprobs.extend(new_logprobs)
         sent.token_ids.extend(new_tokens)
         sent.text += new_text
         reason = (last.finish_reason or "stop") if done else None
         return StreamEvent(new_text, new_tokens, reason, last.num_prompt_tokens,
-                           last.num_cached_tokens)
+                           last.num_cached_tokens, new_logprobs)
 
     def _raise_for(self, leg: Leg, d: EngineDelta, sent: Sent) -> None:
         if d.error_type == ERROR_INVALID_REQUEST:  # the request's fault: engine stays healthy

@@ -171,7 +171,7 @@ class EngineLoop:
             deltas.append(EngineDelta(
                 rid, seq, comp.delta_token_ids, comp.delta_text, out.finished,
                 comp.finish_reason, comp.stop_reason, len(out.prompt_token_ids),
-                out.num_cached_tokens, now))
+                out.num_cached_tokens, now, logprobs=comp.delta_logprobs))
         self._emit(deltas)
 
     def _refresh_snapshot(self) -> None:

@@ -28,6 +28,7 @@ class StreamEvent:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: list[dict[int, float] | None] | None = None  # per new token, when asked for
 
 
 class EngineFailed(Exception):
@@ -46,6 +47,7 @@ class Leg:
     # What this engine produced so far, assembled from its deltas (appended, never re-sent).
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)  # if asked for
     next_seq: int = 0
 
     def apply(self, delta: EngineDelta) -> None:
@@ -57,6 +59,8 @@ class Leg:
         self.next_seq += 1
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
+        if delta.logprobs is not None:
+            self.logprobs.extend(delta.logprobs)
         self.finished = delta.finished
 
 
@@ -65,6 +69,7 @@ class Sent:
     """What the client has been sent so far (across retries nothing is sent twice)."""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)  # if asked for
     first_from_prefill: bool = False  # the first token came from P: check D agrees
 
     @property

@@ -74,6 +74,9 @@ class EngineDelta(Msg, array_like=True):
     emit_time: float = 0.0  # wall clock when the engine produced it (proxy overhead metric)
     error: str | None = None
     error_type: str | None = None
+    # Per new token, {token id: logprob} (top-k plus the sampled one), when asked for; None
+    # for a token this engine did not sample (a decode engine's first token came from P).
+    logprobs: list[dict[int, float] | None] | None = None
 
 
 class EngineInfo(Msg, frozen=True):

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pd_cluster.serving.logprobs_format import TokenText, chat_logprobs, completion_logprobs
 from pd_cluster.serving.openai_schemas import (ChatChoice, ChatCompletionResponse,
                                                ChatMessageOut, CompletionChoice,
                                                CompletionResponse, PromptTokensDetails,
@@ -42,6 +43,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)  # if asked for
 
 
 def usage(results: list[Result]) -> Usage:
@@ -57,16 +59,22 @@ def usage(results: list[Result]) -> Usage:
 class Formatter:
     """One request's bodies. Subclasses: text completions and chat completions."""
 
-    def __init__(self, request_id: str, model: str, return_token_ids: bool):
+    def __init__(self, request_id: str, model: str, return_token_ids: bool,
+                 logprobs: int | None = None, token_text: TokenText | None = None):
         self.id, self.model, self.return_token_ids = request_id, model, return_token_ids
         self.created = int(time.time())
+        self.logprobs, self.token_text = logprobs, token_text  # top-k asked for, or None
+        self._offsets: dict[int, int] = {}  # choice -> text offset of its next token
 
     def opening_chunks(self, num_choices: int = 1) -> list[dict[str, Any]]:
         return []
 
     def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
-              index: int = 0) -> dict[str, Any] | None:
+              index: int = 0, logprobs: Any = None) -> dict[str, Any] | None:
         raise NotImplementedError
+
+    def _logprobs(self, token_ids: list[int], logprobs: Any, index: int) -> Any:
+        return None
 
     def usage_chunk(self, results: list[Result]) -> dict[str, Any]:
         return {"id": self.id, "object": self.chunk_object, "created": self.created,
@@ -82,10 +90,11 @@ class CompletionFormatter(Formatter):
     chunk_object = "text_completion"
 
     def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
-              index: int = 0) -> dict[str, Any] | None:
-        if not text and finish_reason is None and not self.return_token_ids:
+              index: int = 0, logprobs: Any = None) -> dict[str, Any] | None:
+        if not text and finish_reason is None and not self.return_token_ids and not token_ids:
             return None
-        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
+        choice: dict[str, Any] = {"index": index, "text": text,
+                                  "logprobs": self._logprobs(token_ids, logprobs, index),
                                   "finish_reason": finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = token_ids
@@ -98,16 +107,27 @@ class CompletionFormatter(Formatter):
             id=self.id, created=self.created, model=self.model, usage=usage(results),
             prompt_token_ids=results[0].prompt_token_ids if ids else None,
             choices=[CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
+                                      logprobs=self._logprobs(r.token_ids, r.logprobs, i),
                                       token_ids=r.token_ids if ids else None)
                      for i, r in enumerate(results)]))
+
+    def _logprobs(self, token_ids: list[int], logprobs: Any, index: int) -> Any:
+        if self.logprobs is None or self.token_text is None or logprobs is None:
+            return None
+        out = completion_logprobs(token_ids, logprobs, self.token_text,
+                                  self._offsets.get(index, 0))
+        self._offsets[index] = self._offsets.get(index, 0) + sum(map(len, out["tokens"]))
+        return out
 
 
 class ChatFormatter(Formatter):
     chunk_object = "chat.completion.chunk"
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None,
-               token_ids: list[int] | None = None, index: int = 0) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
+               token_ids: list[int] | None = None, index: int = 0,
+               logprobs: Any = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "delta": delta,
+                                  "logprobs": self._logprobs(token_ids or [], logprobs, index),
                                   "finish_reason": finish_reason}
         if self.return_token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
@@ -119,10 +139,16 @@ class ChatFormatter(Formatter):
                 for i in range(num_choices)]
 
     def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
-              index: int = 0) -> dict[str, Any] | None:
-        if not text and finish_reason is None and not self.return_token_ids:
+              index: int = 0, logprobs: Any = None) -> dict[str, Any] | None:
+        if not text and finish_reason is None and not self.return_token_ids and not token_ids:
             return None
-        return self._chunk({"content": text} if text else {}, finish_reason, token_ids, index)
+        return self._chunk({"content": text} if text else {}, finish_reason, token_ids, index,
+                           logprobs)
+
+    def _logprobs(self, token_ids: list[int], logprobs: Any, index: int) -> Any:
+        if self.logprobs is None or self.token_text is None or logprobs is None:
+            return None
+        return chat_logprobs(token_ids, logprobs, self.token_text, self.logprobs)
 
     def full(self, results: list[Result]) -> dict[str, Any]:
         ids = self.return_token_ids
@@ -131,5 +157,6 @@ class ChatFormatter(Formatter):
             prompt_token_ids=results[0].prompt_token_ids if ids else None,
             choices=[ChatChoice(index=i, message=ChatMessageOut(content=r.text),
                                 finish_reason=r.finish_reason,
+                                logprobs=self._logprobs(r.token_ids, r.logprobs, i),
                                 token_ids=r.token_ids if ids else None)
                      for i, r in enumerate(results)]))

@@ -68,6 +68,10 @@ class _SamplingFields(BaseModel):
         except ValueError:
             raise invalid_request("logit_bias: keys must be token ids", "logit_bias") from None
 
+    def logprobs_k(self) -> int | None:
+        """Top-k logprobs asked for (0: the sampled token's only), or None."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         for name, value in self.unsupported().items():
             raise invalid_request(f"{name}={value!r} is not supported by this server", name)
@@ -79,7 +83,8 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias())
+            repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias(),
+            logprobs=self.logprobs_k())
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
@@ -97,9 +102,12 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
     def unsupported(self) -> dict[str, Any]:
         out = super().unsupported()
-        for name, default in (("echo", False), ("logprobs", None), ("suffix", None)):
+        for name, default in (("echo", False), ("suffix", None)):
             if getattr(self, name) != default:
                 out[name] = getattr(self, name)
         if self.best_of not in (None, 1):
@@ -134,11 +142,14 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
+    def logprobs_k(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid_request("top_logprobs: needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> dict[str, Any]:
         out = super().unsupported()
-        if self.logprobs:
-            out["logprobs"] = True
-        for name in ("top_logprobs", "tools", "tool_choice"):
+        for name in ("tools", "tool_choice"):
             if getattr(self, name) not in (None, [], "none"):
                 out[name] = getattr(self, name)
         if self.response_format not in (None, {"type": "text"}):

@@ -62,6 +62,9 @@ class ProxyState:
         self.node_ip = _node_ip()
 
     # ---- prompt handling -----------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         """Token ids of each prompt: a text or token-id prompt, or a list of either."""
         prompt = req.prompt
@@ -121,6 +124,8 @@ async def _collect(events: AsyncIterator[tuple[int, StreamEvent]], results: list
         r.token_ids.extend(ev.token_ids)
         r.finish_reason = ev.finish_reason or r.finish_reason
         r.num_cached_tokens = ev.num_cached_tokens or r.num_cached_tokens
+        if ev.logprobs is not None:
+            r.logprobs.extend(ev.logprobs)
 
 
 async def _sse(first: tuple[int, StreamEvent] | None,
@@ -140,7 +145,7 @@ async def _sse(first: tuple[int, StreamEvent] | None,
                 r.token_ids.extend(ev.token_ids)
                 r.finish_reason = ev.finish_reason
                 r.num_cached_tokens = ev.num_cached_tokens or r.num_cached_tokens
-                chunk = fmt.chunk(ev.text, ev.token_ids, ev.finish_reason, index)
+                chunk = fmt.chunk(ev.text, ev.token_ids, ev.finish_reason, index, ev.logprobs)
                 if chunk is not None:
                     if continuous_usage:
                         chunk["usage"] = usage(results).model_dump()
@@ -179,7 +184,8 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
         per_prompt.append((ids, params))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     fmt_cls = ChatFormatter if chat else CompletionFormatter
-    fmt = fmt_cls(rid, state.cfg.model_name, req.return_token_ids)
+    fmt = fmt_cls(rid, state.cfg.model_name, req.return_token_ids, per_prompt[0][1].logprobs,
+                  state.token_text)
     tracker = RequestTracker(state, rid, sum(len(ids) for ids in prompts))
     request.state.tracked = True
     jobs = choice_jobs(rid, per_prompt, req.n, tracker.start + state.cfg.proxy.request_timeout)
