@@ -164,7 +164,7 @@ def test_prefill_killed_mid_run_loses_nothing(cluster, offline) -> None:
     wait_until(lambda: all(e["healthy"] and e["kv_peers"] == 2 for e in
                            cluster_status(cluster.url)["engines"] if e["role"] == "prefill"),
                120, "both prefill engines healthy and linked", interval=0.5)
-    work = [([4 + (i * 13 + j * 7) % 490 for j in range(300 + 10 * i)], 16) for i in range(24)]
+    work = [([4 + (i * 13 + j * 7) % 490 for j in range(120 + 5 * i)], 16) for i in range(24)]
     expected = references(offline, work)
     pid = next(e["pid"] for e in cluster_status(cluster.url)["engines"]
                if e["name"] == "prefill-0")

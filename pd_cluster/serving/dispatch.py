@@ -42,9 +42,14 @@ class Dispatcher:
         excluded: set[str] = set()
         retries = migrations = 0
         while True:
+            # Each attempt has its own engine-side id (the proxy's id, suffixed after the
+            # first): the abort of a failed attempt may still be on its way to an engine that
+            # the next attempt uses, and must not hit the new one.
+            attempt = retries + migrations
+            rid = job.request_id if not attempt else f"{job.request_id}.{attempt}"
             try:
-                legs = self._resume(job, excluded, sent) if sent.any else \
-                    self._plan(job, excluded)
+                legs = self._resume(job, excluded, sent, rid) if sent.any else \
+                    self._plan(job, excluded, rid)
             except NoHealthyEngine as e:
                 if sent.any:
                     raise internal_error(f"cannot resume the request: {e}", status=503) from None
@@ -74,7 +79,7 @@ class Dispatcher:
                 self.metrics.retries.inc()
                 logger.warning("%s: retrying on another engine after: %s", job.request_id, e)
 
-    def _resume(self, job: GenerateJob, excluded: set[str], sent: Sent) -> list[Leg]:
+    def _resume(self, job: GenerateJob, excluded: set[str], sent: Sent, rid: str) -> list[Leg]:
         """One engine continues the request from what the client already has."""
         if len(sent.token_ids) >= (job.params.max_tokens or 0):
             return []
@@ -87,7 +92,7 @@ class Dispatcher:
                 break
         if engine is None:
             raise NoHealthyEngine("no healthy engine left to resume on")
-        request = EngineRequest(job.request_id, job.prompt_token_ids, job.params,
+        request = EngineRequest(rid, job.prompt_token_ids, job.params,
                                 timeout=max(1.0, job.deadline - time.monotonic()),
                                 resume_token_ids=list(sent.token_ids),
                                 resume_text_len=len(sent.text))
@@ -98,10 +103,10 @@ class Dispatcher:
         return [leg]
 
     # ---- plan: which engines, with which instructions -------------------------------------
-    def _plan(self, job: GenerateJob, excluded: set[str]) -> list[Leg]:
+    def _plan(self, job: GenerateJob, excluded: set[str], rid: str) -> list[Leg]:
         n_prompt = len(job.prompt_token_ids)
         max_tokens = job.params.max_tokens or 1
-        base = dict(request_id=job.request_id, prompt_token_ids=job.prompt_token_ids,
+        base = dict(request_id=rid, prompt_token_ids=job.prompt_token_ids,
                     timeout=max(1.0, job.deadline - time.monotonic()))
 
         def whole(e: EngineState) -> list[Leg]:  # one engine computes the whole answer
@@ -173,7 +178,7 @@ class Dispatcher:
                 self.pool.release(leg.engine, leg.work)
                 if not leg.finished:  # abort on every engine still holding the request
                     asyncio.ensure_future(_quietly(leg.engine.handle.abort.remote(
-                        [job.request_id])))
+                        [leg.request.request_id])))
 
     def _advance(self, leg: Leg, last: EngineDelta, job: GenerateJob, sent: Sent
                  ) -> StreamEvent | None:
