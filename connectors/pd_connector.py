@@ -223,16 +223,14 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             return
         header = FinHeader(fin.request_id, fin.first_token if ok else None, fin.num_prompt_tokens,
                            self.config.lease_seconds)
+        if ok:  # held before the FIN leaves: the answer can come back before send returns
+            self.leases.hold(fin.request_id)
         try:
             self.pipe.send_tensor(fin.peer, encode_header(header), None)
         except PipeError as e:
             logger.error("FIN for %s failed: %s", fin.request_id, e)
             ok = False
-        # A failed transfer's FIN (first_token None) makes the consumer recompute at once;
-        # nothing of ours is read any more, so the blocks go now.
-        if ok:
-            self.leases.hold(fin.request_id)
-        else:
+        if not ok:  # a failed transfer's FIN makes the consumer recompute: nothing reads ours
             self.leases.drop(fin.request_id)
 
     def get_finished(self) -> tuple[set[str], dict[str, int | None]]:

@@ -1,6 +1,7 @@
 """P/D connector with producer and consumer engines in one process (fast, deterministic)."""
 from __future__ import annotations
 
+import threading
 import time
 
 import msgpack
@@ -160,6 +161,48 @@ def test_consumer_abort_releases_producer_blocks_at_once(model):
         assert time.monotonic() - start < 10, "producer kept its blocks after the consumer abort"
         p.step(), d.step()
     assert p.stats()["kv_send_timeouts"] == 0  # freed by the consumer's NACK, not the timeout
+    p.check_no_leaks(), d.check_no_leaks()
+    p.close(), d.close()
+
+
+@pytest.mark.parametrize("consumer_aborted", [False, True])
+def test_answer_to_fin_before_its_send_returns_still_frees_at_once(model, consumer_aborted):
+    """The consumer's ACK (or NACK after its abort) can be handled by the producer's receiver
+    thread before send_tensor(FIN) has returned; the producer must still free its blocks at once.
+    The producer's pipe is wrapped to force that interleaving."""
+    d = engine(model, "consumer", block_size=8)
+    p = engine(model, "producer", timeout=30, block_size=8)
+    pipe = p.runner.connector.pipe
+    send, recv = pipe.send_tensor, pipe.recv_tensor
+    reading, answered = threading.Event(), threading.Event()
+    last_kind: list[str | None] = [None]
+
+    def recv_noting_answers(timeout):
+        if last_kind[0] == "ack":  # the receiver thread is back for more: the answer is handled
+            answered.set()
+        reading.set()
+        msg = recv(timeout=timeout)
+        last_kind[0] = None if msg is None else msg[1].get("kind")
+        return msg
+
+    def send_fin_then_wait_for_answer(peer, header, tensor):
+        future = send(peer, header, tensor)
+        if header.get("kind") == "fin":
+            assert answered.wait(10), "the consumer never answered the FIN"
+        return future
+
+    pipe.recv_tensor, pipe.send_tensor = recv_noting_answers, send_fin_then_wait_for_answer
+    assert reading.wait(5)  # a receive begun before the wrapping could return the answer unseen
+    submit_pair(p, d, "quick", prompts_of_lengths([40])[0], GREEDY, d.kv_endpoint())
+    d.step()  # registered, waiting for KV
+    if consumer_aborted:  # cancelled before any KV arrived: the FIN's NACK is the only answer
+        d.abort_request(["quick"])
+        d.step()
+    start = time.monotonic()
+    while p.has_unfinished_requests() or d.has_unfinished_requests():
+        assert time.monotonic() - start < 10, "producer kept its blocks after the answer"
+        p.step(), d.step()
+    assert answered.is_set() and p.stats()["kv_send_timeouts"] == 0
     p.check_no_leaks(), d.check_no_leaks()
     p.close(), d.close()
 
