@@ -1,15 +1,16 @@
 """Transport-independent wire format: a msgpack envelope and raw tensor bytes.
 
-Envelope (frame 0): {"v": 1, "k": kind, "h": header, "t": [dtype, shape] | None}. The user's
-header travels untouched under "h", so no header key is reserved. Never pickle: a peer's bytes
-are only ever parsed as msgpack and validated before use.
+Envelope (frame 0): {"v": 1, "k": kind, "h": header, "t": [dtype, shape] | None}, a msgspec
+Struct like every message of the project (one serializer; typed decode rejects anything
+else). The user's header travels untouched under "h", so no header key is reserved. Never
+pickle: a peer's bytes are only ever parsed as msgpack and validated before use.
 """
 from __future__ import annotations
 
 import math
 from typing import Any, Optional, Sequence
 
-import msgpack
+import msgspec
 import torch
 
 VERSION = 1
@@ -56,9 +57,20 @@ def parse_meta(meta: Any) -> tuple[torch.dtype, list[int], int]:
     return dtype, shape, math.prod(shape) * _ITEMSIZE[dtype]
 
 
+class Envelope(msgspec.Struct):
+    v: int
+    k: str
+    h: dict[Any, Any]
+    t: Optional[list[Any]] = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Envelope)
+
+
 def pack(kind: str, header: dict, meta: Optional[list] = None) -> bytes:
     """Raises TypeError for a header msgpack cannot carry (at the caller, not in a thread)."""
-    return msgpack.packb({"v": VERSION, "k": kind, "h": header, "t": meta}, use_bin_type=True)
+    return _encoder.encode(Envelope(VERSION, kind, header, meta))
 
 
 def unpack(data: bytes) -> tuple[str, dict, Any]:
@@ -66,13 +78,12 @@ def unpack(data: bytes) -> tuple[str, dict, Any]:
     if len(data) > MAX_HEADER_BYTES:
         raise Malformed(f"header frame of {len(data)} bytes is too large")
     try:
-        env = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as e:
-        raise Malformed(f"header is not msgpack: {e}") from None
-    if not (isinstance(env, dict) and env.get("v") == VERSION and env.get("k") in KINDS
-            and isinstance(env.get("h"), dict)):
-        raise Malformed(f"not a pipe envelope: {env!r:.200}")
-    return env["k"], env["h"], env.get("t")
+        env = _decoder.decode(data)
+    except msgspec.MsgspecError as e:
+        raise Malformed(f"not a pipe envelope: {e}") from None
+    if env.v != VERSION or env.k not in KINDS:
+        raise Malformed(f"not a pipe envelope: version {env.v!r:.20}, kind {env.k!r:.20}")
+    return env.k, env.h, env.t
 
 
 def cpu_payload(tensor: torch.Tensor, max_frame_bytes: int) -> tuple[torch.Tensor, list, list]:
