@@ -4,6 +4,8 @@ Frame 0 is the msgpack envelope (connectors.pipes.wire), frames 1.. the tensor's
 chunks of at most max_frame_bytes. One I/O thread owns every socket (zmq sockets are not thread
 safe); callers enqueue commands and wake it through an os.pipe. A send's future resolves only
 when zmq has released *every* payload frame (a tracker covers one frame: vLLM #24655).
+This file holds the public API and the I/O loop; the sockets' peer side (bind, connect,
+handshake, checking what arrives) is in zmq_peers.py.
 """
 from __future__ import annotations
 
@@ -11,13 +13,11 @@ import logging
 import os
 import queue
 import socket as pysocket
-import tempfile
 import threading
 import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import msgpack
@@ -25,45 +25,17 @@ import torch
 import zmq
 
 from connectors.pipes import wire
-from connectors.pipes.addressing import route_address
 from connectors.pipes.base import (HandshakeError, KVPipe, Message, PipeClosed, PipeConfig,
                                    PipeError, PipeTimeout, register_pipe)
 from connectors.pipes.sync import InflightGate, RecvQueue, ReleaseReaper, settle
+from connectors.pipes.zmq_peers import Outgoing as _Out
+from connectors.pipes.zmq_peers import ZmqPeers, identity as _identity
 
 log = logging.getLogger(__name__)
-_READ_BURST = 64   # messages read per socket per loop turn, so one peer cannot starve the rest
-
-
-@dataclass(eq=False)
-class _Out:
-    peer: str
-    head: bytes
-    payload: list                  # memoryview chunks of `keep`
-    future: Optional[Future]       # None for internal control messages (hello/ack)
-    charge: int = 0                # bytes counted against the in-flight cap
-    keep: Any = None               # owns the payload memory until zmq releases it
-    tracker: Any = None            # one MessageTracker over all payload frames, once sent
-    started: bool = False
-    queued: float = field(default_factory=time.monotonic)  # for the send_timeout bound
-
-
-def _peer_name(ident: bytes) -> str:
-    """ROUTER identity -> peer name; reversible (raw zmq peers get random binary identities)."""
-    try:
-        name = ident.decode()
-        if not name.startswith("hex:"):
-            return name
-    except UnicodeDecodeError:
-        pass
-    return "hex:" + ident.hex()
-
-
-def _identity(peer: str) -> bytes:
-    return bytes.fromhex(peer[4:]) if peer.startswith("hex:") else peer.encode()
 
 
 @register_pipe("zmq")
-class ZmqPipe(KVPipe):
+class ZmqPipe(ZmqPeers, KVPipe):
     def __init__(self, config: PipeConfig) -> None:
         super().__init__(config)
         self._ctx = zmq.Context(io_threads=int(config.extra.get("io_threads", 1)))
@@ -210,53 +182,6 @@ class ZmqPipe(KVPipe):
         self._outq[s] = deque()
         return s
 
-    def _bind(self) -> str:
-        if self._router is not None:
-            return self._addr
-        s = self._new_socket(zmq.ROUTER)
-        s.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a reply to an unknown peer fails, not vanishes
-        c = self.config
-        if c.transport == "tcp":
-            host = c.bind_host()
-            if ":" in host:
-                s.setsockopt(zmq.IPV6, 1)
-            url_host = f"[{host}]" if ":" in host else host
-            if c.port_range and not c.port:
-                lo, hi = c.port_range
-                port = s.bind_to_random_port(f"tcp://{url_host}", lo, hi + 1,
-                                             max_tries=4 * (hi - lo + 1))
-            else:
-                s.bind(f"tcp://{url_host}:{c.port or '*'}")
-                port = int(s.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-            if host in ("0.0.0.0", "::"):  # every interface: advertise the routable one
-                host = route_address()
-            addr = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-        else:
-            self._ipc_path = os.path.join(c.ipc_dir or tempfile.gettempdir(),
-                                          f"pd-pipe-{os.getpid()}-{uuid.uuid4().hex[:12]}.sock")
-            addr = f"ipc://{self._ipc_path}"
-            s.bind(addr)
-        self._router, self._addr = s, addr
-        return addr
-
-    def _open_dealer(self, peer: str, ident: bytes, hs: Future, hello: _Out) -> None:
-        self._close_dealer(peer, PipeError("reconnected"))
-        s = self._new_socket(zmq.DEALER)
-        s.setsockopt(zmq.ROUTING_ID, ident)
-        s.connect(peer)
-        self._dealers[peer], self._sock_peer[s] = s, peer
-        self._pending_hs[peer] = hs
-        self._outq[s].append(hello)
-
-    def _close_dealer(self, peer: str, exc: BaseException) -> None:
-        s = self._dealers.pop(peer, None)
-        if s is not None:
-            del self._sock_peer[s]
-            for out in self._outq.pop(s):
-                self._finish(out, exc)
-            settle(self._pending_hs.pop(peer, None), exc)
-            s.close(linger=0)
-
     def _io_loop(self) -> None:
         poller, polled = zmq.Poller(), set()
         poller.register(self._wake_r, zmq.POLLIN)
@@ -361,63 +286,3 @@ class ZmqPipe(KVPipe):
                 self._reaper.add(out)
             else:
                 self._finish(out, None)
-
-    def _read(self, s: zmq.Socket) -> None:
-        for _ in range(_READ_BURST):
-            if self._rq.full:
-                return
-            try:
-                frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            ident = None
-            if s is self._router:
-                ident, frames = frames[0].bytes, frames[1:]
-                peer = _peer_name(ident)
-            else:
-                peer = self._sock_peer[s]
-            try:
-                self._handle(ident, peer, frames)
-            except Exception as e:   # whatever a peer sends, the I/O thread keeps serving
-                self._n["dropped"] += 1
-                log.warning("zmq pipe: dropped a message from %r: %s", peer, e,
-                            exc_info=not isinstance(e, wire.Malformed))
-
-    def _handle(self, ident: Optional[bytes], peer: str, frames: list) -> None:
-        if not frames:
-            raise wire.Malformed("empty message")
-        kind, body, meta = wire.unpack(frames[0].bytes)
-        if kind == "hello" and ident is not None:
-            return self._on_hello(ident, peer, body)
-        if kind == "ack" and ident is None:
-            hs = self._pending_hs.pop(peer, None)
-            if hs is not None and not hs.done():   # a late ack after a timeout is ignored
-                hs.set_result(body)
-            return None
-        if kind != "d":
-            raise wire.Malformed(f"unexpected {kind!r} message")
-        if ident is not None and ident not in self._accepted:
-            raise wire.Malformed("data before a successful handshake")
-        tensor = wire.tensor_from_buffers(meta, frames[1:])
-        self._rq.put((peer, body, tensor), len(frames[0]) + (tensor.nbytes if tensor is not None
-                                                            else 0))
-        self._n["received"] += 1
-        return None
-
-    def _on_hello(self, ident: bytes, peer: str, hello: dict) -> None:
-        err = None
-        try:
-            if self._validator is not None:
-                err = self._validator(hello)
-            if err is None and self._peer_hook is not None:
-                self._peer_hook(peer, hello)
-        except Exception as e:
-            err = f"handshake check raised {e!r}"
-        if err is None:
-            self._accepted[ident] = hello
-            reply = {"ok": True, "identity": peer, "info": self._info}
-        else:
-            self._accepted.pop(ident, None)
-            reply = {"ok": False, "error": str(err)}
-            log.warning("zmq pipe: rejected the handshake of %r: %s", peer, err)
-        self._outq[self._router].append(_Out(peer, wire.pack("ack", reply), [], None))
