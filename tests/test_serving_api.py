@@ -1,0 +1,151 @@
+"""The API surface real clients use, through a 1P1D cluster and the official openai client:
+unknown fields, continuous usage, /tokenize and friends, n>1 and prompt lists, penalties,
+logit_bias and logprobs."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from pd_cluster import SamplingParams
+from pd_cluster.serving.testing import wait_idle
+from tests.test_serving_openai import (MODEL, PROMPTS, client, cluster,  # noqa: F401 (fixtures)
+                                       offline, reference)
+
+
+def test_what_real_clients_send(cluster, client, offline) -> None:
+    """Unknown fields are ignored (vLLM's behaviour), continuous usage stats, cached tokens."""
+    url = cluster.url
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0,
+            "store": True, "metadata": {"run": "x"}, "service_tier": "auto",
+            "parallel_tool_calls": False}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 4 and "cached_tokens" in usage["prompt_tokens_details"]
+    stream = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True})
+    counts = [c.usage.completion_tokens for c in stream if c.choices and c.usage]
+    assert counts and counts == sorted(counts) and counts[-1] == 6
+    assert client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4,
+                                     temperature=0).choices[0].text == r.json()["choices"][0]["text"]
+    wait_idle(url)
+
+
+def test_tokenize_detokenize_version_and_openai_shaped_404_405(cluster) -> None:
+    url = cluster.url
+    with httpx.Client(base_url=url, timeout=30) as http:
+        tok = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+        assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 1024
+        text = http.post("/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}).json()
+        assert "Hello world" in text["prompt"]
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 200 and chat.json()["count"] > 1
+        assert http.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
+        assert http.get("/version").json()["version"]
+        for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+            r = http.request(method, path)
+            assert r.status_code == status
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+def test_n_choices_and_lists_of_prompts(cluster, client, offline) -> None:
+    """n>1 (greedy choices identical, seeded ones distinct and reproducible) and several
+    prompts in one completions request, each choice equal to its own request."""
+    tok = offline.engine.tokenizer
+    ref_text = reference(offline, tok.encode(PROMPTS[0]), 8)[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                  n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [ref_text] * 3
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == len(tok.encode(PROMPTS[0]))
+
+    def sampled() -> list[str]:
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12,
+                                        temperature=1.0, seed=42, n=3)
+        return [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+    first = sampled()
+    assert first == sampled() and len(set(first)) > 1
+
+    batch = client.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=6,
+                                      temperature=0)
+    assert [c.text for c in batch.choices] == [
+        reference(offline, tok.encode(p), 6)[0] for p in PROMPTS[:3]]
+
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=5,
+                                       temperature=0, n=2, stream=True,
+                                       stream_options={"include_usage": True})
+    texts: dict[int, str] = {}
+    finished, usage = set(), None
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finished.add(c.index)
+        usage = chunk.usage or usage
+    assert finished == {0, 1, 2, 3}
+    assert [texts[i] for i in range(4)] == [reference(offline, tok.encode(p), 5)[0]
+                                            for p in PROMPTS[:2] for _ in range(2)]
+    assert usage.completion_tokens == 20
+    assert usage.prompt_tokens == sum(len(tok.encode(p)) for p in PROMPTS[:2])
+    wait_idle(cluster.url)
+
+
+def test_penalties_and_logit_bias_match_the_engine(cluster, client, offline) -> None:
+    """Through P/D (P samples the first token, D the rest) the output equals one engine's."""
+    tok = offline.engine.tokenizer
+    ids = tok.encode(PROMPTS[2])
+    for kw in ({"presence_penalty": 1.5, "frequency_penalty": 0.7},
+               {"repetition_penalty": 1.8}, {"logit_bias": {"42": 100.0}}):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16,
+                                      temperature=0, extra_body={"ignore_eos": True,
+                                                                 "return_token_ids": True,
+                                                                 **({k: v for k, v in kw.items()
+                                                                     if k == "repetition_penalty"})},
+                                      **{k: v for k, v in kw.items()
+                                         if k != "repetition_penalty"})
+        engine_kw = {k: ({int(t): b for t, b in v.items()} if k == "logit_bias" else v)
+                     for k, v in kw.items()}
+        want = offline.generate([ids], SamplingParams(temperature=0, max_tokens=16,
+                                                      ignore_eos=True, **engine_kw))[0]
+        got = r.choices[0].token_ids  # type: ignore[attr-defined]
+        assert got == list(want.outputs[0].token_ids), kw
+        if "logit_bias" in kw:
+            assert got == [42] * 16
+    plain = reference(offline, ids, 16, ignore_eos=True)[1]
+    assert plain != [42] * 16
+    wait_idle(cluster.url)
+
+
+
+def test_logprobs_completions_and_chat(cluster, client, offline) -> None:
+    """Token logprobs through P/D (the first token's from P, the rest from D) equal one
+    engine's, in the completions and the chat shapes, streamed or not."""
+    tok = offline.engine.tokenizer
+    ids = tok.encode(PROMPTS[3])
+    want = offline.generate([ids], SamplingParams(temperature=0, max_tokens=6, logprobs=3,
+                                                  ignore_eos=True))[0].outputs[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=6, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t]) for t in want.token_ids]
+    for got, ref, top, t in zip(lp.token_logprobs, want.logprobs, lp.top_logprobs,
+                                want.token_ids):
+        assert abs(got - ref[t]) < 1e-4 and len(top) >= 3
+    assert lp.text_offset[0] == 0
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=6,
+                                         temperature=0, logprobs=3, stream=True,
+                                         extra_body={"ignore_eos": True})
+    chunks = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [x for c in chunks for x in c.token_logprobs] == pytest.approx(lp.token_logprobs,
+                                                                          abs=1e-6)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                  "content": "Hello"}],
+                                          max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    wait_idle(cluster.url)
