@@ -23,9 +23,7 @@ _LAZY: dict[str, str] = {
     "reshape_and_cache": "kernels.reshape_and_cache",
     "reshape_and_cache_ref": "kernels.reshape_and_cache",
     "gather_kv_blocks": "kernels.block_copy",
-    "gather_kv_blocks_ref": "kernels.block_copy",
     "scatter_kv_blocks": "kernels.block_copy",
-    "scatter_kv_blocks_ref": "kernels.block_copy",
 }
 
 __all__ = sorted(_LAZY) + ["triton_available", "interpreting", "runs_triton"]

@@ -117,14 +117,3 @@ def scatter_kv_blocks_torch(buffer: torch.Tensor, kv_cache: torch.Tensor,
     ids = _as_ids(block_ids, kv_cache.device)
     for kv in range(2):
         kv_cache[kv].index_copy_(0, ids, buffer[kv].to(kv_cache.device, kv_cache.dtype))
-
-
-def gather_kv_blocks_ref(kv_cache: torch.Tensor, block_ids: BlockIds) -> torch.Tensor:
-    """Torch reference and CPU path: index_select on the block dimension."""
-    return kv_cache.index_select(1, _as_ids(block_ids, kv_cache.device))
-
-
-def scatter_kv_blocks_ref(buffer: torch.Tensor, kv_cache: torch.Tensor,
-                          block_ids: BlockIds) -> None:
-    """Torch reference and CPU path: index_copy_ on the block dimension."""
-    kv_cache.index_copy_(1, _as_ids(block_ids, kv_cache.device), buffer.to(kv_cache.dtype))

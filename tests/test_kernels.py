@@ -105,13 +105,13 @@ def check_block_copy(dtype, device, hkv=2, d=64, bs=16):
     src = _cache(10, bs, hkv, d, dtype, device)
     ids = torch.randperm(10)[:4].tolist()
     buf = bc.gather_kv_blocks(src, ids)
-    assert torch.equal(buf, bc.gather_kv_blocks_ref(src, ids))
+    assert torch.equal(buf, bc.gather_kv_blocks_torch(src, ids, out=torch.empty_like(buf)))
     assert buf.shape == (2, 4, bs, hkv, d)
     dst_ids = torch.randperm(7)[:4].to(device)  # a different, smaller cache
     got = torch.zeros(2, 7, bs, hkv, d, dtype=dtype, device=device)
     want = got.clone()
     bc.scatter_kv_blocks(buf, got, dst_ids)
-    bc.scatter_kv_blocks_ref(buf, want, dst_ids)
+    bc.scatter_kv_blocks_torch(buf, want, dst_ids)
     assert torch.equal(got, want)
     assert torch.equal(got[:, dst_ids.long()], src[:, ids])
 
