@@ -62,7 +62,10 @@ class PDConnectorWorker(KVConnectorBase_Worker):
         self._connecting: dict[str, threading.Lock] = {}
         self._peer_lock = threading.Lock()
         self._warned: set[str] = set()
-        self._step_futures: list[tuple[str, Future]] = []  # (request id, send)
+        self._step_futures: list[tuple[str, str, Future]] = []  # (request id, peer, send)
+        # Peers a send to failed: re-linked from scratch (a fresh connection, for NCCL a fresh
+        # communicator) once this step's FINs went out, by the cluster's peer linker.
+        self._broken: set[str] = set()
         self.leases = SendLeases(config.lease_seconds)
         self._next_renewal = 0.0
         self._renew_every = config.lease_seconds / 3  # shortened by a producer's shorter lease
@@ -132,6 +135,11 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             self._ack(self.receiver.cancel(rid))
         for fin in metadata.finishes:
             self._send_fin(fin)
+        for peer in self._broken:  # after the FINs: they tell the consumer to recompute
+            logger.warning("dropping the link to %s after a failed send; it is re-linked "
+                           "(a fresh connection / communicator) in the background", peer)
+            self.disconnect_peer(peer)
+        self._broken.clear()
 
     def clear_connector_metadata(self) -> None:
         self._meta = None
@@ -155,10 +163,11 @@ class PDConnectorWorker(KVConnectorBase_Worker):
                 except PipeError as e:
                     logger.error("send of %s layer %d failed: %s", spec.request_id, layer, e)
                     self._failed_sends.add(spec.request_id)
+                    self._broken.add(spec.peer)
                     break
                 if pooled:
                     self._buffers.release_when_done(payload, future)
-                self._step_futures.append((spec.request_id, future))
+                self._step_futures.append((spec.request_id, spec.peer, future))
                 self.leases.sending(spec.request_id)
                 self.bytes_sent += payload.nbytes
         if layer == len(self.kv_caches) - 1 and self.config.record_timings:
@@ -200,19 +209,20 @@ class PDConnectorWorker(KVConnectorBase_Worker):
         the timeout, fails its request: the FIN tells the consumer to recompute at once."""
         if not self._step_futures:
             return
-        done, pending = wait([f for _, f in self._step_futures],
+        done, pending = wait([f for _, _, f in self._step_futures],
                              timeout=self.config.kv_transfer_timeout)
-        failed = {rid for rid, f in self._step_futures
-                  if f in pending or f.cancelled() or f.exception() is not None}
+        bad = [(rid, peer) for rid, peer, f in self._step_futures
+               if f in pending or f.cancelled() or f.exception() is not None]
         if pending:
             self.num_send_timeouts += 1
             logger.error("%d KV sends still pending after %.1fs", len(pending),
                          self.config.kv_transfer_timeout)
-        elif failed:
-            logger.error("KV sends of %s failed: %s", sorted(failed), next(
-                f.exception() for _, f in self._step_futures if f in done and not f.cancelled()
-                and f.exception() is not None))
-        self._failed_sends.update(failed)
+        elif bad:
+            logger.error("KV sends of %s failed: %s", sorted({r for r, _ in bad}), next(
+                f.exception() for _, _, f in self._step_futures if f in done
+                and not f.cancelled() and f.exception() is not None))
+        self._failed_sends.update(rid for rid, _ in bad)
+        self._broken.update(peer for _, peer in bad)
         self._step_futures = []
 
     def _send_fin(self, fin: Any) -> None:

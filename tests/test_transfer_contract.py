@@ -116,3 +116,28 @@ def test_pipe_fails_a_send_no_peer_accepts_within_send_timeout():
         assert all(isinstance(f.exception(), PipeTimeout) for f in done)
     finally:
         prod.close()
+
+
+def test_a_peer_whose_send_failed_is_relinked_from_scratch():
+    """After a failed send (an NCCL communicator that timed out, a broken connection) the FIN
+    still tells the consumer to recompute; then the link is dropped, and a new handshake (a
+    fresh connection / communicator) makes the peer usable again."""
+    prod, cons, _ = _pair(consumer_timeout=30.0)
+    peer = cons.endpoint()
+    real = prod.pipe.send_tensor
+
+    def failing(p: str, header: dict, tensor: Any) -> Future:
+        if tensor is None:
+            return real(p, header, tensor)
+        f: Future = Future()
+        f.set_exception(PipeError("communicator aborted after a timeout"))
+        return f
+    prod.pipe.send_tensor = failing
+    cons.bind_connector_metadata(KVConnectorMetadata(recvs=[RecvSpec("r", (3, 4), 8)]))
+    _send(prod, peer, range(2))  # fails; the FIN (first token None) still goes out
+    assert _until(lambda: cons.get_finished()[1], 5.0, "consumer told") == {"r": None}
+    assert peer not in prod.peers()
+    prod.pipe.send_tensor = real
+    prod.connect_peer(peer)  # what the peer linker does next
+    assert peer in prod.peers()
+    prod.close(), cons.close()

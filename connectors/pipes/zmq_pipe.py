@@ -97,7 +97,8 @@ class ZmqPipe(ZmqPeers, KVPipe):
         return reply
 
     def disconnect(self, peer_addr: str) -> None:
-        self._run_in_io(lambda: self._close_dealer(peer_addr, PipeError("peer disconnected")))
+        self._run_in_io(lambda: self._close_dealer(peer_addr, PipeError("peer disconnected"),
+                                                   linger=self.config.linger))
 
     def send_tensor(self, peer: str, header: dict, tensor: Optional[torch.Tensor]) -> Future:
         if not isinstance(header, dict):
