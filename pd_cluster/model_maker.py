@@ -3,6 +3,9 @@
 The engine has no model hub to download from, so tests and benchmarks use models made here.
 The weights are random but shaped so that greedy decoding is a robust correctness oracle:
 logits are far from flat (clear top-1/top-2 gaps) and greedy continuations stay varied.
+The built-in default, preset ``tiny-llama``, is the exception: it is trained to write readable
+English by scripts/train_tiny_model.py (with this module's tokenizer pipeline, config and
+writer) and shipped in ``pd_cluster/assets/tiny-llama`` rather than generated.
 
 Tokenizer: byte-level BPE trained on ``_corpus.CORPUS``; ids 0..3 are ``<unk> <s> </s> <pad>``.
 ``encode``/``__call__`` add NO special tokens (no BOS/EOS) with or without add_special_tokens,
@@ -22,7 +25,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from ._corpus import CORPUS
 
@@ -51,13 +54,31 @@ LOGIT_STD = 6.0
 TIED_RESID_GAIN = 8.0
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-llama": {"arch": "llama"},
+    # The built-in default: trained (scripts/train_tiny_model.py) and shipped, not generated;
+    # these are its sizes (make-model --preset tiny-llama gives random weights of this shape).
+    "tiny-llama": {"arch": "llama", "vocab_size": 1024, "hidden_size": 128, "num_layers": 4,
+                   "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256},
+    "tiny-random-llama": {"arch": "llama"},
     "tiny-qwen2": {"arch": "qwen2"},
     "tiny-mistral": {"arch": "mistral"},
     # ~51M params; 12 layers (not 8) so per-layer KV streaming has realistic granularity.
     "bench-50m": {"arch": "llama", "vocab_size": 4096, "hidden_size": 512, "num_layers": 12,
                   "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 2048},
 }
+
+
+# Presets whose weights are trained by scripts/train_tiny_model.py and shipped in ASSETS/<name>.
+TRAINED_PRESETS = ("tiny-llama",)
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+def trained_model_path(name: str) -> Path:
+    """The shipped checkpoint dir of a trained preset (package data; read it, never write it)."""
+    path = ASSETS / name
+    if not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"the {name} checkpoint is missing from {path}: reinstall "
+                                f"pd-cluster or run scripts/train_tiny_model.py --out {path}")
+    return path
 
 
 def preset_names() -> list[str]:
@@ -89,8 +110,9 @@ def _validate(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num
         raise ValueError(f"rope_theta must be > 0, got {rope_theta!r}")
 
 
-def build_tokenizer(vocab_size: int) -> tuple[Any, int]:
-    """(PreTrainedTokenizerFast, number of trained non-padding tokens) for vocab_size."""
+def build_tokenizer(vocab_size: int, texts: Iterable[str] | None = None) -> tuple[Any, int]:
+    """(PreTrainedTokenizerFast, number of trained non-padding tokens) for vocab_size, trained
+    on ``texts`` (default: the built-in ``_corpus.CORPUS``)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -106,7 +128,8 @@ def build_tokenizer(vocab_size: int) -> tuple[Any, int]:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=0, show_progress=False,
                                   special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    tok.train_from_iterator(CORPUS.splitlines(keepends=True) if texts is None else texts,
+                            trainer=trainer)
     n = tok.get_vocab_size()
     if n < vocab_size:  # corpus exhausted its merges: fill with never-produced special tokens
         tok.add_special_tokens([AddedToken(f"<unused_{i}>", special=True) for i in range(vocab_size - n)])
@@ -155,9 +178,30 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, *
     _validate(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, head_dim,
               intermediate_size, max_position_embeddings, rope_theta)
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     tokenizer, n_real = build_tokenizer(vocab_size)
+    config = build_config(tokenizer, arch, vocab_size=vocab_size, hidden_size=hidden_size,
+                          num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, intermediate_size=intermediate_size,
+                          tie_word_embeddings=tie_word_embeddings,
+                          max_position_embeddings=max_position_embeddings, rope_theta=rope_theta)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    _init_weights(model, n_real, seed)
+    return save_checkpoint(model, tokenizer, out_dir,
+                           dict(generator_version=GENERATOR_VERSION, arch=arch, seed=seed,
+                                tokenizer_trained_vocab=n_real))
+
+
+def build_config(tokenizer: Any, arch: str = "llama", *, vocab_size: int, hidden_size: int,
+                 num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int | None = None,
+                 intermediate_size: int, tie_word_embeddings: bool = False,
+                 max_position_embeddings: int = 2048, rope_theta: float = 10000.0) -> Any:
+    """The HF config (fp32, no biases beyond the arch's own) of a model using ``tokenizer``."""
+    import torch
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
     ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in
            (("bos_token_id", "<s>"), ("eos_token_id", "</s>"), ("pad_token_id", "<pad>"))}
     common: dict[str, Any] = dict(
@@ -175,12 +219,19 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, *
         config = MistralConfig(sliding_window=None, **common)
     config.dtype = torch.float32
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    return config
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
-    _init_weights(model, n_real, seed)
-    model.generation_config = GenerationConfig(do_sample=False, **ids)
 
+def save_checkpoint(model: Any, tokenizer: Any, out_dir: str | os.PathLike,
+                    meta: dict[str, Any]) -> Path:
+    """Atomically write model (fp32 safetensors), tokenizer and ``meta`` (+ num_params) to out_dir."""
+    from transformers import GenerationConfig
+
+    cfg = model.config
+    rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or cfg.rope_theta
+    model.generation_config = GenerationConfig(
+        do_sample=False, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+        pad_token_id=cfg.pad_token_id)
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -192,9 +243,8 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, *
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         _patch_config(tmp / "config.json", rope_theta)
-        _patch_tokenizer_config(tmp / "tokenizer_config.json", max_position_embeddings)
-        meta = dict(generator_version=GENERATOR_VERSION, arch=arch, seed=seed,
-                    tokenizer_trained_vocab=n_real, num_params=param_count(tmp))
+        _patch_tokenizer_config(tmp / "tokenizer_config.json", cfg.max_position_embeddings)
+        meta = {**meta, "num_params": param_count(tmp)}
         (tmp / MAKER_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         for f in tmp.iterdir():  # mkdtemp and HF's temp files are 0600/0700: make it readable by all
             f.chmod(0o644)
@@ -257,9 +307,12 @@ def _is_current(path: Path) -> bool:
 
 
 def default_model_path(name: str = "tiny-llama") -> Path:
-    """Cached preset checkpoint dir ($PD_CLUSTER_CACHE or ~/.cache/pd_cluster)/models/name; made on first use."""
+    """The preset's checkpoint dir: a trained preset's shipped copy, else the cached generated one,
+    ($PD_CLUSTER_CACHE or ~/.cache/pd_cluster)/models/name, made on first use."""
     if name not in PRESETS:
         raise ValueError(f"name must be one of {preset_names()}, got {name!r}")
+    if name in TRAINED_PRESETS:
+        return trained_model_path(name)
     root = Path(os.environ.get("PD_CLUSTER_CACHE") or Path.home() / ".cache" / "pd_cluster").expanduser()
     path = root / "models" / name
     if _is_current(path):

@@ -198,26 +198,30 @@ def test_greedy_oracle_is_decisive_and_varied(tmp_path: Path) -> None:
 
 def test_default_model_path_generates_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PD_CLUSTER_CACHE", str(tmp_path / "cache"))
+    name = "tiny-random-llama"  # a generated preset (the default tiny-llama is shipped, trained)
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(default_model_path())) for _ in range(3)]
+    threads = [threading.Thread(target=lambda: results.append(default_model_path(name))) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    p = tmp_path / "cache" / "models" / "tiny-llama"
+    p = tmp_path / "cache" / "models" / name
     assert results == [p] * 3
     mtime = (p / "model.safetensors").stat().st_mtime_ns
-    assert default_model_path("tiny-llama") == p
+    assert default_model_path(name) == p
     assert (p / "model.safetensors").stat().st_mtime_ns == mtime  # cached, not rebuilt
-    assert [x.name for x in p.parent.iterdir() if not x.name.endswith(".lock")] == ["tiny-llama"]
+    assert [x.name for x in p.parent.iterdir() if not x.name.endswith(".lock")] == [name]
     _load(p)
     # A checkpoint from an older generator version is rebuilt in place.
     (p / mm.MAKER_FILE).write_text(json.dumps({"generator_version": -1}))
-    assert default_model_path() == p
+    assert default_model_path(name) == p
     assert json.loads((p / mm.MAKER_FILE).read_text())["generator_version"] == mm.GENERATOR_VERSION
     with pytest.raises(ValueError, match="name"):
         default_model_path("no-such-model")
-    assert {"tiny-llama", "bench-50m"} <= set(preset_names())
+    assert {"tiny-llama", "tiny-random-llama", "bench-50m"} <= set(preset_names())
+    # The trained default is shipped with the package, never generated into the cache.
+    assert default_model_path() == default_model_path("tiny-llama") == mm.ASSETS / "tiny-llama"
+    assert not (tmp_path / "cache" / "models" / "tiny-llama").exists()
 
 
 def test_atomic_write_replaces_and_never_leaves_partial(tmp_path: Path, monkeypatch) -> None:
