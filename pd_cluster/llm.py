@@ -49,10 +49,14 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
+        prompt_logprobs: dict[str, Any] = {}  # they come once, in an earlier output
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         while len(finished) < len(ids):
             for out in self.engine.step():
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished:
+                    out.prompt_logprobs = prompt_logprobs.pop(out.request_id, None)
                     finished[out.request_id] = out
                     bar.update(1)
         bar.close()

@@ -25,4 +25,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # Per prompt token (None for the first), once, when asked for and computed by this engine.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)

@@ -40,6 +40,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # With sampling_params.prompt_logprobs: entry i is prompt token i's top-k (None for i=0),
+    # filled as prefill chunks run here; complete only if this engine computed the whole prompt.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
     num_preemptions: int = 0
     # The prompt's KV is computed here, whatever kv_transfer_params say (set after a KV

@@ -28,6 +28,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = field(default=None)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Top-k logprobs of every prompt token (the first has none), computed by the engine that
+    # prefills the prompt; such a request bypasses the prefix cache (cached tokens have no logits).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
@@ -73,12 +76,11 @@ class SamplingParams:
             raise bad("stop", "non-empty strings", self.stop)
         if not all(isinstance(t, int) and not _is_bool(t) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of int", self.stop_token_ids)
-        if self.logprobs is not None and (
-            _is_bool(self.logprobs)
-            or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise bad("logprobs", f"in [0, {MAX_LOGPROBS}] or None", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (_is_bool(k) or not isinstance(k, int)
+                                  or not 0 <= k <= MAX_LOGPROBS):
+                raise bad(name, f"in [0, {MAX_LOGPROBS}] or None", k)
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_number(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, "in [-2, 2]", getattr(self, name))

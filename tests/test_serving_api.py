@@ -8,6 +8,7 @@ import pytest
 
 from pd_cluster import SamplingParams
 from pd_cluster.serving.testing import wait_idle
+from pd_cluster.serving.cluster_config import resolve_model
 from tests.test_serving_openai import (MODEL, PROMPTS, client, cluster,  # noqa: F401 (fixtures)
                                        offline, reference)
 
@@ -149,3 +150,50 @@ def test_logprobs_completions_and_chat(cluster, client, offline) -> None:
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
     assert "".join(c.token for c in content) == chat.choices[0].message.content
     wait_idle(cluster.url)
+
+
+def test_echo_with_prompt_logprobs_equals_hf(cluster, client) -> None:
+    """echo + logprobs through P/D (P scores the prompt, D generates) and as lm-eval's
+    loglikelihood sends it (token-id prompts in a batch, max_tokens 1 or 0): the prompt's
+    logprobs equal HF's log-softmax within 1e-4 and the output follows the echoed prompt."""
+    from tests.test_prompt_logprobs import hf_prompt_logprobs
+    model_dir = resolve_model(MODEL)
+    tok = cluster_tokenizer(model_dir)
+    ids = tok.encode(PROMPTS[1])
+    want = hf_prompt_logprobs(model_dir, ids)
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5,
+                                      temperature=0)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0,
+                                  echo=True, logprobs=1)
+    choice = r.choices[0]
+    assert choice.text == PROMPTS[1] + plain.choices[0].text
+    lp = choice.logprobs
+    assert lp.tokens[:len(ids)] == [tok.decode([t]) for t in ids]
+    assert len(lp.tokens) == len(ids) + 5 and lp.token_logprobs[0] is None
+    for p, t in enumerate(ids[1:]):
+        assert abs(lp.token_logprobs[p + 1] - want[p, t].item()) < 1e-4
+        assert max(lp.top_logprobs[p + 1].values()) >= lp.token_logprobs[p + 1]
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5,
+                                              temperature=0, echo=True, logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+    assert streamed[0].choices[0].text.startswith(PROMPTS[1])
+    got = [x for c in streamed if c.choices and c.choices[0].logprobs
+           for x in c.choices[0].logprobs.token_logprobs]
+    assert got == pytest.approx(lp.token_logprobs, abs=1e-6)
+    # lm-eval local-completions: a batch of token-id prompts, echo, logprobs=1, max_tokens=1.
+    batch = [tok.encode(p) for p in PROMPTS[:3]]
+    for max_tokens in (1, 0):
+        r = client.completions.create(model=MODEL, prompt=batch, max_tokens=max_tokens,
+                                      temperature=0, echo=True, logprobs=1)
+        for ids, c in zip(batch, r.choices):
+            want = hf_prompt_logprobs(model_dir, ids)
+            assert len(c.logprobs.token_logprobs) == len(ids) + max_tokens
+            for p, t in enumerate(ids[1:]):
+                assert abs(c.logprobs.token_logprobs[p + 1] - want[p, t].item()) < 1e-4
+        assert r.usage.completion_tokens == max_tokens * len(batch)
+    wait_idle(cluster.url)
+
+
+def cluster_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)

@@ -252,3 +252,24 @@ def test_routers() -> None:
     assert picks == {"b", "c"}  # never the busy one; ties rotate
     rr = create_router("round_robin")
     assert [rr.pick([busy, idle1]).name for _ in range(4)] == ["a", "b", "a", "b"]
+
+
+def test_output_waits_for_the_prompt_logprobs_from_p() -> None:
+    """With prompt logprobs asked (echo), D's output that is ahead of P's is held until P's
+    prompt logprobs arrive; then P's token goes first, with them, and D's follow."""
+    plp = [None, {2: -0.5}, {3: -0.25}]
+    slow_p = FakeEngine(lambda r: [0.1, delta(r.request_id, "a", [5], "length",
+                                              prompt_logprobs=plp)])
+    fast_d = FakeEngine(lambda r: [delta(r.request_id, "ab", [5, 6]),
+                                   delta(r.request_id, "abc", [5, 6, 7], "length")])
+    disp, pool, _ = make({"prefill-0": slow_p, "decode-0": fast_d})
+    job = GenerateJob("cmpl-1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3,
+                                                          prompt_logprobs=1), deadline=1e18)
+
+    async def go() -> list:
+        return [e async for e in disp.stream(job)]
+    events = asyncio.run(go())
+    assert [(e.text, e.token_ids, e.finish_reason) for e in events] == [
+        ("a", [5], None), ("bc", [6, 7], "length")]
+    assert events[0].prompt_logprobs == plp and events[1].prompt_logprobs is None
+    assert all(e.inflight == 0 for e in pool.engines)

@@ -11,12 +11,13 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.engine.cache_engine import (KVCacheSpec, allocate_kv_caches,
                                             determine_num_blocks)
 from pd_cluster.engine.penalties import apply_penalties
-from pd_cluster.engine.sampler import Sampler, apply_min_tokens_mask
+from pd_cluster.engine.sampler import Sampler, apply_min_tokens_mask, token_logprobs
 from pd_cluster.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pd_cluster.models.llama import ForwardContext
 from pd_cluster.models.loader import load_model
 
 logger = logging.getLogger(__name__)
+_LOGITS_CHUNK = 512  # prompt positions whose logits are materialised at once
 
 
 class ModelRunner:
@@ -114,6 +115,7 @@ class ModelRunner:
         meta = self._metadata(slots, query_start, seq_lens, tables, num_decodes)
         ctx = ForwardContext(meta, self.kv_caches, self.backend, self.connector)
         hidden = self.model(torch.tensor(tokens, device=self.device), pos.to(self.device), ctx)
+        self._prompt_logprobs(batch, query_start, hidden)
         if not sampling:
             return
         last = torch.tensor([query_start[i + 1] - 1 for i in sampling], device=self.device)
@@ -128,6 +130,28 @@ class ModelRunner:
         for req, token, logprobs in zip(reqs, sampled.token_ids, sampled.logprobs):
             result.sampled_token_ids[req.request_id] = token
             result.logprobs[req.request_id] = logprobs
+
+    def _prompt_logprobs(self, batch: list[ScheduledRequest], query_start: list[int],
+                         hidden: torch.Tensor) -> None:
+        """Extend each prompt_logprobs request's list with the prompt positions run now
+        (position p's logits score prompt token p + 1)."""
+        for i, item in enumerate(batch):
+            req = item.request
+            k = req.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start = req.num_computed_tokens
+            if start == 0:  # (re)computed from the beginning, e.g. after a preemption
+                req.prompt_logprobs = [None]
+            if len(req.prompt_logprobs) != start + 1:
+                continue  # earlier positions were not computed here (their KV came from P)
+            stop = min(start + item.num_new_tokens, req.num_prompt_tokens - 1)
+            for a in range(start, stop, _LOGITS_CHUNK):  # bounds the [rows, vocab] logits
+                b = min(a + _LOGITS_CHUNK, stop)
+                first = query_start[i] + a - start
+                logits = self.model.compute_logits(hidden[first:first + b - a])
+                req.prompt_logprobs.extend(token_logprobs(
+                    logits, req.prompt_token_ids[a + 1:b + 1], [k] * (b - a)))
 
     def _metadata(self, slots: torch.Tensor, query_start: list[int], seq_lens: list[int],
                   tables: torch.Tensor, num_decodes: int) -> AttentionMetadata:

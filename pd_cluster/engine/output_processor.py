@@ -21,6 +21,7 @@ class _RequestState:
     num_seen_tokens: int = 0
     num_emitted_chars: int = 0  # text handed out in deltas so far
     first_token_time: float | None = None
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
@@ -116,4 +117,15 @@ class OutputProcessor:
         if finished:
             self.states.pop(request.request_id, None)
         return RequestOutput(request.request_id, state.prompt, request.prompt_token_ids,
-                             [completion], finished, request.num_cached_tokens, metrics)
+                             [completion], finished, request.num_cached_tokens,
+                             self._prompt_logprobs(request, state), metrics)
+
+    @staticmethod
+    def _prompt_logprobs(request: Request, state: _RequestState
+                         ) -> list[dict[int, float] | None] | None:
+        """The prompt's logprobs, in the first output after they are all computed here."""
+        if (request.sampling_params.prompt_logprobs is None or state.prompt_logprobs_sent
+                or len(request.prompt_logprobs) != request.num_prompt_tokens):
+            return None
+        state.prompt_logprobs_sent = True
+        return list(request.prompt_logprobs)

@@ -154,21 +154,32 @@ class Sampler:
         idx = torch.tensor(rows, device=logits.device)
         # Raw (untempered, unfiltered) logits, matching vLLM's default
         # "raw_logprobs" semantics.
-        lp = torch.log_softmax(logits[idx], dim=-1)
-        max_k = min(max(params[i].logprobs or 0 for i in rows), lp.shape[1])
-        if max_k > 0:
-            top_vals, top_ids = lp.topk(max_k, dim=-1)
-            top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-        tok = torch.tensor([sampled[i] for i in rows], device=logits.device).unsqueeze(1)
-        sampled_lp = lp.gather(1, tok).squeeze(1).tolist()
-        for j, i in enumerate(rows):
-            k = params[i].logprobs or 0
-            d: dict[int, float] = {}
-            if k > 0:
-                d = dict(zip(top_ids_l[j][:k], top_vals_l[j][:k]))
-            d[sampled[i]] = sampled_lp[j]
+        tops = token_logprobs(logits[idx], [sampled[i] for i in rows],
+                              [params[i].logprobs or 0 for i in rows])
+        for i, d in zip(rows, tops):
             result[i] = d
         return result
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int]
+                   ) -> list[dict[int, float]]:
+    """Per row: {token id: logprob} of the row's top ``ks[row]`` tokens plus ``token_ids[row]``,
+    from the log-softmax of raw ``logits`` [N, V]."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    max_k = min(max(ks, default=0), lp.shape[1])
+    top_vals_l: list[list[float]] = [[] for _ in ks]
+    top_ids_l: list[list[int]] = [[] for _ in ks]
+    if max_k > 0:
+        top_vals, top_ids = lp.topk(max_k, dim=-1)
+        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+    tok = torch.tensor(token_ids, device=logits.device).unsqueeze(1)
+    chosen = lp.gather(1, tok).squeeze(1).tolist()
+    out = []
+    for j, k in enumerate(ks):
+        d = dict(zip(top_ids_l[j][:k], top_vals_l[j][:k]))
+        d[token_ids[j]] = chosen[j]
+        out.append(d)
+    return out
 
 
 def apply_min_tokens_mask(

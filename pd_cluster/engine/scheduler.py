@@ -130,7 +130,8 @@ class Scheduler:
             if self.connector is not None and not request.prefill_locally:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(
                     request, request.num_computed_tokens)
-            use_cache = num_external == 0
+            # Cached prompt tokens have no logits to score them with.
+            use_cache = num_external == 0 and request.sampling_params.prompt_logprobs is None
             if not self.block_manager.can_allocate(request, use_prefix_cache=use_cache):
                 break
             self.waiting.popleft()

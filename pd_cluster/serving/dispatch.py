@@ -92,7 +92,9 @@ class Dispatcher:
                 break
         if engine is None:
             raise NoHealthyEngine("no healthy engine left to resume on")
-        request = EngineRequest(rid, job.prompt_token_ids, job.params,
+        # The client has the prompt's logprobs already (nothing is sent before them).
+        params = dataclasses.replace(job.params, prompt_logprobs=None)
+        request = EngineRequest(rid, job.prompt_token_ids, params,
                                 timeout=max(1.0, job.deadline - time.monotonic()),
                                 resume_token_ids=list(sent.token_ids),
                                 resume_text_len=len(sent.text))
@@ -164,10 +166,7 @@ class Dispatcher:
                     if delta.error:
                         self._raise_for(leg, delta, sent)
                     leg.apply(delta)
-                last = batch[-1]
-                event = self._advance(leg, last, job, sent)
-                if event is not None:
-                    self.metrics.proxy_overhead.observe(max(time.time() - last.emit_time, 0.0))
+                for event in self._events(leg, legs, job, sent):
                     yield event
                     if event.finish_reason is not None:
                         return
@@ -180,9 +179,38 @@ class Dispatcher:
                     asyncio.ensure_future(_quietly(leg.engine.handle.abort.remote(
                         [leg.request.request_id])))
 
-    def _advance(self, leg: Leg, last: EngineDelta, job: GenerateJob, sent: Sent
-                 ) -> StreamEvent | None:
+    def _events(self, leg: Leg, legs: list[Leg], job: GenerateJob, sent: Sent
+                ) -> list[StreamEvent]:
+        """What the client gets after ``leg`` got deltas. Output waiting for the prompt's
+        logprobs (computed by P, while D may be ahead) is released with them, P's part first."""
+        order = [leg]
+        prompt_logprobs = None
+        if job.params.prompt_logprobs is not None and not sent.prompt_logprobs_sent:
+            prompt_logprobs = next((lg.prompt_logprobs for lg in legs
+                                    if lg.prompt_logprobs is not None), None)
+            order = sorted(legs, key=lambda lg: lg.final)
+        events = []
+        for lg in order:
+            if lg.last is None:
+                continue
+            event = self._advance(lg, job, sent, prompt_logprobs)
+            if event is not None:
+                self.metrics.proxy_overhead.observe(max(time.time() - lg.last.emit_time, 0.0))
+                events.append(event)
+                if event.finish_reason is not None:
+                    break
+        return events
+
+    def _advance(self, leg: Leg, job: GenerateJob, sent: Sent,
+                 prompt_logprobs: list[dict[int, float] | None] | None) -> StreamEvent | None:
         """What the client gets next from ``leg``, given everything it produced so far."""
+        last = leg.last
+        assert last is not None
+        if job.params.prompt_logprobs is not None and not sent.prompt_logprobs_sent:
+            if prompt_logprobs is None:
+                return None  # nothing goes out before the prompt's logprobs
+        else:
+            prompt_logprobs = None
         if not leg.final:
             if sent.any:
                 return None  # D got there first: P's token only matters for the KV it ships
@@ -220,9 +248,10 @@ class Dispatcher:
             sent.logprobs.extend(new_logprobs)
         sent.token_ids.extend(new_tokens)
         sent.text += new_text
+        sent.prompt_logprobs_sent = sent.prompt_logprobs_sent or prompt_logprobs is not None
         reason = (last.finish_reason or "stop") if done else None
         return StreamEvent(new_text, new_tokens, reason, last.num_prompt_tokens,
-                           last.num_cached_tokens, new_logprobs)
+                           last.num_cached_tokens, new_logprobs, prompt_logprobs)
 
     def _raise_for(self, leg: Leg, d: EngineDelta, sent: Sent) -> None:
         if d.error_type == ERROR_INVALID_REQUEST:  # the request's fault: engine stays healthy

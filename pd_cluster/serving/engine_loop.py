@@ -171,7 +171,8 @@ class EngineLoop:
             deltas.append(EngineDelta(
                 rid, seq, comp.delta_token_ids, comp.delta_text, out.finished,
                 comp.finish_reason, comp.stop_reason, len(out.prompt_token_ids),
-                out.num_cached_tokens, now, logprobs=comp.delta_logprobs))
+                out.num_cached_tokens, now, logprobs=comp.delta_logprobs,
+                prompt_logprobs=out.prompt_logprobs))
         self._emit(deltas)
 
     def _refresh_snapshot(self) -> None:

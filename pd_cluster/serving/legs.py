@@ -29,6 +29,7 @@ class StreamEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[dict[int, float] | None] | None = None  # per new token, when asked for
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # in the first event, if asked
 
 
 class EngineFailed(Exception):
@@ -48,6 +49,8 @@ class Leg:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[int, float] | None] = field(default_factory=list)  # if asked for
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # from whoever computed it
+    last: EngineDelta | None = None
     next_seq: int = 0
 
     def apply(self, delta: EngineDelta) -> None:
@@ -61,7 +64,9 @@ class Leg:
         self.text += delta.text
         if delta.logprobs is not None:
             self.logprobs.extend(delta.logprobs)
-        self.finished = delta.finished
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.finished, self.last = delta.finished, delta
 
 
 @dataclass
@@ -70,6 +75,7 @@ class Sent:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[int, float] | None] = field(default_factory=list)  # if asked for
+    prompt_logprobs_sent: bool = False
     first_from_prefill: bool = False  # the first token came from P: check D agrees
 
     @property

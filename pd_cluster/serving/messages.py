@@ -77,6 +77,8 @@ class EngineDelta(Msg, array_like=True):
     # Per new token, {token id: logprob} (top-k plus the sampled one), when asked for; None
     # for a token this engine did not sample (a decode engine's first token came from P).
     logprobs: list[dict[int, float] | None] | None = None
+    # Per prompt token (None for the first), once, from the engine that computed the prompt.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class EngineInfo(Msg, frozen=True):

@@ -44,6 +44,7 @@ class Result:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[dict[int, float] | None] = field(default_factory=list)  # if asked for
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with echo and logprobs
 
 
 def usage(results: list[Result]) -> Usage:
@@ -60,17 +61,22 @@ class Formatter:
     """One request's bodies. Subclasses: text completions and chat completions."""
 
     def __init__(self, request_id: str, model: str, return_token_ids: bool,
-                 logprobs: int | None = None, token_text: TokenText | None = None):
+                 logprobs: int | None = None, token_text: TokenText | None = None,
+                 echo: list[tuple[str, list[int]]] | None = None):
         self.id, self.model, self.return_token_ids = request_id, model, return_token_ids
         self.created = int(time.time())
         self.logprobs, self.token_text = logprobs, token_text  # top-k asked for, or None
         self._offsets: dict[int, int] = {}  # choice -> text offset of its next token
+        # Completions' echo: each choice's prompt (text, ids), put before its output.
+        self.echo = echo
+        self._echoed: set[int] = set()
 
     def opening_chunks(self, num_choices: int = 1) -> list[dict[str, Any]]:
         return []
 
     def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
-              index: int = 0, logprobs: Any = None) -> dict[str, Any] | None:
+              index: int = 0, logprobs: Any = None,
+              prompt_logprobs: Any = None) -> dict[str, Any] | None:
         raise NotImplementedError
 
     def _logprobs(self, token_ids: list[int], logprobs: Any, index: int) -> Any:
@@ -90,11 +96,18 @@ class CompletionFormatter(Formatter):
     chunk_object = "text_completion"
 
     def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
-              index: int = 0, logprobs: Any = None) -> dict[str, Any] | None:
+              index: int = 0, logprobs: Any = None,
+              prompt_logprobs: Any = None) -> dict[str, Any] | None:
+        scored_ids = token_ids
+        if self.echo is not None and index not in self._echoed:  # the prompt goes first
+            self._echoed.add(index)
+            prompt_text, prompt_ids = self.echo[index]
+            text, scored_ids = prompt_text + text, prompt_ids + token_ids
+            logprobs = _echo_logprobs(prompt_ids, prompt_logprobs, logprobs)
         if not text and finish_reason is None and not self.return_token_ids and not token_ids:
             return None
         choice: dict[str, Any] = {"index": index, "text": text,
-                                  "logprobs": self._logprobs(token_ids, logprobs, index),
+                                  "logprobs": self._logprobs(scored_ids, logprobs, index),
                                   "finish_reason": finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = token_ids
@@ -106,10 +119,17 @@ class CompletionFormatter(Formatter):
         return _dump(CompletionResponse(
             id=self.id, created=self.created, model=self.model, usage=usage(results),
             prompt_token_ids=results[0].prompt_token_ids if ids else None,
-            choices=[CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
-                                      logprobs=self._logprobs(r.token_ids, r.logprobs, i),
-                                      token_ids=r.token_ids if ids else None)
-                     for i, r in enumerate(results)]))
+            choices=[self._choice(i, r) for i, r in enumerate(results)]))
+
+    def _choice(self, i: int, r: Result) -> CompletionChoice:
+        text, scored_ids, logprobs = r.text, r.token_ids, r.logprobs
+        if self.echo is not None:
+            prompt_text, prompt_ids = self.echo[i]
+            text, scored_ids = prompt_text + text, prompt_ids + r.token_ids
+            logprobs = _echo_logprobs(prompt_ids, r.prompt_logprobs, logprobs)
+        return CompletionChoice(index=i, text=text, finish_reason=r.finish_reason,
+                                logprobs=self._logprobs(scored_ids, logprobs, i),
+                                token_ids=r.token_ids if self.return_token_ids else None)
 
     def _logprobs(self, token_ids: list[int], logprobs: Any, index: int) -> Any:
         if self.logprobs is None or self.token_text is None or logprobs is None:
@@ -118,6 +138,13 @@ class CompletionFormatter(Formatter):
                                   self._offsets.get(index, 0))
         self._offsets[index] = self._offsets.get(index, 0) + sum(map(len, out["tokens"]))
         return out
+
+
+def _echo_logprobs(prompt_ids: list[int], prompt_logprobs: Any, logprobs: Any) -> Any:
+    """Logprobs of an echoed choice: the prompt's (the first token has none), then the output's."""
+    if prompt_logprobs is None and logprobs is None:
+        return None
+    return list(prompt_logprobs or [None] * len(prompt_ids)) + list(logprobs or [])
 
 
 class ChatFormatter(Formatter):
@@ -139,7 +166,8 @@ class ChatFormatter(Formatter):
                 for i in range(num_choices)]
 
     def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
-              index: int = 0, logprobs: Any = None) -> dict[str, Any] | None:
+              index: int = 0, logprobs: Any = None,
+              prompt_logprobs: Any = None) -> dict[str, Any] | None:
         if not text and finish_reason is None and not self.return_token_ids and not token_ids:
             return None
         return self._chunk({"content": text} if text else {}, finish_reason, token_ids, index,

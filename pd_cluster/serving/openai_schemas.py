@@ -72,6 +72,10 @@ class _SamplingFields(BaseModel):
         """Top-k logprobs asked for (0: the sampled token's only), or None."""
         return None
 
+    def prompt_logprobs_k(self) -> int | None:
+        """Top-k logprobs asked for each prompt token, or None."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         for name, value in self.unsupported().items():
             raise invalid_request(f"{name}={value!r} is not supported by this server", name)
@@ -84,7 +88,7 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias(),
-            logprobs=self.logprobs_k())
+            logprobs=self.logprobs_k(), prompt_logprobs=self.prompt_logprobs_k())
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
@@ -105,11 +109,13 @@ class CompletionRequest(_SamplingFields):
     def logprobs_k(self) -> int | None:
         return self.logprobs
 
+    def prompt_logprobs_k(self) -> int | None:
+        return self.logprobs if self.echo else None  # echo shows the prompt's logprobs too
+
     def unsupported(self) -> dict[str, Any]:
         out = super().unsupported()
-        for name, default in (("echo", False), ("suffix", None)):
-            if getattr(self, name) != default:
-                out[name] = getattr(self, name)
+        if self.suffix is not None:
+            out["suffix"] = self.suffix
         if self.best_of not in (None, 1):
             out["best_of"] = self.best_of
         return out

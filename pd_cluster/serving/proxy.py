@@ -67,15 +67,18 @@ class ProxyState:
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         """Token ids of each prompt: a text or token-id prompt, or a list of either."""
-        prompt = req.prompt
-        batch = prompt if isinstance(prompt, list) and prompt and isinstance(
-            prompt[0], (str, list)) else [prompt]
+        batch = _prompt_list(req)
         if len(batch) * req.n > MAX_CHOICES:
             raise invalid_request(f"prompt: {len(batch)} prompts x n={req.n} exceeds "
                                   f"{MAX_CHOICES} choices per request", "prompt")
         # a text prompt is tokenized as the engine (and vLLM) would
         return [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p)
                 for p in batch]
+
+    def prompt_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """What echo shows of each prompt: its text as sent, or its token ids decoded."""
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids)
+                for p, ids in zip(_prompt_list(req), prompts)]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -93,6 +96,25 @@ class ProxyState:
             return check_max_tokens(requested, room, len(ids), self.max_model_len)
         except InvalidRequest as e:
             raise invalid_request(str(e), e.param, e.code) from None
+
+
+def _prompt_list(req: CompletionRequest) -> list[Any]:
+    prompt = req.prompt
+    return prompt if isinstance(prompt, list) and prompt and isinstance(
+        prompt[0], (str, list)) else [prompt]
+
+
+async def _prompt_only(events: AsyncIterator[tuple[int, StreamEvent]]
+                       ) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """The events of an echo with max_tokens 0: the prompt's logprobs, no generated output."""
+    try:
+        async for index, ev in events:
+            if ev.prompt_logprobs is not None or ev.finish_reason is not None:
+                yield index, StreamEvent("", [], ev.finish_reason and "length",
+                                         ev.num_prompt_tokens, ev.num_cached_tokens,
+                                         None, ev.prompt_logprobs)
+    finally:
+        await events.aclose()
 
 
 async def _until_disconnect(request: Request, aw: Any) -> Any:
@@ -126,6 +148,8 @@ async def _collect(events: AsyncIterator[tuple[int, StreamEvent]], results: list
         r.num_cached_tokens = ev.num_cached_tokens or r.num_cached_tokens
         if ev.logprobs is not None:
             r.logprobs.extend(ev.logprobs)
+        if ev.prompt_logprobs is not None:
+            r.prompt_logprobs = ev.prompt_logprobs
 
 
 async def _sse(first: tuple[int, StreamEvent] | None,
@@ -145,7 +169,8 @@ async def _sse(first: tuple[int, StreamEvent] | None,
                 r.token_ids.extend(ev.token_ids)
                 r.finish_reason = ev.finish_reason
                 r.num_cached_tokens = ev.num_cached_tokens or r.num_cached_tokens
-                chunk = fmt.chunk(ev.text, ev.token_ids, ev.finish_reason, index, ev.logprobs)
+                chunk = fmt.chunk(ev.text, ev.token_ids, ev.finish_reason, index, ev.logprobs,
+                                  ev.prompt_logprobs)
                 if chunk is not None:
                     if continuous_usage:
                         chunk["usage"] = usage(results).model_dump()
@@ -175,6 +200,12 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
             else req.max_tokens
     else:
         prompts, param, requested = state.completion_prompts(req), "prompt", req.max_tokens
+        texts = state.prompt_texts(req, prompts) if req.echo else []
+    # echo with max_tokens 0 scores the prompt only (lm-eval's loglikelihood may ask so): the
+    # engines generate one token, which nobody sees.
+    prompt_only = not chat and req.echo and requested == 0
+    if prompt_only:
+        requested = 1
     base_seed = random.getrandbits(31)  # P and D must sample the same first token
     per_prompt = []
     for ids in prompts:
@@ -184,12 +215,16 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
         per_prompt.append((ids, params))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     fmt_cls = ChatFormatter if chat else CompletionFormatter
-    fmt = fmt_cls(rid, state.cfg.model_name, req.return_token_ids, per_prompt[0][1].logprobs,
-                  state.token_text)
     tracker = RequestTracker(state, rid, sum(len(ids) for ids in prompts))
     request.state.tracked = True
     jobs = choice_jobs(rid, per_prompt, req.n, tracker.start + state.cfg.proxy.request_timeout)
+    echo = None if chat or not req.echo else [  # choices are prompt-major, n per prompt
+        (texts[i // req.n], job.prompt_token_ids) for i, job in enumerate(jobs)]
+    fmt = fmt_cls(rid, state.cfg.model_name, req.return_token_ids, per_prompt[0][1].logprobs,
+                  state.token_text, echo)
     events = merged(jobs, state.dispatcher.stream)
+    if prompt_only:
+        events = _prompt_only(events)
     results = [Result(prompt_token_ids=job.prompt_token_ids) for job in jobs]
     try:
         if not req.stream:
