@@ -3,6 +3,8 @@ unknown fields, continuous usage, /tokenize and friends, n>1 and prompt lists, p
 logit_bias and logprobs."""
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -197,3 +199,33 @@ def test_echo_with_prompt_logprobs_equals_hf(cluster, client) -> None:
 def cluster_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_n_choices_share_one_prefill(cluster, client, offline) -> None:
+    """n>1 through P/D: P prefills the prompt once; the other choices run on the decode engine
+    that got its KV, whose prefix cache serves the prompt's full blocks. Every choice equals
+    the colocated engine's for its seed (seed + index)."""
+    tok = offline.engine.tokenizer
+    ids = (tok.encode(" ".join(PROMPTS)) * 3)[:53]  # 3 full blocks of 16 and a tail of 5
+
+    def engines() -> dict[str, dict]:
+        body = httpx.get(f"{cluster.url}/cluster/status", timeout=30).json()
+        metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+        shared = re.search(r"^pd_shared_prefills_total (\S+)$", metrics, re.M)
+        return {"shared": float(shared.group(1)),
+                **{e["role"]: e["stats"] for e in body["engines"]}}
+    before = engines()
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0.8,
+                                  seed=7, n=4, extra_body={"ignore_eos": True})
+    after = engines()
+    want = [offline.generate([ids], SamplingParams(temperature=0.8, seed=7 + j, max_tokens=10,
+                                                   ignore_eos=True))[0].outputs[0].text
+            for j in range(4)]
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
+    assert after["prefill"]["requests_total"] - before["prefill"]["requests_total"] == 1
+    assert after["decode"]["requests_total"] - before["decode"]["requests_total"] == 4
+    hits = (after["decode"]["prefix_cache_hit_blocks"]
+            - before["decode"]["prefix_cache_hit_blocks"])
+    assert hits == 3 * 3  # each sibling reused the 3 full blocks P sent
+    assert after["shared"] - before["shared"] == 3
+    wait_idle(cluster.url)

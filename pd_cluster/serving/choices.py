@@ -1,6 +1,7 @@
 """Several choices in one HTTP request: a list of prompts and/or ``n`` samples per prompt.
 
-Each choice is its own engine request (id ``<request id>-<index>``), run concurrently; their
+Each choice is its own engine request (id ``<request id>-<index>``); the choices of one prompt
+share its prefill (legs.SharedPrefix: one prefill on P, the others reuse its KV on D). Their
 events are merged in arrival order and tagged with the choice index, as OpenAI numbers them
 (prompt-major: prompt i, sample j -> index i * n + j). Greedy choices of one prompt are
 identical; sampled ones get seeds ``seed + j``, so they differ from each other and a request
@@ -14,7 +15,7 @@ import dataclasses
 from typing import AsyncIterator, Callable
 
 from pd_cluster.sampling_params import SamplingParams
-from pd_cluster.serving.legs import GenerateJob, StreamEvent
+from pd_cluster.serving.legs import GenerateJob, SharedPrefix, StreamEvent
 
 
 def choice_jobs(request_id: str, prompts: list[tuple[list[int], SamplingParams]], n: int,
@@ -22,11 +23,13 @@ def choice_jobs(request_id: str, prompts: list[tuple[list[int], SamplingParams]]
     """One job per choice: each prompt (with its own params) n times, prompt-major."""
     jobs = []
     for i, (prompt, params) in enumerate(prompts):
+        prefix = SharedPrefix() if n > 1 else None
         for j in range(n):
             p = params if params.seed is None or j == 0 else \
                 dataclasses.replace(params, seed=params.seed + j)
             rid = request_id if len(prompts) * n == 1 else f"{request_id}-{i * n + j}"
-            jobs.append(GenerateJob(rid, prompt, p, deadline))  # choices share the prompt list
+            jobs.append(GenerateJob(rid, prompt, p, deadline,  # choices share the prompt list
+                                    prefix=prefix, leads_prefix=j == 0))
     return jobs
 
 

@@ -40,6 +40,18 @@ class Dispatcher:
         prompt plus the tokens sent so far, and the client's stream goes on unbroken."""
         sent = Sent()
         excluded: set[str] = set()
+        pinned = None  # a sibling choice runs where its prompt's KV already is
+        if job.prefix is not None and not job.leads_prefix:
+            pinned = await job.prefix.wait(job.deadline)
+        try:
+            async for event in self._attempts(job, sent, excluded, pinned):
+                yield event
+        finally:
+            if job.prefix is not None and job.leads_prefix:
+                job.prefix.announce(None)  # no KV to share (failed, or ended before output)
+
+    async def _attempts(self, job: GenerateJob, sent: Sent, excluded: set[str],
+                        pinned: str | None) -> AsyncIterator[StreamEvent]:
         retries = migrations = 0
         while True:
             # Each attempt has its own engine-side id (the proxy's id, suffixed after the
@@ -49,7 +61,7 @@ class Dispatcher:
             rid = job.request_id if not attempt else f"{job.request_id}.{attempt}"
             try:
                 legs = self._resume(job, excluded, sent, rid) if sent.any else \
-                    self._plan(job, excluded, rid)
+                    self._plan(job, excluded, rid, None if attempt else pinned)
             except NoHealthyEngine as e:
                 if sent.any:
                     raise internal_error(f"cannot resume the request: {e}", status=503) from None
@@ -105,7 +117,8 @@ class Dispatcher:
         return [leg]
 
     # ---- plan: which engines, with which instructions -------------------------------------
-    def _plan(self, job: GenerateJob, excluded: set[str], rid: str) -> list[Leg]:
+    def _plan(self, job: GenerateJob, excluded: set[str], rid: str,
+              pinned: str | None = None) -> list[Leg]:
         n_prompt = len(job.prompt_token_ids)
         max_tokens = job.params.max_tokens or 1
         base = dict(request_id=rid, prompt_token_ids=job.prompt_token_ids,
@@ -115,6 +128,13 @@ class Dispatcher:
             return [Leg(e, EngineRequest(params=job.params, **base),
                          n_prompt + max_tokens, final=True)]
 
+        if pinned is not None:
+            engine = next((e for role in (ROLE_DECODE, ROLE_PREFILL, ROLE_COLOCATED)
+                           for e in self.pool.available(role, excluded) if e.name == pinned),
+                          None)
+            if engine is not None:  # its prefix cache holds the prompt's full blocks
+                self.metrics.shared_prefills.inc()
+                return whole(engine)
         if self.mode == "colocated":
             return whole(self.pool.pick(ROLE_COLOCATED, excluded))
         prefills = self.pool.available(ROLE_PREFILL, excluded)
@@ -190,6 +210,8 @@ class Dispatcher:
                                     if lg.prompt_logprobs is not None), None)
             order = sorted(legs, key=lambda lg: lg.final)
         events = []
+        if leg.final and job.prefix is not None and job.leads_prefix:
+            job.prefix.announce(leg.engine.name)  # it has the prompt's KV now
         for lg in order:
             if lg.last is None:
                 continue

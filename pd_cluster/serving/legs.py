@@ -6,11 +6,36 @@ retries and migrations, so nothing is sent twice.
 """
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
 
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.engine_pool import EngineState
 from pd_cluster.serving.messages import EngineDelta, EngineRequest
+
+
+class SharedPrefix:
+    """The choices of one prompt (n > 1) share its prefill: the first choice runs as usual
+    (P, then D); the others wait until its first output, then run on the engine that holds the
+    prompt's KV, where the prefix cache serves every full block (ref counts, no copy) and only
+    the tail of the last block is computed again."""
+
+    def __init__(self) -> None:
+        self._ready = asyncio.Event()
+        self.engine: str | None = None  # None: siblings plan as usual
+
+    def announce(self, engine: str | None) -> None:
+        if not self._ready.is_set():
+            self.engine = engine
+            self._ready.set()
+
+    async def wait(self, deadline: float) -> str | None:
+        try:
+            await asyncio.wait_for(self._ready.wait(), max(deadline - time.monotonic(), 0.001))
+        except asyncio.TimeoutError:
+            return None
+        return self.engine
 
 
 @dataclass
@@ -19,6 +44,8 @@ class GenerateJob:
     prompt_token_ids: list[int]
     params: SamplingParams
     deadline: float  # time.monotonic() bound for the whole request
+    prefix: SharedPrefix | None = None  # shared with this prompt's other choices
+    leads_prefix: bool = False  # the choice that prefills it (announces where its KV is)
 
 
 @dataclass
@@ -82,4 +109,4 @@ class Sent:
     def any(self) -> bool:
         return bool(self.token_ids or self.text)
 
-__all__ = ["EngineFailed", "GenerateJob", "Leg", "Sent", "StreamEvent"]
+__all__ = ["EngineFailed", "GenerateJob", "Leg", "Sent", "SharedPrefix", "StreamEvent"]

@@ -70,6 +70,9 @@ class ProxyMetrics:
             "by reason (no_decode, no_prefill, no_kv_link)", ["reason"], registry=r)
         self.first_token_mismatch = Counter(
             "pd_first_token_mismatch", "D's first token differed from P's", registry=r)
+        self.shared_prefills = Counter(
+            "pd_shared_prefills", "Choices (n > 1) run on the engine holding their prompt's KV "
+            "from a sibling choice's prefill", registry=r)
         r.register(_EngineCollector(engines_snapshot))
 
     def render(self) -> bytes:
