@@ -81,3 +81,20 @@ class KVTransferConfig(BaseModel):
         out = self.model_dump(exclude_unset=True, exclude={"pipe_config"})
         out.update(self.pipe_config.model_dump(exclude_unset=True))
         return out
+
+    def device_reserve_bytes(self) -> int:
+        """Device memory the connector may hold beside the KV cache, counted when the cache is
+        sized (before the connector exists). Only the NCCL pipe keeps KV copies on the GPU:
+        the producer's gathered layers queued for sending (bounded by max_inflight_bytes), the
+        consumer's received layers not yet scattered into blocks (max_staging_bytes), and
+        NCCL's own buffers (estimated: extra.nccl_buffer_bytes per communicator, default
+        32 MiB, for up to extra.max_peers peers, default 4). ZMQ stages in host memory."""
+        if self.pipe != "nccl":
+            return 0
+        extra = self.pipe_config.extra
+        reserve = int(extra.get("nccl_buffer_bytes", 32 * MiB)) * int(extra.get("max_peers", 4))
+        if self.is_producer:
+            reserve += self.pipe_config.max_inflight_bytes
+        if self.is_consumer:
+            reserve += self.max_staging_bytes
+        return reserve

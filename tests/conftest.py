@@ -40,6 +40,22 @@ except Exception:  # pragma: no cover - transformers is a hard dependency, but k
 # when HF's top-2 logits at that step are this close.
 NEAR_TIE = 1e-4
 
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU machine device "auto" would pick cuda (and dtype "auto" bf16): the fp32
+    exactness tests would then compare bf16 with HF's fp32, and engines in one process would
+    share a GPU. Tests run on the CPU unless marked ``cuda``."""
+    if request.node.get_closest_marker("cuda") or request.node.get_closest_marker("two_gpu"):
+        return
+    from pd_cluster.config import EngineConfig
+    monkeypatch.setattr(EngineConfig, "torch_device", property(_cpu_for_auto))
+
+
+def _cpu_for_auto(config: Any) -> torch.device:
+    return torch.device("cpu" if config.device == "auto" else config.device)
+
+
 # ---------------------------------------------------------------------------- tiny models
 
 _MODEL_DEFAULTS: dict[str, Any] = dict(

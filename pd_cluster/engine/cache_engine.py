@@ -24,20 +24,43 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What the KV cache is sized from on a GPU (bytes). ``own_bytes`` is this engine's
+    non-KV memory (its weights), not the process's: several engines may share a process or
+    a GPU, and each one's cache is its own business."""
+    total: int
+    free: int
+    own_bytes: int
+    peak_activation_bytes: int = 0
+    reserved_bytes: int = 0  # the KV connector's device buffers (NCCL, staging)
+
+    @classmethod
+    def measure(cls, device: torch.device, own_bytes: int, peak_activation_bytes: int,
+                reserved_bytes: int) -> "DeviceMemory":
+        free, total = torch.cuda.mem_get_info(device)
+        return cls(total, free, own_bytes, peak_activation_bytes, reserved_bytes)
+
+    def kv_budget(self, utilization: float) -> int:
+        """This engine's share (utilization x total) minus what it needs besides the cache,
+        and never more than is free now (other engines and processes hold the rest)."""
+        extra = self.peak_activation_bytes + self.reserved_bytes
+        return min(int(self.total * utilization) - self.own_bytes - extra, self.free - extra)
+
+
 def determine_num_blocks(spec: KVCacheSpec, device: torch.device, num_kv_blocks: int | None,
                          cpu_budget_bytes: int, gpu_memory_utilization: float,
-                         peak_activation_bytes: int = 0) -> int:
+                         memory: DeviceMemory | None = None) -> int:
     if num_kv_blocks is not None:
         num, why = num_kv_blocks, "num_kv_blocks"
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used_by_us = torch.cuda.memory_allocated(device)
-        budget = int(total * gpu_memory_utilization) - used_by_us - peak_activation_bytes
-        budget = min(budget, free - peak_activation_bytes)
-        num, why = budget // spec.block_bytes, (
-            f"gpu_memory_utilization={gpu_memory_utilization} of {total / 2**30:.1f} GiB, "
-            f"weights {used_by_us / 2**30:.2f} GiB, peak activations "
-            f"{peak_activation_bytes / 2**30:.2f} GiB")
+    elif device.type == "cuda" or memory is not None:
+        assert memory is not None, "a GPU's cache is sized from a DeviceMemory report"
+        num = max(memory.kv_budget(gpu_memory_utilization), 0) // spec.block_bytes
+        why = (f"gpu_memory_utilization={gpu_memory_utilization} of "
+               f"{memory.total / 2**30:.1f} GiB ({memory.free / 2**30:.1f} GiB free), weights "
+               f"{memory.own_bytes / 2**30:.2f} GiB, peak activations "
+               f"{memory.peak_activation_bytes / 2**30:.2f} GiB, KV connector buffers "
+               f"{memory.reserved_bytes / 2**30:.2f} GiB")
     else:
         num, why = cpu_budget_bytes // spec.block_bytes, f"kv_cache_memory={cpu_budget_bytes}"
     if num < 1:

@@ -38,8 +38,9 @@ class LLMEngine:
         self.eos_token_id = hf_config.get("eos_token_id", self.tokenizer.eos_token_id)
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
-        self.runner = ModelRunner(config, hf_config)
-        num_blocks = self.runner.init_kv_cache()
+        self.runner = ModelRunner(config, hf_config, self.max_model_len)
+        kv = config.kv_transfer
+        num_blocks = self.runner.init_kv_cache(kv.device_reserve_bytes() if kv else 0)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         scheduler_connector = self._create_connector(hf_config)

@@ -8,7 +8,7 @@ import torch
 
 from pd_cluster.attention import AttentionMetadata, create_backend
 from pd_cluster.config import EngineConfig
-from pd_cluster.engine.cache_engine import (KVCacheSpec, allocate_kv_caches,
+from pd_cluster.engine.cache_engine import (DeviceMemory, KVCacheSpec, allocate_kv_caches,
                                             determine_num_blocks)
 from pd_cluster.engine.penalties import apply_penalties
 from pd_cluster.engine.sampler import Sampler, apply_min_tokens_mask, token_logprobs
@@ -20,12 +20,27 @@ logger = logging.getLogger(__name__)
 _LOGITS_CHUNK = 512  # prompt positions whose logits are materialised at once
 
 
+def profile_batch(num_tokens: int, max_model_len: int, max_num_seqs: int
+                  ) -> tuple[list[int], int]:
+    """The worst step the scheduler can build: (prompt lengths, logits rows). ``num_tokens``
+    (max_num_batched_tokens) split into prompts no longer than the model's positions, and one
+    logits row per sequence that may sample in a step (max_num_seqs)."""
+    lens = [max_model_len] * (num_tokens // max_model_len)
+    if num_tokens % max_model_len:
+        lens.append(num_tokens % max_model_len)
+    return lens, min(max_num_seqs, num_tokens)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config: dict[str, Any]):
+    def __init__(self, config: EngineConfig, hf_config: dict[str, Any],
+                 max_model_len: int | None = None):
         self.config = config
+        self.max_model_len = max_model_len or int(hf_config.get("max_position_embeddings", 2048))
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        before = self._allocated()
         self.model = load_model(config.model, hf_config, self.dtype, self.device)
+        self.weights_bytes = self._allocated() - before  # this engine's, not the process's
         args = self.model.args
         self.kv_spec = KVCacheSpec(args.num_layers, config.block_size, args.num_kv_heads,
                                    args.head_dim, self.dtype)
@@ -35,34 +50,57 @@ class ModelRunner:
         self.connector: Any = None  # worker-side KV connector
 
     # ---- set-up --------------------------------------------------------------------------
-    def init_kv_cache(self) -> int:
-        peak = self._profile_peak_bytes() if (
-            self.device.type == "cuda" and self.config.num_kv_blocks is None) else 0
+    def _allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def init_kv_cache(self, reserved_bytes: int = 0) -> int:
+        """Allocate the paged KV cache; ``reserved_bytes``: device memory the KV connector
+        will hold (sized before it exists)."""
+        memory = None
+        if self.device.type == "cuda" and self.config.num_kv_blocks is None:
+            memory = DeviceMemory.measure(self.device, self.weights_bytes,
+                                          self._profile_peak_bytes(), reserved_bytes)
         num_blocks = determine_num_blocks(
             self.kv_spec, self.device, self.config.num_kv_blocks, self.config.kv_cache_memory,
-            self.config.gpu_memory_utilization, peak)
+            self.config.gpu_memory_utilization, memory)
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
         return num_blocks
 
     def _profile_peak_bytes(self) -> int:
-        """Run one forward of max_num_batched_tokens on a throwaway cache to size activations."""
-        n = self.config.max_num_batched_tokens
-        bs = self.config.block_size
-        blocks = -(-n // bs)
-        caches = allocate_kv_caches(self.kv_spec, blocks, self.device)
+        """Peak activation bytes of the worst step, measured on a throwaway cache."""
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        meta = self._metadata(slots=torch.arange(n), query_start=[0, n], seq_lens=[n],
-                              tables=torch.arange(blocks)[None], num_decodes=0)
-        ctx = ForwardContext(meta, caches, self.backend)
-        with torch.inference_mode():
-            hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
-                                torch.arange(n, device=self.device), ctx)
-            self.model.compute_logits(hidden[-1:])
+        self.profile_forward()
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        del caches, hidden
         torch.cuda.empty_cache()
         return peak
+
+    @torch.inference_mode()
+    def profile_forward(self) -> None:
+        """One forward (and the logits) of the largest batch the scheduler may run."""
+        lens, rows = profile_batch(self.config.max_num_batched_tokens, self.max_model_len,
+                                   self.config.max_num_seqs)
+        bs = self.config.block_size
+        per_seq = [-(-n // bs) for n in lens]
+        caches = allocate_kv_caches(self.kv_spec, sum(per_seq), self.device)
+        width, first = max(per_seq), 0
+        tables = []
+        for nb in per_seq:
+            tables.append(list(range(first, first + nb)) + [0] * (width - nb))
+            first += nb
+        tables_t = torch.tensor(tables, dtype=torch.int32)
+        positions = torch.cat([torch.arange(n) for n in lens])
+        seq_of = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        slots = tables_t[seq_of, positions // bs].long() * bs + positions % bs
+        query_start = [0]
+        for n in lens:
+            query_start.append(query_start[-1] + n)
+        meta = self._metadata(slots, query_start, list(lens), tables_t, num_decodes=0)
+        ctx = ForwardContext(meta, caches, self.backend)
+        hidden = self.model(torch.zeros(len(positions), dtype=torch.long, device=self.device),
+                            positions.to(self.device), ctx)
+        self.model.compute_logits(hidden[:rows])
+        del caches, hidden
 
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
