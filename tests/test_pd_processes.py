@@ -1,4 +1,5 @@
-"""P/D across two OS processes over ZMQ (tcp and ipc): exactness, overlap, crashes."""
+"""P/D across two OS processes over ZMQ (tcp and ipc) and the gloo pipe (the NCCL pipe's
+protocol on CPUs): exactness, overlap, crashes."""
 from __future__ import annotations
 
 import time
@@ -20,13 +21,14 @@ def model(tmp_path_factory):
     return str(make_model(tmp_path_factory.mktemp("pdp") / "m", arch="qwen2", num_layers=4))
 
 
-def start_pair(model: str, transport: str, block_size: int, chunk: int, timeout: float = 10.0
-               ) -> tuple[EngineProcess, EngineProcess]:
+def start_pair(model: str, transport: str, block_size: int, chunk: int, timeout: float = 10.0,
+               pipe: str = "zmq") -> tuple[EngineProcess, EngineProcess]:
+    kv = dict(transport=transport, pipe=pipe)
     d = EngineProcess(EngineConfig(model=model, block_size=block_size,
-                                   kv_transfer=kv_config("consumer", timeout, transport=transport)))
+                                   kv_transfer=kv_config("consumer", timeout, **kv)))
     p = EngineProcess(EngineConfig(model=model, block_size=block_size,
                                    max_num_batched_tokens=chunk,
-                                   kv_transfer=kv_config("producer", timeout, transport=transport)))
+                                   kv_transfer=kv_config("producer", timeout, **kv)))
     return p.wait_ready(), d.wait_ready()
 
 
@@ -35,12 +37,13 @@ def stop(*procs: EngineProcess) -> None:
         proc.shutdown()
 
 
-@pytest.mark.parametrize("transport,block_size,chunk", [("tcp", 8, 32), ("ipc", 16, 48)])
-def test_two_processes_match_colocated(model, transport, block_size, chunk):
+@pytest.mark.parametrize("pipe,transport,block_size,chunk", [
+    ("zmq", "tcp", 8, 32), ("zmq", "ipc", 16, 48), ("gloo", "tcp", 8, 32)])
+def test_two_processes_match_colocated(model, pipe, transport, block_size, chunk):
     prompts = prompts_of_lengths([1, 9, 15, 16, 17, 40, 100, 150, 3, 64, 65, 23, 5, 7, 31, 2, 77])
     params = [GREEDY if i % 3 else SamplingParams(temperature=0.8, seed=i, max_tokens=8,
                                                   ignore_eos=True) for i in range(len(prompts))]
-    p, d = start_pair(model, transport, block_size, chunk)
+    p, d = start_pair(model, transport, block_size, chunk, pipe=pipe)
     try:
         assert d.kv_endpoint.startswith(f"{transport}://")
         ids = [f"{transport}-{i}" for i in range(len(prompts))]
@@ -73,8 +76,9 @@ def test_first_layer_arrives_before_producer_forward_ends(tmp_path):
         stop(p, d)
 
 
-def test_producer_sigkill_mid_transfer_falls_back(model):
-    p, d = start_pair(model, "tcp", 8, 16, timeout=2.0)
+@pytest.mark.parametrize("pipe", ["zmq", "gloo"])
+def test_producer_sigkill_mid_transfer_falls_back(model, pipe):
+    p, d = start_pair(model, "tcp", 8, 16, timeout=2.0, pipe=pipe)
     try:
         prompts = prompts_of_lengths([300] * 6 + [40] * 6)
         ids = [f"k{i}" for i in range(len(prompts))]
