@@ -7,36 +7,43 @@ from concurrent.futures import Future
 
 import torch
 
-Key = tuple[tuple[int, ...], torch.dtype, torch.device]
+Key = tuple[tuple[int, ...], torch.dtype, torch.device, bool]
 
 
 class BufferPool:
+    """Reusable send buffers, keyed by what they are (shape, dtype, device, pinned): a device
+    gather buffer and its pinned host copy are two different buffers, each reused as such."""
+
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes  # idle buffers kept at most; beyond that they are dropped
         self._free: dict[Key, list[torch.Tensor]] = defaultdict(list)
         self._idle_bytes = 0
         self._lock = threading.Lock()
 
-    def acquire(self, shape: tuple[int, ...], dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor:
-        key = (tuple(shape), dtype, torch.device(device))
+    def acquire(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                pin: bool = False) -> torch.Tensor:
+        key = (tuple(shape), dtype, torch.device(device), pin)
         with self._lock:
             if self._free[key]:
                 buf = self._free[key].pop()
                 self._idle_bytes -= buf.nbytes
                 return buf
-        return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
 
     def release_when_done(self, buf: torch.Tensor, future: Future) -> None:
-        future.add_done_callback(lambda _f: self._release(buf))
+        future.add_done_callback(lambda _f: self.release(buf))
 
-    def _release(self, buf: torch.Tensor) -> None:
-        key = (tuple(buf.shape), buf.dtype, buf.device)
+    def release(self, buf: torch.Tensor) -> None:
+        key = (tuple(buf.shape), buf.dtype, buf.device, buf.device.type == "cpu" and buf.is_pinned())
         with self._lock:
             if self._idle_bytes + buf.nbytes > self.max_bytes:
                 return
             self._free[key].append(buf)
             self._idle_bytes += buf.nbytes
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
 
 
 def gather_blocks(kv_layer: torch.Tensor, block_ids: tuple[int, ...], out: torch.Tensor) -> None:

@@ -122,6 +122,11 @@ class KVPipe(ABC):
     def disconnect(self, peer_addr: str) -> None:
         """Forget a consumer (it is gone for good): stop reconnecting, fail its queued sends."""
 
+    def carries(self, device: torch.device) -> bool:
+        """Whether tensors on ``device`` are sent as they are (else the caller stages them in
+        host memory first)."""
+        return device.type == "cpu"
+
     @abstractmethod
     def set_handshake_validator(
         self, fn: Optional[Callable[[dict], Optional[str]]], info: Optional[dict] = None

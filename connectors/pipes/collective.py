@@ -91,6 +91,9 @@ class CollectivePipe(KVPipe):
             raise PipeError(f"{self.backend.name} init with {peer_addr} failed: {p.error}")
         return reply
 
+    def carries(self, device: torch.device) -> bool:
+        return device.type in ("cpu", self.backend.device_type)
+
     def disconnect(self, peer_addr: str) -> None:
         self._replace(peer_addr, None)
         self._ctrl.disconnect(peer_addr)

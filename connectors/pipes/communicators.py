@@ -46,6 +46,7 @@ class Communicator(ABC):
 
 class CommBackend(ABC):
     name = ""
+    device_type = "cpu"  # where the tensors it moves live
 
     @abstractmethod
     def handles(self, t: torch.Tensor) -> bool:
@@ -209,6 +210,7 @@ class NcclCommunicator(Communicator):
 
 class NcclBackend(CommBackend):
     name = "nccl"
+    device_type = "cuda"
 
     def __init__(self, device: torch.device):
         self.nccl, self.device = load_nccl(), device
