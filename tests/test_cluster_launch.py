@@ -71,6 +71,9 @@ def test_launch_serve_then_ctrl_c_leaves_nothing(tmp_path: Path,
 
 def test_launch_detach_status_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     env = _env(tmp_path, monkeypatch)
+    # A first run on a machine: no ~/.ray/auth_token yet (our token-auth head needs one).
+    env.update(HOME=str(tmp_path / "home"))
+    env.pop("RAY_AUTH_MODE", None)
     ns = f"test-detach-{os.getpid()}"
     done = _cli(["launch", "--config", "configs/local.yaml", "--port", "0", "--namespace", ns,
                  "--detach", "--no-progress", "--set", "engine.num_kv_blocks=256"], env,
@@ -94,3 +97,4 @@ def test_launch_detach_status_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert not pid_alive(state.head_pid)
     wait_until(lambda: not any(pid_alive(p) for p in pids), 30, "engine processes to exit")
     assert ClusterState.load(ns) is None
+    assert (tmp_path / "home" / ".ray" / "auth_token").is_file()  # made for the head

@@ -65,6 +65,7 @@ def start_ray(address: str | None, namespace: str, num_cpus: float, num_gpus: fl
     port = free_port()
     if "RAY_AUTH_MODE" not in os.environ:
         _use_token_auth()  # what `ray start` uses by default; we must connect the same way
+        _ensure_token()
     pid = start_head(port, num_cpus, num_gpus, log_dir / f"ray-head-{port}.log")
     addr = f"127.0.0.1:{port}"
     try:
@@ -94,6 +95,25 @@ def _use_token_auth() -> None:
         pass
 
 
+def _ensure_token() -> None:
+    """A token-auth head refuses to start without a token: make one where `ray start` and
+    our drivers look (~/.ray/auth_token) on a machine that never had one, as
+    `ray get-auth-token --generate` does."""
+    if (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+            or (Path.home() / ".ray" / "auth_token").is_file()):
+        return
+    done = subprocess.run([*_ray_cli(), "get-auth-token", "--generate"], capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise RuntimeError(f"could not create a Ray auth token (`ray get-auth-token --generate`"
+                           f" exited with {done.returncode}: {done.stderr.strip()[-300:]})")
+
+
+def _ray_cli() -> list[str]:
+    ray = Path(sys.executable).with_name("ray")
+    return [str(ray)] if ray.exists() else [sys.executable, "-m", "ray.scripts.scripts"]
+
+
 def _gcs_address() -> str | None:
     import ray
     try:
@@ -110,15 +130,13 @@ def head_temp_dir(port: int) -> Path:
 def start_head(port: int, num_cpus: float, num_gpus: float | None, log_path: Path) -> int:
     """``ray start --head --block`` in its own session; returns its pid once GCS is up."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+    cmd = [*_ray_cli(), "start", "--head", "--block",
            f"--port={port}", f"--temp-dir={head_temp_dir(port)}",
            f"--num-cpus={int(max(1, round(num_cpus)))}",
            "--disable-usage-stats", "--include-dashboard=false",
            f"--dashboard-agent-listen-port={free_port()}"]
     if num_gpus is not None:
         cmd.append(f"--num-gpus={int(num_gpus)}")
-    if not Path(cmd[0]).exists():
-        cmd[0:1] = [sys.executable, "-m", "ray.scripts.scripts"]
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # workers must import pd_cluster too
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
