@@ -84,17 +84,18 @@ class KVTransferConfig(BaseModel):
 
     def device_reserve_bytes(self) -> int:
         """Device memory the connector may hold beside the KV cache, counted when the cache is
-        sized (before the connector exists). Only the NCCL pipe keeps KV copies on the GPU:
-        the producer's gathered layers queued for sending (bounded by max_inflight_bytes), the
-        consumer's received layers not yet scattered into blocks (max_staging_bytes), and
-        NCCL's own buffers (estimated: extra.nccl_buffer_bytes per communicator, default
-        32 MiB, for up to extra.max_peers peers, default 4). ZMQ stages in host memory."""
+        sized (before the connector exists). A producer gathers each layer's blocks into
+        device buffers (idle ones pooled up to max_inflight_bytes; over NCCL they also wait
+        in the send queue, bounded by the same figure). Over NCCL the consumer holds received
+        layers not yet scattered (max_staging_bytes), and NCCL its own buffers (estimated:
+        extra.nccl_buffer_bytes per communicator, default 32 MiB, for up to extra.max_peers
+        peers, default 4). A ZMQ consumer receives into host memory. Only a GPU cache
+        counts this (a CPU cache is sized by kv_cache_memory)."""
+        reserve = self.pipe_config.max_inflight_bytes if self.is_producer else 0
         if self.pipe != "nccl":
-            return 0
+            return reserve
         extra = self.pipe_config.extra
-        reserve = int(extra.get("nccl_buffer_bytes", 32 * MiB)) * int(extra.get("max_peers", 4))
-        if self.is_producer:
-            reserve += self.pipe_config.max_inflight_bytes
+        reserve += int(extra.get("nccl_buffer_bytes", 32 * MiB)) * int(extra.get("max_peers", 4))
         if self.is_consumer:
             reserve += self.max_staging_bytes
         return reserve

@@ -12,7 +12,7 @@ from pd_cluster.serving.schema import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CLUSTER_CONFIGS = ["local.yaml", "local-2p2d.yaml", "local-colocated.yaml", "two-gpu.yaml",
-                   "multi-node.yaml"]
+                   "one-gpu.yaml", "multi-node.yaml"]
 
 
 @pytest.mark.parametrize("name", CLUSTER_CONFIGS)
@@ -40,6 +40,9 @@ def test_shipped_config_shapes() -> None:
     gpu = load_config(CONFIGS / "two-gpu.yaml")
     assert gpu.kv_transfer.pipe == "nccl" and gpu.required_gpus() == 2
     assert gpu.engine["dtype"] == "bfloat16"
+    one = load_config(CONFIGS / "one-gpu.yaml")  # P and D share a GPU and split its memory
+    assert one.kv_transfer.pipe == "zmq" and one.required_gpus() == 1
+    assert one.engine["gpu_memory_utilization"] * 2 <= 1
 
 
 @pytest.mark.parametrize("name", CLUSTER_CONFIGS)
@@ -94,11 +97,22 @@ def test_ray_up_cluster_file() -> None:
     ({"ray": {"num_cpus": "many"}}, "ray.num_cpus: expected a number"),
     ({"proxy": [1, 2]}, "proxy: expected a mapping"),
     ({"modle": "tiny-llama"}, "modle: unknown key"),
+    ({"prefill": {"num_gpus": 0.5}, "decode": {"num_gpus": 0.5}},
+     "engine.gpu_memory_utilization: 0.9 per engine x 2 engines per GPU"),
+    ({"prefill": {"num_gpus": 0.25}, "engine": {"gpu_memory_utilization": 0.3}},
+     "engine.gpu_memory_utilization: 0.3 per engine x 4 engines per GPU"),
 ])
 def test_errors_name_the_key(data: dict, key: str) -> None:
     with pytest.raises(ConfigError) as exc:
         parse_config(data)
     assert str(exc.value).startswith(key), str(exc.value)
+
+
+def test_shared_gpu_shares_that_fit_pass() -> None:
+    shared = {"prefill": {"num_gpus": 0.5}, "decode": {"num_gpus": 0.5}}
+    assert parse_config({**shared, "engine": {"gpu_memory_utilization": 0.45}})
+    assert parse_config({**shared, "engine": {"num_kv_blocks": 512}})  # a fixed-size cache
+    assert parse_config({"prefill": {"num_gpus": 1}, "decode": {"num_gpus": 1}})
 
 
 def test_file_errors(tmp_path: Path) -> None:

@@ -64,7 +64,9 @@ def test_budget_is_capped_by_free_memory_and_errors_name_the_figures() -> None:
 
 
 def test_nccl_buffers_and_staging_are_reserved_before_sizing() -> None:
-    assert KVTransferConfig(pipe="zmq").device_reserve_bytes() == 0  # stages in host memory
+    assert KVTransferConfig(role="consumer", pipe="zmq").device_reserve_bytes() == 0  # host
+    zmq_producer = KVTransferConfig(role="producer", pipe="zmq", max_inflight_bytes=64 * MiB)
+    assert zmq_producer.device_reserve_bytes() == 64 * MiB  # its pooled gather buffers
     producer = KVTransferConfig(role="producer", pipe="nccl", max_inflight_bytes=64 * MiB)
     assert producer.device_reserve_bytes() == 64 * MiB + 4 * 32 * MiB
     consumer = KVTransferConfig(role="consumer", pipe="nccl", max_staging_bytes=128 * MiB,
@@ -76,3 +78,21 @@ def test_tests_run_on_cpu_unless_marked_cuda(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     config = EngineConfig(model="m")
     assert config.torch_device == torch.device("cpu") and config.torch_dtype == torch.float32
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_two_engines_in_one_process_on_a_gpu_get_equal_caches(tiny_model) -> None:
+    """The CUDA half of the budget tests above: a real memory report and profile run,
+    with configs/two-gpu.yaml's batch budget (above the model's positions)."""
+    model_dir = tiny_model(max_position_embeddings=512)
+    args = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.15,
+                max_num_batched_tokens=1024, max_num_seqs=64)
+    first = LLM(model=model_dir, **args)
+    second = LLM(model=model_dir, **args)
+    n1, n2 = first.engine.block_manager.num_blocks, second.engine.block_manager.num_blocks
+    assert n1 > 0 and abs(n1 - n2) <= 0.01 * n1, (n1, n2)
+    for llm in (first, second):
+        out = llm.generate([[5] * 300], SamplingParams(temperature=0, max_tokens=4))
+        assert len(out[0].outputs[0].token_ids) == 4
+        llm.engine.check_no_leaks()

@@ -84,3 +84,28 @@ def test_failures_reach_the_caller_and_copies_are_bounded() -> None:
     with pytest.raises(PipeTimeout, match="device-to-host copy"):
         staging.send("d", {"n": "x"}, None, _Event(60)).result(timeout=5)
     staging.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_stage_copies_a_device_buffer_to_pinned_memory_on_a_side_stream() -> None:
+    got: list[torch.Tensor] = []
+
+    def send(peer: str, header: dict, payload) -> Future:
+        got.append(payload.clone())  # what the pipe would read once the event completed
+        f: Future = Future()
+        f.set_result(None)
+        return f
+
+    pool = BufferPool(1 << 24)
+    staging = HostStaging(send, pool, torch.device("cuda"), copy_timeout=10.0)
+    for i in range(4):  # reuse of both buffers must never send a stale or torn copy
+        device_buf = pool.acquire((2, 64, 16, 2, 32), torch.bfloat16, torch.device("cuda"))
+        device_buf.copy_(torch.randn(device_buf.shape, device="cuda").to(torch.bfloat16) + i)
+        want = device_buf.cpu()
+        host, copied = staging.stage(device_buf)
+        assert host.is_pinned() and host.device.type == "cpu"
+        staging.send("d", {"n": i}, host, copied, device_buf).result(timeout=10)
+        pool.release(host)
+        assert torch.equal(got[-1], want)
+    staging.close()

@@ -137,6 +137,23 @@ class ClusterConfig(_Section):
                              "decode: consumer)")
         return value
 
+    @model_validator(mode="after")
+    def _shared_gpu_fits(self) -> "ClusterConfig":
+        """Engines with num_gpus < 1 share a GPU, and each takes gpu_memory_utilization of
+        it: caught here in a second rather than as an out-of-memory engine at start-up."""
+        fractions = [rc.num_gpus for rc in self.roles.values() if 0 < rc.num_gpus < 1]
+        if not fractions or self.engine.get("num_kv_blocks") or self.engine.get("device") == "cpu":
+            return self
+        per_gpu = int(1 / min(fractions) + 1e-9)
+        share = float(self.engine.get("gpu_memory_utilization",
+                                      EngineArgs.model_fields["gpu_memory_utilization"].default))
+        if share * per_gpu > 1 + 1e-9:
+            raise ValueError(
+                f"engine.gpu_memory_utilization: {share} per engine x {per_gpu} engines per GPU "
+                f"(num_gpus {min(fractions)}) is more than the GPU; use at most "
+                f"{int(100 / per_gpu) / 100}")
+        return self
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or served_name(self.model)
