@@ -34,7 +34,8 @@ class BufferPool:
         future.add_done_callback(lambda _f: self.release(buf))
 
     def release(self, buf: torch.Tensor) -> None:
-        key = (tuple(buf.shape), buf.dtype, buf.device, buf.device.type == "cpu" and buf.is_pinned())
+        pinned = buf.device.type == "cpu" and buf.is_pinned()
+        key = (tuple(buf.shape), buf.dtype, buf.device, pinned)
         with self._lock:
             if self._idle_bytes + buf.nbytes > self.max_bytes:
                 return

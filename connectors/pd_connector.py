@@ -20,19 +20,17 @@ from typing import Any
 import torch
 
 from connectors.base import KVConnectorBase_Worker
-from connectors.block_io import BufferPool, contiguous_runs, gather_blocks
 from connectors.config import KVTransferConfig
 from connectors.factory import ConnectorPair, register_connector
-from connectors.host_staging import HostStaging
 from connectors.kv_receiver import KVReceiver
-from connectors.metadata import (AckHeader, FinHeader, KVConnectorMetadata, KVLayerHeader,
-                                 RenewHeader, decode_header, encode_header)
+from connectors.layer_sender import LayerSender
+from connectors.metadata import (AckHeader, FinHeader, KVConnectorMetadata, RenewHeader,
+                                 decode_header, encode_header)
 from connectors.pd_scheduler import PDConnectorScheduler
 from connectors.send_leases import SendLeases
 from connectors.pipes.base import PipeError, create_pipe
 
 logger = logging.getLogger(__name__)
-_MAX_ZERO_COPY_RUNS = 4
 _HANDSHAKE_KEYS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
 
 
@@ -58,8 +56,8 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             self.pipe.set_handshake_validator(self._validate_hello, info=self.hello)
             self._endpoint = self.pipe.listen()
         self._meta: KVConnectorMetadata | None = None
-        self._buffers = BufferPool(max_bytes=config.pipe_config.max_inflight_bytes)
-        self._staging: HostStaging | None = None
+        self.sender = LayerSender(self.pipe, config.pipe_config.max_inflight_bytes,
+                                  config.kv_transfer_timeout)
         self._peers: dict[str, str | None] = {}  # connected consumer -> its tag
         self._connecting: dict[str, threading.Lock] = {}
         self._peer_lock = threading.Lock()
@@ -86,19 +84,8 @@ class PDConnectorWorker(KVConnectorBase_Worker):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
         self.receiver.kv_caches = kv_caches
-        device = kv_caches[0].device if kv_caches else torch.device("cpu")
-        if self.config.is_producer and not self.pipe.carries(device):
-            # GPU KV over a host-memory pipe: pinned copies on a side stream (host_staging.py)
-            self._staging = HostStaging(self.pipe.send_tensor, self._buffers, device,
-                                        self.config.kv_transfer_timeout)
-
-    def _send(self, peer: str, header: dict, payload: torch.Tensor | None,
-              staged: tuple[Any, torch.Tensor] | None = None) -> Future:
-        """Every producer send: through the staging thread when it is on (keeps order)."""
-        if self._staging is None:
-            return self.pipe.send_tensor(peer, header, payload)
-        copied, device_buf = staged or (None, None)
-        return self._staging.send(peer, header, payload, copied, device_buf)
+        if self.config.is_producer and kv_caches:
+            self.sender.use_device(kv_caches[0].device)
 
     def _validate_hello(self, hello: dict) -> str | None:
         diffs = [f"{k}: ours={self.hello[k]!r} theirs={hello.get(k)!r}" for k in _HANDSHAKE_KEYS
@@ -172,55 +159,23 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             if spec.request_id in self._failed_sends or not self._usable(spec.peer):
                 self._failed_sends.add(spec.request_id)
                 continue
-            for header, payload, pooled, staged in self._payloads(spec, layer, kv_layer):
+            for msg in self.sender.layer_messages(spec, layer, kv_layer):
                 try:
-                    future = self._send(spec.peer, encode_header(header), payload, staged)
+                    future = self.sender.send_layer(spec.peer, msg)
                 except PipeError as e:
                     logger.error("send of %s layer %d failed: %s", spec.request_id, layer, e)
                     self._failed_sends.add(spec.request_id)
                     self._broken.add(spec.peer)
                     break
-                if pooled:
-                    self._buffers.release_when_done(payload, future)
                 self._step_futures.append((spec.request_id, spec.peer, future))
                 self.leases.sending(spec.request_id)
-                self.bytes_sent += payload.nbytes
+                self.bytes_sent += msg.tensor.nbytes
         if layer == len(self.kv_caches) - 1 and self.config.record_timings:
             now = time.time()
             for spec in self._meta.sends:
                 self.last_layer_times[spec.request_id] = now
             while len(self.last_layer_times) > 4096:
                 self.last_layer_times.popitem(last=False)
-
-    def _payloads(self, spec: Any, layer: int, kv_layer: torch.Tensor
-                  ) -> list[tuple[KVLayerHeader, torch.Tensor, bool, Any]]:
-        """(header, tensor, pooled, staged) per message. Zero-copy views of the cache when the
-        blocks form a few contiguous runs (CPU, the common case: a prompt's blocks are
-        allocated together); else one gathered copy, staged to pinned host memory when the
-        pipe cannot carry device memory."""
-        runs = contiguous_runs(spec.block_ids)
-        if kv_layer.device.type == "cpu" and len(runs) <= _MAX_ZERO_COPY_RUNS:
-            # At most one pipe frame per message: the receiver then uses the frame in place
-            # instead of joining frames with a copy.
-            per_msg = max(1, self.pipe.config.max_frame_bytes // kv_layer[0, 0].nbytes)
-            out = []
-            for start, count, low, descending in runs:
-                for off in range(0, count, per_msg):
-                    n = min(per_msg, count - off)
-                    # Offsets within a descending run count from its high end.
-                    lo = low + (count - off - n if descending else off)
-                    out += [(KVLayerHeader(spec.request_id, layer, spec.first_block + start + off,
-                                           part, descending), kv_layer[part, lo:lo + n], False,
-                             None) for part in (0, 1)]
-            return out
-        payload = self._buffers.acquire((2, len(spec.block_ids), *kv_layer.shape[2:]),
-                                        kv_layer.dtype, kv_layer.device)
-        gather_blocks(kv_layer, spec.block_ids, payload)
-        header = KVLayerHeader(spec.request_id, layer, spec.first_block)
-        if self._staging is not None:
-            host, copied = self._staging.stage(payload)
-            return [(header, host, True, (copied, payload))]
-        return [(header, payload, True, None)]
 
     def wait_for_save(self) -> None:
         """Every payload of this step released by the pipe: zero-copy views point into the
@@ -255,7 +210,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
         if ok:  # held before the FIN leaves: the answer can come back before send returns
             self.leases.hold(fin.request_id)
         try:
-            self._send(fin.peer, encode_header(header), None)
+            self.sender.send(fin.peer, encode_header(header), None)
         except PipeError as e:
             logger.error("FIN for %s failed: %s", fin.request_id, e)
             ok = False
@@ -327,8 +282,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
 
     def close(self) -> None:
         self._running = False
-        if self._staging is not None:
-            self._staging.close()
+        self.sender.close()
         self.pipe.close()
         self._thread.join(timeout=2)
 

@@ -208,7 +208,7 @@ def test_answer_to_fin_before_its_send_returns_still_frees_at_once(model, consum
 
 
 def test_contiguous_runs():
-    from connectors.pd_connector import contiguous_runs
+    from connectors.block_io import contiguous_runs
     assert contiguous_runs((4, 5, 6)) == [(0, 3, 4, False)]
     assert contiguous_runs((9, 8, 7, 3, 4)) == [(0, 3, 7, True), (3, 2, 3, False)]
     assert contiguous_runs((2, 7, 1)) == [(0, 1, 2, False), (1, 1, 7, False), (2, 1, 1, False)]
@@ -265,7 +265,8 @@ def test_long_runs_are_split_into_single_frame_messages():
     worker.connect_peer(worker.endpoint())
     meta = KVConnectorMetadata(sends=[SendSpec("s", worker.endpoint(), src_blocks, 0)])
     worker.bind_connector_metadata(meta)
-    assert len(worker._payloads(meta.sends[0], 0, src)) == 6  # 3 messages each for K and V
+    messages = worker.sender.layer_messages(meta.sends[0], 0, src)
+    assert len(messages) == 6  # 3 messages each for K and V
     worker.save_kv_layer(0, src, None)
     worker.wait_for_save()
     worker.bind_connector_metadata(KVConnectorMetadata(

@@ -1,0 +1,84 @@
+"""Producer side of the wire: what one layer of a request becomes (messages over the cache's
+blocks), and the one path every producer send takes (in order through pinned host staging
+when the KV is on a GPU and the pipe carries host memory only)."""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, NamedTuple
+
+import torch
+
+from connectors.block_io import BufferPool, contiguous_runs, gather_blocks
+from connectors.host_staging import HostStaging
+from connectors.metadata import KVLayerHeader, encode_header
+from connectors.pipes.base import KVPipe
+
+_MAX_ZERO_COPY_RUNS = 4
+
+
+class LayerMessage(NamedTuple):
+    header: KVLayerHeader
+    tensor: torch.Tensor  # what goes on the wire
+    pooled: bool  # a pool buffer, returned once the pipe let go of it
+    staged: tuple[Any, torch.Tensor] | None = None  # (copy event, device buffer copied from)
+
+
+class LayerSender:
+    def __init__(self, pipe: KVPipe, max_pooled_bytes: int, copy_timeout: float):
+        self.pipe = pipe
+        self.copy_timeout = copy_timeout
+        self.buffers = BufferPool(max_bytes=max_pooled_bytes)
+        self._staging: HostStaging | None = None
+
+    def use_device(self, device: torch.device) -> None:
+        """Where the KV cache lives: GPU KV over a host-memory pipe is staged (host_staging.py)."""
+        if not self.pipe.carries(device):
+            self._staging = HostStaging(self.pipe.send_tensor, self.buffers, device,
+                                        self.copy_timeout)
+
+    def layer_messages(self, spec: Any, layer: int, kv_layer: torch.Tensor) -> list[LayerMessage]:
+        """Zero-copy views of the cache when the blocks form a few contiguous runs (CPU, the
+        common case: a prompt's blocks are allocated together); else one gathered copy,
+        staged to pinned host memory when the pipe cannot carry device memory."""
+        runs = contiguous_runs(spec.block_ids)
+        if kv_layer.device.type == "cpu" and len(runs) <= _MAX_ZERO_COPY_RUNS:
+            # At most one pipe frame per message: the receiver then uses the frame in place
+            # instead of joining frames with a copy.
+            per_msg = max(1, self.pipe.config.max_frame_bytes // kv_layer[0, 0].nbytes)
+            out = []
+            for start, count, low, descending in runs:
+                for off in range(0, count, per_msg):
+                    n = min(per_msg, count - off)
+                    # Offsets within a descending run count from its high end.
+                    lo = low + (count - off - n if descending else off)
+                    out += [LayerMessage(KVLayerHeader(spec.request_id, layer,
+                                                       spec.first_block + start + off, part,
+                                                       descending),
+                                         kv_layer[part, lo:lo + n], False) for part in (0, 1)]
+            return out
+        payload = self.buffers.acquire((2, len(spec.block_ids), *kv_layer.shape[2:]),
+                                       kv_layer.dtype, kv_layer.device)
+        gather_blocks(kv_layer, spec.block_ids, payload)
+        header = KVLayerHeader(spec.request_id, layer, spec.first_block)
+        if self._staging is not None:
+            host, copied = self._staging.stage(payload)
+            return [LayerMessage(header, host, True, (copied, payload))]
+        return [LayerMessage(header, payload, True)]
+
+    def send_layer(self, peer: str, msg: LayerMessage) -> Future:
+        future = self.send(peer, encode_header(msg.header), msg.tensor, msg.staged)
+        if msg.pooled:
+            self.buffers.release_when_done(msg.tensor, future)
+        return future
+
+    def send(self, peer: str, header: dict, payload: torch.Tensor | None,
+             staged: tuple[Any, torch.Tensor] | None = None) -> Future:
+        """Every producer send: through the staging thread when it is on (keeps order)."""
+        if self._staging is None:
+            return self.pipe.send_tensor(peer, header, payload)
+        copied, device_buf = staged or (None, None)
+        return self._staging.send(peer, header, payload, copied, device_buf)
+
+    def close(self) -> None:
+        if self._staging is not None:
+            self._staging.close()
