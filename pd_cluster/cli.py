@@ -38,7 +38,7 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
 
 def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     try:
-        from pd_cluster.serving.cli_cluster import add_cluster_commands
+        from pd_cluster.serving.cluster.cli_cluster import add_cluster_commands
     except ImportError:  # serving extras not importable: the offline commands still work
         return
     add_cluster_commands(sub)

@@ -95,7 +95,7 @@ class FakeEngine:
 def bench_actor_class() -> Any:
     import ray
 
-    from pd_cluster.serving.engine_actor import EngineActor
+    from pd_cluster.serving.engine.engine_actor import EngineActor
 
     class BenchEngineActor(EngineActor):
         def __init__(self, spec: dict[str, Any]):
@@ -111,8 +111,8 @@ def bench_actor_class() -> Any:
 def start(namespace: str) -> tuple[str, list[Any]]:
     import ray
 
-    from pd_cluster.serving.cluster_config import parse_config
-    from pd_cluster.serving.proxy_actor import proxy_actor_class
+    from pd_cluster.serving.cluster.cluster_config import parse_config
+    from pd_cluster.serving.cluster.proxy_actor import proxy_actor_class
     cfg = parse_config({"mode": "colocated", "colocated": {"replicas": 1, "num_cpus": 1},
                         "engine": {"device": "cpu", "num_kv_blocks": 16},
                         "proxy": {"port": 0, "max_inflight": 1024, "request_timeout": 300.0},

@@ -165,8 +165,8 @@ def run_mode(mode: str, args: argparse.Namespace, work: list) -> dict[str, Any]:
     cluster = None
     url = args.url
     if url is None:
-        from pd_cluster.serving.cluster_config import load_config
-        from pd_cluster.serving.launcher import launch
+        from pd_cluster.serving.cluster.cluster_config import load_config
+        from pd_cluster.serving.cluster.launcher import launch
         over: dict[str, Any] = {"proxy": {"port": 0}, "ray": {"namespace": f"bench-{mode}"},
                                 "engine": {"max_model_len": args.max_model_len,
                                            "num_kv_blocks": args.num_kv_blocks}}
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.seed}), prompts {args.prompt_len_min}-{args.prompt_len_max} tokens, outputs "
           f"{args.output_len_min}-{args.output_len_max} tokens")
     if args.url is None:
-        from pd_cluster.serving.testing import ensure_ray
+        from pd_cluster.serving.cluster.testing import ensure_ray
         ensure_ray(num_cpus=2)  # both deployments get the same 2 CPUs
     summaries = {}
     for mode in modes:

@@ -36,10 +36,10 @@ install lm-eval torch==2.13.0 "lm-eval[api]==0.4.13" transformers
 install guidellm guidellm==0.8.1
 install aiperf aiperf==0.13.0
 
-MODEL_DIR=$("$PY" -c "from pd_cluster.serving.cluster_config import load_config
-from pd_cluster.serving.model_source import resolve_model
+MODEL_DIR=$("$PY" -c "from pd_cluster.serving.cluster.cluster_config import load_config
+from pd_cluster.serving.cluster.model_source import resolve_model
 print(resolve_model(load_config('$CONFIG').model))")
-MODEL=$("$PY" -c "from pd_cluster.serving.cluster_config import load_config
+MODEL=$("$PY" -c "from pd_cluster.serving.cluster.cluster_config import load_config
 print(load_config('$CONFIG').model_name)")
 
 step "launching $CONFIG on port $PORT (model $MODEL, tokenizer $MODEL_DIR)"

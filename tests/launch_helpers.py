@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_cluster.serving.testing import REPO_ROOT
+from pd_cluster.serving.cluster.testing import REPO_ROOT
 
 URL_RE = re.compile(r"serving on (http://[0-9.]+:\d+)")
 

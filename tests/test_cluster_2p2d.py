@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from pd_cluster import LLM, SamplingParams
-from pd_cluster.serving.cluster_config import resolve_model
-from pd_cluster.serving.testing import (cluster_status, ensure_ray, leak_reports, local_config,
-                                        wait_idle, wait_until)
+from pd_cluster.serving.cluster.cluster_config import resolve_model
+from pd_cluster.serving.cluster.testing import (cluster_status, ensure_ray, leak_reports,
+                                                local_config, wait_idle, wait_until)
 
 MODEL = "tiny-llama"
 
@@ -23,7 +23,7 @@ MODEL = "tiny-llama"
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     mp = pytest.MonkeyPatch()
     mp.setenv("PD_CLUSTER_STATE_DIR", str(tmp_path_factory.mktemp("state")))
-    from pd_cluster.serving.launcher import launch
+    from pd_cluster.serving.cluster.launcher import launch
 
     ensure_ray()
     cfg = local_config("local-2p2d", f"test-2p2d-{os.getpid()}",

@@ -30,9 +30,9 @@ def _pd_matches_reference(config: str, tmp_path, monkeypatch, engine: dict[str, 
     import openai
 
     from pd_cluster import LLM, SamplingParams
-    from pd_cluster.serving.cluster_config import resolve_model
-    from pd_cluster.serving.launcher import launch
-    from pd_cluster.serving.testing import ensure_ray, leak_reports, local_config, wait_idle
+    from pd_cluster.serving.cluster.cluster_config import resolve_model
+    from pd_cluster.serving.cluster.launcher import launch
+    from pd_cluster.serving.cluster.testing import ensure_ray, leak_reports, local_config, wait_idle
 
     monkeypatch.setenv("PD_CLUSTER_STATE_DIR", str(tmp_path))
     ensure_ray()

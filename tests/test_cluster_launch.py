@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pd_cluster.serving.launcher import ClusterState
-from pd_cluster.serving.ray_runtime import pid_alive
-from pd_cluster.serving.testing import wait_until
+from pd_cluster.serving.cluster.launcher import ClusterState
+from pd_cluster.serving.cluster.ray_runtime import pid_alive
+from pd_cluster.serving.cluster.testing import wait_until
 from tests.launch_helpers import URL_RE, Launcher, _cli, _env
 
 def _port_closed(url: str) -> bool:

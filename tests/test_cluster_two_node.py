@@ -22,8 +22,8 @@ import pytest
 import yaml
 
 from pd_cluster import LLM, SamplingParams
-from pd_cluster.serving.cluster_config import resolve_model
-from pd_cluster.serving.testing import wait_until
+from pd_cluster.serving.cluster.cluster_config import resolve_model
+from pd_cluster.serving.cluster.testing import wait_until
 from tests.launch_helpers import Launcher, _cli, _env
 from tests.two_nodes import HEAD_LABEL, WORKER_LABEL, TwoNodes, why_unavailable
 

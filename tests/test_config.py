@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pd_cluster.serving.cluster_config import (ClusterConfig, load_config, parse_config,
-                                               parse_overrides)
-from pd_cluster.serving.schema import ConfigError
+from pd_cluster.serving.cluster.cluster_config import (ClusterConfig, load_config, parse_config,
+                                                       parse_overrides)
+from pd_cluster.serving.cluster.schema import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CLUSTER_CONFIGS = ["local.yaml", "local-2p2d.yaml", "local-colocated.yaml", "two-gpu.yaml",

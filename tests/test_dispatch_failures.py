@@ -6,8 +6,8 @@ import msgspec
 import pytest
 import ray.exceptions
 
-from pd_cluster.serving.errors import APIError
-from pd_cluster.serving.messages import EngineDelta, EngineRequest, decode_request, encode
+from pd_cluster.serving.api.errors import APIError
+from pd_cluster.driver.messages import EngineDelta, EngineRequest, decode_request, encode
 from tests.test_serving_dispatch import (FakeEngine, Script, _Gen, _Method, d_ok, delta, make,
                                          p_ok, run)
 

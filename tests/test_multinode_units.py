@@ -12,11 +12,11 @@ import pytest
 
 from connectors.pipes.addressing import select_address
 from connectors.pipes.base import PipeConfig
-from pd_cluster.serving.cluster_config import parse_config
-from pd_cluster.serving.engine_actor import on_this_node
-from pd_cluster.serving.model_source import is_repo_id, resolve_model, served_name
-from pd_cluster.serving.placement import check_feasible
-from pd_cluster.serving.schema import ConfigError
+from pd_cluster.serving.cluster.cluster_config import parse_config
+from pd_cluster.serving.engine.engine_actor import on_this_node
+from pd_cluster.serving.cluster.model_source import is_repo_id, resolve_model, served_name
+from pd_cluster.serving.cluster.placement import check_feasible
+from pd_cluster.serving.cluster.schema import ConfigError
 
 # A multi-homed node: management network, fast network, IPv6 and loopback.
 TABLE = {"lo": ["127.0.0.1", "::1"], "eth0": ["192.0.2.10"], "ib0": ["10.9.3.7"],
@@ -156,8 +156,8 @@ class _Engine:
 
 def test_peer_linker_retries_with_backoff_and_relinks_restarted_consumers(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from pd_cluster.serving import peer_linker
-    from pd_cluster.serving.peer_linker import PeerLinker
+    from pd_cluster.serving.routing import peer_linker
+    from pd_cluster.serving.routing.peer_linker import PeerLinker
     clock = [100.0]
     monkeypatch.setattr(peer_linker.time, "monotonic", lambda: clock[0])
     p, d = _Engine("prefill-0", "prefill"), _Engine("decode-0", "decode", "tcp://d:1", "i0")
@@ -219,8 +219,8 @@ def test_launch_fails_naming_both_ends_of_an_unreachable_pair() -> None:
     """The launch-time reachability check: every P -> D pair, with both addresses and why."""
     import ray
 
-    from pd_cluster.serving.launcher import link_engines
-    from pd_cluster.serving.testing import ensure_ray
+    from pd_cluster.serving.cluster.launcher import link_engines
+    from pd_cluster.serving.cluster.testing import ensure_ray
     ensure_ray()
 
     @ray.remote(num_cpus=0)

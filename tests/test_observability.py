@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from pd_cluster.serving.cluster_config import parse_config
-from pd_cluster.serving.legs import StreamEvent
-from pd_cluster.serving.metrics import ProxyMetrics
-from pd_cluster.serving.request_tracker import RequestTracker
-from pd_cluster.serving.stats_log import StatsLog
+from pd_cluster.serving.cluster.cluster_config import parse_config
+from pd_cluster.serving.routing.legs import StreamEvent
+from pd_cluster.serving.observability.metrics import ProxyMetrics
+from pd_cluster.serving.routing.request_tracker import RequestTracker
+from pd_cluster.serving.observability.stats_log import StatsLog
 
 
 def _engine(name: str, **stats: float) -> SimpleNamespace:
@@ -44,7 +44,7 @@ def test_access_log_line_and_vllm_named_metrics(caplog) -> None:
 
 
 def test_stats_line_per_engine(caplog, monkeypatch) -> None:
-    from pd_cluster.serving import stats_log
+    from pd_cluster.serving.observability import stats_log
     clock = [0.0]
     monkeypatch.setattr(stats_log.time, "monotonic", lambda: clock[0])
     e = _engine("prefill-0", num_running=2, num_waiting=0, kv_blocks_used=10,

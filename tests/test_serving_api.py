@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from pd_cluster import SamplingParams
-from pd_cluster.serving.testing import wait_idle
-from pd_cluster.serving.cluster_config import resolve_model
+from pd_cluster.serving.cluster.testing import wait_idle
+from pd_cluster.serving.cluster.cluster_config import resolve_model
 from tests.test_serving_openai import (MODEL, PROMPTS, client, cluster,  # noqa: F401 (fixtures)
                                        offline, reference)
 

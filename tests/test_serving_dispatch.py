@@ -10,13 +10,13 @@ import pytest
 import ray.exceptions
 
 from pd_cluster.sampling_params import SamplingParams
-from pd_cluster.serving.cluster_config import ProxyConfig
-from pd_cluster.serving.dispatch import Dispatcher, GenerateJob
-from pd_cluster.serving.engine_pool import EnginePool
-from pd_cluster.serving.errors import APIError
-from pd_cluster.serving.messages import EngineDelta, EngineRequest, decode_request, encode
-from pd_cluster.serving.metrics import ProxyMetrics
-from pd_cluster.serving.router import create_router, router_names
+from pd_cluster.serving.cluster.cluster_config import ProxyConfig
+from pd_cluster.serving.routing.dispatch import Dispatcher, GenerateJob
+from pd_cluster.serving.routing.engine_pool import EnginePool
+from pd_cluster.serving.api.errors import APIError
+from pd_cluster.driver.messages import EngineDelta, EngineRequest, decode_request, encode
+from pd_cluster.serving.observability.metrics import ProxyMetrics
+from pd_cluster.serving.routing.router import create_router, router_names
 
 Script = list[Any]  # EngineDelta | BaseException | float (sleep seconds)
 

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from pd_cluster import LLM, SamplingParams
-from pd_cluster.serving.cluster_config import resolve_model
-from pd_cluster.serving.testing import ensure_ray, local_config, wait_idle
+from pd_cluster.serving.cluster.cluster_config import resolve_model
+from pd_cluster.serving.cluster.testing import ensure_ray, local_config, wait_idle
 
 MODEL = "tiny-llama"
 PROMPTS = ["Hello world, this is", "The quick brown fox jumps over", "Once upon a time",
@@ -26,7 +26,7 @@ MAX_INFLIGHT = 12
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     mp = pytest.MonkeyPatch()
     mp.setenv("PD_CLUSTER_STATE_DIR", str(tmp_path_factory.mktemp("state")))
-    from pd_cluster.serving.launcher import launch
+    from pd_cluster.serving.cluster.launcher import launch
 
     ensure_ray()
     cfg = local_config("local", f"test-openai-{os.getpid()}",

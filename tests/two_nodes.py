@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pd_cluster.serving.ray_runtime import free_port
+from pd_cluster.serving.cluster.ray_runtime import free_port
 
 HEAD_LABEL = {"pd-test-node": "head"}
 WORKER_LABEL = {"pd-test-node": "worker"}

@@ -68,7 +68,7 @@ class EngineProcess:
     # ---- commands ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
                     kv_transfer_params: dict[str, Any] | None = None) -> None:
-        from pd_cluster.serving.messages import EngineRequest, encode
+        from pd_cluster.driver.messages import EngineRequest, encode
         req = EngineRequest(request_id, list(prompt_token_ids), params, kv_transfer_params,
                             timeout=3600.0)
         self._send(Control("add", request=encode(req)))
@@ -127,7 +127,7 @@ class EngineProcess:
 
     def _on_message(self, ident: bytes, kind: bytes, raw: bytes) -> None:
         if kind == b"deltas":
-            from pd_cluster.serving.messages import decode_deltas
+            from pd_cluster.driver.messages import decode_deltas
             for d in decode_deltas(raw):
                 out = self.outputs.setdefault(d.request_id, {"token_ids": [], "text": "",
                                                              "finished": False})
@@ -145,8 +145,8 @@ class EngineProcess:
 def _serve(config: EngineConfig, control: str) -> None:
     """Child side: the EngineLoop driver owns the engine; this thread answers the parent."""
     from pd_cluster.engine.llm_engine import LLMEngine
-    from pd_cluster.serving.engine_loop import EngineLoop
-    from pd_cluster.serving.messages import decode_request, encode
+    from pd_cluster.driver.engine_loop import EngineLoop
+    from pd_cluster.driver.messages import decode_request, encode
 
     engine = LLMEngine(config)
     ctx = zmq.Context.instance()

@@ -15,8 +15,8 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from pd_cluster.outputs import RequestOutput
-from pd_cluster.serving.messages import (ERROR_ENGINE, ERROR_INVALID_REQUEST, EngineDelta,
-                                         EngineRequest)
+from pd_cluster.driver.messages import (ERROR_ENGINE, ERROR_INVALID_REQUEST, EngineDelta,
+                                        EngineRequest)
 
 logger = logging.getLogger(__name__)
 

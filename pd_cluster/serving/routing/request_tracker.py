@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any
 
-from pd_cluster.serving.errors import too_many_requests
+from pd_cluster.serving.api.errors import too_many_requests
 
 access_log = logging.getLogger("pd_cluster.access")
 

@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pd_cluster.serving.errors import APIError, invalid_request, model_not_found
-from pd_cluster.serving.openai_schemas import ChatMessage
+from pd_cluster.serving.api.errors import APIError, invalid_request, model_not_found
+from pd_cluster.serving.api.openai_schemas import ChatMessage
 
 
 class TokenizeRequest(BaseModel):

@@ -12,7 +12,7 @@ from typing import Any
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the config (and torch behind it) loads only when a command runs
-    from pd_cluster.serving.cluster_config import ClusterConfig
+    from pd_cluster.serving.cluster.cluster_config import ClusterConfig
 
 _DEFAULT_NAMESPACE = "pd-cluster"
 
@@ -54,14 +54,14 @@ def _namespace(args: argparse.Namespace) -> str:
     if args.namespace:
         return args.namespace
     if args.config:
-        from pd_cluster.serving.cluster_config import load_config
+        from pd_cluster.serving.cluster.cluster_config import load_config
         return load_config(args.config).ray.namespace
     return _DEFAULT_NAMESPACE
 
 
 def _config_from_args(args: argparse.Namespace) -> "ClusterConfig":
-    from pd_cluster.serving.cluster_config import load_config, parse_overrides
-    from pd_cluster.serving.schema import set_path
+    from pd_cluster.serving.cluster.cluster_config import load_config, parse_overrides
+    from pd_cluster.serving.cluster.schema import set_path
     overrides = parse_overrides(args.set)
     for key, value in (("proxy.host", args.host), ("proxy.port", args.port),
                        ("ray.namespace", args.namespace)):
@@ -72,8 +72,8 @@ def _config_from_args(args: argparse.Namespace) -> "ClusterConfig":
 
 # ---- launch ---------------------------------------------------------------------------------
 def run_launch(args: argparse.Namespace) -> int:
-    from pd_cluster.serving.launcher import ClusterState, launch
-    from pd_cluster.serving.ray_runtime import pid_alive, resolve_address
+    from pd_cluster.serving.cluster.launcher import ClusterState, launch
+    from pd_cluster.serving.cluster.ray_runtime import pid_alive, resolve_address
 
     cfg = _config_from_args(args)
     busy = _port_in_use(cfg.proxy.host, cfg.proxy.port)
@@ -140,7 +140,7 @@ def _port_in_use(host: str, port: int) -> str | None:
         return None
     import socket
 
-    from pd_cluster.serving.proxy_actor import bind_socket
+    from pd_cluster.serving.cluster.proxy_actor import bind_socket
     try:
         bind_socket(host, port).close()
     except (OSError, socket.gaierror) as e:
@@ -158,7 +158,7 @@ def run_status(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from pd_cluster.serving.launch_record import ClusterState
+    from pd_cluster.serving.cluster.launch_record import ClusterState
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no per-request INFO lines here
     ns = _namespace(args)
@@ -208,8 +208,8 @@ def _proxy_url_from_ray(namespace: str, st: Any) -> str | None:
 
     import ray
 
-    from pd_cluster.serving.launcher import PROXY_NAME
-    from pd_cluster.serving.ray_runtime import connect
+    from pd_cluster.serving.cluster.launcher import PROXY_NAME
+    from pd_cluster.serving.cluster.ray_runtime import connect
     if st is None or not st.address:
         return None
     try:
@@ -227,9 +227,9 @@ def _proxy_url_from_ray(namespace: str, st: Any) -> str | None:
 def run_stop(args: argparse.Namespace) -> int:
     import ray
 
-    from pd_cluster.serving.launcher import PROXY_NAME, ClusterState, kill_actors
-    from pd_cluster.serving.placement import named_groups, remove_groups
-    from pd_cluster.serving.ray_runtime import connect, pid_alive, stop_head
+    from pd_cluster.serving.cluster.launcher import PROXY_NAME, ClusterState, kill_actors
+    from pd_cluster.serving.cluster.placement import named_groups, remove_groups
+    from pd_cluster.serving.cluster.ray_runtime import connect, pid_alive, stop_head
 
     ns = _namespace(args)
     st = ClusterState.load(ns)

@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_cluster.serving.logprobs_format import TokenText, chat_logprobs, completion_logprobs
-from pd_cluster.serving.openai_schemas import (ChatChoice, ChatCompletionResponse,
-                                               ChatMessageOut, CompletionChoice,
-                                               CompletionResponse, PromptTokensDetails,
-                                               Usage)
+from pd_cluster.serving.api.logprobs_format import TokenText, chat_logprobs, completion_logprobs
+from pd_cluster.serving.api.openai_schemas import (ChatChoice, ChatCompletionResponse,
+                                                   ChatMessageOut, CompletionChoice,
+                                                   CompletionResponse, PromptTokensDetails,
+                                                   Usage)
 
 # Extension fields left out of a body when unset, so plain OpenAI clients see plain bodies.
 _OPTIONAL = ("token_ids", "prompt_token_ids", "usage", "message", "delta")

@@ -36,8 +36,8 @@ class ProxyActor:
         import ray
         import uvicorn
 
-        from pd_cluster.serving.cluster_config import ClusterConfig
-        from pd_cluster.serving.proxy import create_app
+        from pd_cluster.serving.cluster.cluster_config import ClusterConfig
+        from pd_cluster.serving.api.app import create_app
 
         _log_to_stderr()  # Ray forwards it to the launcher's console
         cfg = ClusterConfig.from_dict(config)

@@ -13,11 +13,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_cluster.serving.cluster_config import ProxyConfig
-from pd_cluster.serving.messages import EngineInfo, EngineStatus
-from pd_cluster.serving.peer_linker import PeerLinker
-from pd_cluster.serving.router import Router, create_router
-from pd_cluster.serving.stats_log import StatsLog
+from pd_cluster.serving.cluster.cluster_config import ProxyConfig
+from pd_cluster.driver.messages import EngineInfo, EngineStatus
+from pd_cluster.serving.routing.peer_linker import PeerLinker
+from pd_cluster.serving.routing.router import Router, create_router
+from pd_cluster.serving.observability.stats_log import StatsLog
 
 logger = logging.getLogger(__name__)
 

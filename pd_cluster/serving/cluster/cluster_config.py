@@ -16,10 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from connectors.config import KVTransferConfig
 from pd_cluster.config import EngineArgs
-from pd_cluster.serving.messages import (ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL,
-                                         EngineSpec)
-from pd_cluster.serving.model_source import resolve_model, served_name
-from pd_cluster.serving.schema import ConfigError, config_error, set_path
+from pd_cluster.driver.messages import (ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL,
+                                        EngineSpec)
+from pd_cluster.serving.cluster.model_source import resolve_model, served_name
+from pd_cluster.serving.cluster.schema import ConfigError, config_error, set_path
 
 __all__ = ["ClusterConfig", "ConfigError", "KVTransferConfig", "ProxyConfig", "RayConfig",
            "RoleConfig", "load_config", "parse_config", "parse_overrides", "resolve_model"]
@@ -91,7 +91,7 @@ class ProxyConfig(_Section):
     @field_validator("routing")
     @classmethod
     def _routing(cls, value: str) -> str:
-        from pd_cluster.serving.router import router_names
+        from pd_cluster.serving.routing.router import router_names
         if value not in router_names():
             raise ValueError(f"must be one of {', '.join(router_names())}, got {value!r}")
         return value

@@ -15,7 +15,7 @@ import dataclasses
 from typing import AsyncIterator, Callable
 
 from pd_cluster.sampling_params import SamplingParams
-from pd_cluster.serving.legs import GenerateJob, SharedPrefix, StreamEvent
+from pd_cluster.serving.routing.legs import GenerateJob, SharedPrefix, StreamEvent
 
 
 def choice_jobs(request_id: str, prompts: list[tuple[list[int], SamplingParams]], n: int,

@@ -15,14 +15,14 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from pd_cluster.serving.engine_pool import EnginePool, EngineState, NoHealthyEngine
-from pd_cluster.serving.legs import EngineFailed, GenerateJob, Leg, Sent, StreamEvent
-from pd_cluster.serving.errors import APIError, internal_error, invalid_request, timeout_error
-from pd_cluster.serving.messages import (ERROR_INVALID_REQUEST, ERROR_TIMEOUT, ROLE_COLOCATED,
-                                         ROLE_DECODE, ROLE_PREFILL, EngineDelta, EngineRequest,
-                                         decode_deltas, encode)
-from pd_cluster.serving.metrics import ProxyMetrics
-from pd_cluster.serving.peer_linker import PeerLinker
+from pd_cluster.serving.routing.engine_pool import EnginePool, EngineState, NoHealthyEngine
+from pd_cluster.serving.routing.legs import EngineFailed, GenerateJob, Leg, Sent, StreamEvent
+from pd_cluster.serving.api.errors import APIError, internal_error, invalid_request, timeout_error
+from pd_cluster.driver.messages import (ERROR_INVALID_REQUEST, ERROR_TIMEOUT, ROLE_COLOCATED,
+                                        ROLE_DECODE, ROLE_PREFILL, EngineDelta, EngineRequest,
+                                        decode_deltas, encode)
+from pd_cluster.serving.observability.metrics import ProxyMetrics
+from pd_cluster.serving.routing.peer_linker import PeerLinker
 
 logger = logging.getLogger(__name__)
 _REPLACEMENT_CHAR = "\ufffd"

@@ -14,8 +14,8 @@ import logging
 import time
 from typing import Any
 
-from pd_cluster.serving.cluster_config import ClusterConfig, RoleConfig
-from pd_cluster.serving.messages import EngineSpec
+from pd_cluster.serving.cluster.cluster_config import ClusterConfig, RoleConfig
+from pd_cluster.driver.messages import EngineSpec
 
 logger = logging.getLogger(__name__)
 

@@ -19,19 +19,19 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pd_cluster.serving.cluster_config import ClusterConfig, resolve_model
+from pd_cluster.serving.cluster.cluster_config import ClusterConfig, resolve_model
 from pd_cluster.validation import InvalidRequest, check_max_tokens, check_prompt
-from pd_cluster.serving.dispatch import Dispatcher, StreamEvent
-from pd_cluster.serving.engine_pool import EnginePool
-from pd_cluster.serving.errors import APIError, invalid_request, model_not_found
-from pd_cluster.serving.metrics import ProxyMetrics
-from pd_cluster.serving.request_tracker import RequestTracker
-from pd_cluster.serving.utility_routes import add_utility_routes
-from pd_cluster.serving.choices import choice_jobs, merged
-from pd_cluster.serving.openai_format import (ChatFormatter, CompletionFormatter, Formatter,
-                                              Result, sse, usage)
-from pd_cluster.serving.openai_schemas import (ChatCompletionRequest, CompletionRequest,
-                                               ModelCard, ModelList, parse_request)
+from pd_cluster.serving.routing.dispatch import Dispatcher, StreamEvent
+from pd_cluster.serving.routing.engine_pool import EnginePool
+from pd_cluster.serving.api.errors import APIError, invalid_request, model_not_found
+from pd_cluster.serving.observability.metrics import ProxyMetrics
+from pd_cluster.serving.routing.request_tracker import RequestTracker
+from pd_cluster.serving.api.utility_routes import add_utility_routes
+from pd_cluster.serving.api.choices import choice_jobs, merged
+from pd_cluster.serving.api.openai_format import (ChatFormatter, CompletionFormatter, Formatter,
+                                                  Result, sse, usage)
+from pd_cluster.serving.api.openai_schemas import (ChatCompletionRequest, CompletionRequest,
+                                                   ModelCard, ModelList, parse_request)
 
 logger = logging.getLogger(__name__)
 MAX_CHOICES = 256  # prompts x n in one request

@@ -17,10 +17,10 @@ import threading
 import uuid
 from typing import Any, AsyncIterator
 
-from pd_cluster.serving.engine_loop import EngineLoop
-from pd_cluster.serving.messages import (ERROR_ENGINE, ERROR_INVALID_REQUEST, ERROR_TIMEOUT,
-                                         EngineDelta, EngineInfo, EngineSpec, decode_request,
-                                         encode)
+from pd_cluster.driver.engine_loop import EngineLoop
+from pd_cluster.driver.messages import (ERROR_ENGINE, ERROR_INVALID_REQUEST, ERROR_TIMEOUT,
+                                        EngineDelta, EngineInfo, EngineSpec, decode_request,
+                                        encode)
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class EngineActor:
 
         from pd_cluster.config import EngineConfig
         from pd_cluster.engine.llm_engine import LLMEngine
-        from pd_cluster.serving.cluster_config import resolve_model
+        from pd_cluster.serving.cluster.cluster_config import resolve_model
 
         self.spec = EngineSpec.from_dict(spec)
         # The engine thread holds the GIL for most of a (small-model) step; a short switch

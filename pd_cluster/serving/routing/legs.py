@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 from pd_cluster.sampling_params import SamplingParams
-from pd_cluster.serving.engine_pool import EngineState
-from pd_cluster.serving.messages import EngineDelta, EngineRequest
+from pd_cluster.serving.routing.engine_pool import EngineState
+from pd_cluster.driver.messages import EngineDelta, EngineRequest
 
 
 class SharedPrefix:

@@ -14,7 +14,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pd_cluster.serving.vllm_metrics import VLLMEngineCollector, VLLMRequestMetrics
+from pd_cluster.serving.observability.vllm_metrics import VLLMEngineCollector, VLLMRequestMetrics
 
 disable_created_metrics()  # no *_created series: they double the scrape for no use here
 

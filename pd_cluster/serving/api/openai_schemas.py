@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pd_cluster.sampling_params import SamplingParams
-from pd_cluster.serving.errors import APIError, invalid_request
+from pd_cluster.serving.api.errors import APIError, invalid_request
 
 logger = logging.getLogger(__name__)
 

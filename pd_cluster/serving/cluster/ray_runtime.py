@@ -138,7 +138,7 @@ def start_head(port: int, num_cpus: float, num_gpus: float | None, log_path: Pat
     if num_gpus is not None:
         cmd.append(f"--num-gpus={int(num_gpus)}")
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])  # workers must import pd_cluster too
+    root = str(Path(__file__).resolve().parents[3])  # workers must import pd_cluster too
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

@@ -11,11 +11,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_cluster.serving.cluster_config import ClusterConfig
-from pd_cluster.serving.launch_record import ClusterState, state_dir
-from pd_cluster.serving.messages import ROLE_DECODE, ROLE_PREFILL, EngineSpec
-from pd_cluster.serving.placement import Placement, check_feasible
-from pd_cluster.serving.ray_runtime import RayRuntime, start_ray, stop_head
+from pd_cluster.serving.cluster.cluster_config import ClusterConfig
+from pd_cluster.serving.cluster.launch_record import ClusterState, state_dir
+from pd_cluster.driver.messages import ROLE_DECODE, ROLE_PREFILL, EngineSpec
+from pd_cluster.serving.cluster.placement import Placement, check_feasible
+from pd_cluster.serving.cluster.ray_runtime import RayRuntime, start_ray, stop_head
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,8 @@ def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = 
     KV link to every decode engine, and the proxy serves on this node."""
     import ray
 
-    from pd_cluster.serving.engine_actor import engine_actor_class
-    from pd_cluster.serving.proxy_actor import proxy_actor_class
+    from pd_cluster.serving.engine.engine_actor import engine_actor_class
+    from pd_cluster.serving.cluster.proxy_actor import proxy_actor_class
 
     ns = config.ray.namespace
     num_cpus = config.ray.num_cpus or max(config.required_cpus(), 1.0)

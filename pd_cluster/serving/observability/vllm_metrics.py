@@ -3,7 +3,7 @@
 Only where the meaning is the same: request latencies and token counts (observed by the
 proxy), and each engine's queue depths and KV cache usage (from its latest stats), labelled
 with ``model_name`` and ``engine`` as vLLM labels them. The P/D-specific series keep their
-``pd_`` names (pd_cluster.serving.metrics).
+``pd_`` names (pd_cluster.serving.observability.metrics).
 """
 from __future__ import annotations
 

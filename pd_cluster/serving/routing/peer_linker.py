@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from pd_cluster.serving.messages import ROLE_DECODE, ROLE_PREFILL
+from pd_cluster.driver.messages import ROLE_DECODE, ROLE_PREFILL
 
 logger = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from pd_cluster.serving.cluster_config import ClusterConfig, load_config
+from pd_cluster.serving.cluster.cluster_config import ClusterConfig, load_config
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = REPO_ROOT / "configs"
 
 
