@@ -31,8 +31,8 @@ if HAS_TRITON:
     @triton.jit
     def _paged_decode_kernel(
         out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
-        q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr,
-        scale_log2e,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is cheaper)
+        q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr,
+        scale, softcap, window,  # softcap/window/sinks only read when their flag is set
         num_splits, partition_size,  # partition_size is a multiple of TILE_N
         stride_qb, stride_qh, stride_ob, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_kd,  # V is a view of the same cache: same strides
@@ -40,6 +40,7 @@ if HAS_TRITON:
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
         DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+        SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
     ):
         # int64 program ids: every offset built from them is then 64-bit, so caches above 2^31
         # elements (e.g. 100k blocks * 16 * 8 * 128 * 2) address correctly.
@@ -51,6 +52,8 @@ if HAS_TRITON:
         seq_len = tl.load(seq_lens_ptr + b)
         start = split * partition_size
         end = tl.minimum(start + partition_size, seq_len)
+        if WINDOW:  # the query (position seq_len - 1) sees the last `window` keys only
+            start = tl.maximum(start, seq_len - window)
 
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -75,7 +78,8 @@ if HAS_TRITON:
             kv_off = row_off[:, None] + offs_d[None, :] * stride_kd
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
+            s = _scores_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), scale, softcap,
+                             SOFTCAP)
             s = tl.where(n_mask[None, :], s, float("-inf"))
             # Every tile holds >= 1 valid token (t0 < end), so m_new is finite.
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -88,6 +92,9 @@ if HAS_TRITON:
 
         row_mask = g_mask[:, None] & d_mask[None, :]
         if DIRECT:
+            if SINKS:  # the sink is one more softmax term with no value
+                sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * 1.4426950408889634
+                l_i += tl.exp2(sink - tl.where(m_i == float("-inf"), sink, m_i))
             l_safe = tl.where(l_i > 0.0, l_i, 1.0)
             o = acc / l_safe[:, None]
             tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -100,10 +107,22 @@ if HAS_TRITON:
             tl.store(part_l_ptr + idx, l_i, mask=g_mask)
 
     @triton.jit
+    def _scores_log2(s, scale, softcap, SOFTCAP: tl.constexpr):
+        """Raw q.k -> scaled (and soft-capped: cap * tanh(s / cap)) logits in base 2."""
+        if SOFTCAP:
+            t = s * scale / softcap
+            # tanh from exp (saturates to +-1 for large |t|): no tanh in the interpreter
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * t) + 1.0)) * 1.4426950408889634
+        else:
+            s = s * (scale * 1.4426950408889634)
+        return s
+
+    @triton.jit
     def _reduce_splits_kernel(
-        out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+        out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, sinks_ptr,
         num_splits, stride_ob, stride_oh,
         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+        SINKS: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -119,6 +138,8 @@ if HAS_TRITON:
         # Rescale each split to the global max; empty splits (l == 0) weigh nothing.
         w = tl.where(l > 0.0, tl.exp2(m - m_max), 0.0)
         denom = tl.sum(w * l, 0)
+        if SINKS:
+            denom += tl.exp2(tl.load(sinks_ptr + h) * 1.4426950408889634 - m_max)
         denom = tl.where(denom > 0.0, denom, 1.0)
         parts = tl.load(part_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :],
                         mask=s_mask[:, None] & d_mask[None, :], other=0.0)
@@ -153,14 +174,19 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, max_seq_len: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, sliding_window: int | None = None,
+                           softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [B, Hq, D] -> out [B, Hq, D]; block_tables int32 [B, max_blocks], seq_lens [B].
 
     ``max_seq_len`` (an upper bound of ``seq_lens``) avoids a device sync when given.
     ``num_splits`` forces the split-K factor (tests); by default it follows the context length.
+    ``sliding_window``: attend to the last ``window`` keys only; ``softcap``: logits become
+    cap * tanh(logits / cap); ``sinks``: fp32 [Hq] per-head sink logits in the denominator.
     """
     if not runs_triton(HAS_TRITON, _INTERPRETED, query, kv_cache):
-        res = paged_decode_attention_ref(query, kv_cache, block_tables, seq_lens, scale)
+        res = paged_decode_attention_ref(query, kv_cache, block_tables, seq_lens, scale,
+                                         sliding_window, softcap, sinks)
         return res if out is None else out.copy_(res)
     bsz, num_q_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -194,29 +220,46 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         part_m = torch.empty(bsz, num_q_heads, num_splits, **f32)
         part_l = torch.empty(bsz, num_q_heads, num_splits, **f32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    sinks_arg = seq_lens if sinks is None else sinks.to(torch.float32).contiguous()
     _paged_decode_kernel[(bsz, num_kv_heads, num_splits)](
         out, part_out, part_m, part_l, query, k_cache, v_cache, block_tables, seq_lens,
-        scale * 1.4426950408889634, num_splits, partition,
+        sinks_arg, scale, softcap or 1.0, sliding_window or 0, num_splits, partition,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, TILE_N=tile_n,
         DIRECT=direct, DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        SOFTCAP=softcap is not None, WINDOW=sliding_window is not None,
+        SINKS=sinks is not None, num_warps=4,
     )
     if not direct:
         _reduce_splits_kernel[(bsz, num_q_heads)](
-            out, part_out, part_m, part_l, num_splits, out.stride(0), out.stride(1),
+            out, part_out, part_m, part_l, sinks_arg, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            BLOCK_D=block_d, num_warps=4,
+            BLOCK_D=block_d, SINKS=sinks is not None, num_warps=4,
         )
     return out
 
 
+def attention_probs_ref(s: torch.Tensor, visible: torch.Tensor, softcap: float | None,
+                        sinks: torch.Tensor | None) -> torch.Tensor:
+    """Scaled scores [H, Lq, L] -> probabilities: soft-cap, mask, softmax with the per-head
+    sink logit as one more (dropped) column. Shared by both references."""
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        return s.softmax(-1)
+    sink = sinks.float().view(-1, 1, 1).expand(*s.shape[:-1], 1)
+    return torch.cat([s, sink], dim=-1).softmax(-1)[..., :-1]
+
+
 def paged_decode_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, sliding_window: int | None = None,
+                               softcap: float | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference: per sequence, gather its tokens through the block table (fp32 math)."""
     bsz, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -231,6 +274,8 @@ def paged_decode_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor,
         v = kv_cache[1].flatten(0, 1)[slots].float()
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-        s = torch.einsum("hd,nhd->hn", query[i].float(), k) * scale
-        out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(query.dtype)
+        s = torch.einsum("hd,nhd->hn", query[i].float(), k)[:, None, :] * scale
+        visible = pos >= n - sliding_window if sliding_window is not None else pos >= 0
+        p = attention_probs_ref(s, visible[None, None, :], softcap, sinks)[:, 0]
+        out[i] = torch.einsum("hn,nhd->hd", p, v).to(query.dtype)
     return out

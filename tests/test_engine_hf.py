@@ -175,13 +175,13 @@ def test_unsupported_architecture_is_rejected(tiny_model, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
-def test_rope_scaling_is_rejected(tiny_model, tmp_path, key: str) -> None:
+def test_unimplemented_rope_type_is_rejected(tiny_model, tmp_path, key: str) -> None:
     src = tiny_model(**MODEL_SPECS["llama-gqa"])
-    value = {"rope_type": "linear", "factor": 2.0}
+    value = {"rope_type": "proportional", "factor": 2.0}  # an HF type not implemented here
     if key == "rope_parameters":
         value["rope_theta"] = 10000.0
     bad = edit_config(src, tmp_path / key, **{key: value})
-    with pytest.raises(ValueError, match="linear"):
+    with pytest.raises(ValueError, match="rope_type 'proportional'"):
         LLM(model=bad)
 
 

@@ -31,6 +31,7 @@ for _m in (bc, pda, ppa, rac):
         importlib.reload(_m)
 
 from pd_cluster.attention.metadata import AttentionMetadata  # noqa: E402
+from pd_cluster.attention.options import AttentionOptions  # noqa: E402
 
 DEV = "cuda" if _HAS_CUDA else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -146,7 +147,8 @@ def check_backend(dtype, device, cfg=(8, 2, 64, 16)):
     tr.write_kv(k, v, c_tr, meta)
     to.write_kv(k, v, c_to, meta)
     assert torch.equal(c_tr, c_to)
-    got, want = tr.forward(q, c_tr, meta, d ** -0.5), to.forward(q, c_to, meta, d ** -0.5)
+    opts = AttentionOptions(d ** -0.5)
+    got, want = tr.forward(q, c_tr, meta, opts), to.forward(q, c_to, meta, opts)
     _close(got[: locs[-1]], want[: locs[-1]], dtype)
     assert not got[locs[-1]:].any()
 

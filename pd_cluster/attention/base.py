@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from pd_cluster.attention.metadata import AttentionMetadata
+from pd_cluster.attention.options import AttentionOptions
 
 
 class AttentionBackend(ABC):
@@ -24,8 +25,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """query: [num_tokens, num_heads, head_dim] -> output of the same shape (causal)."""
+                opts: AttentionOptions) -> torch.Tensor:
+        """query: [num_tokens, num_heads, head_dim] -> output of the same shape (causal,
+        with the layer's window, soft-cap and sinks from ``opts``)."""
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}

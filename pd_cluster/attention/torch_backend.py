@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from pd_cluster.attention.base import AttentionBackend, register_backend
 from pd_cluster.attention.metadata import AttentionMetadata
+from pd_cluster.attention.options import AttentionOptions
 
 
 def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -28,6 +29,38 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int
     return k, v
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           opts: AttentionOptions) -> torch.Tensor:
+    """q [..., Hq, Lq, D], k/v [..., Hkv, L, D], mask bool broadcastable to [..., Hq, Lq, L]
+    (True = visible). Plain attention goes to SDPA; soft-capping and sinks, which SDPA cannot
+    express, are computed explicitly in fp32 (HF's eager order: scale, cap, mask, softmax)."""
+    if opts.logit_softcap is None and opts.sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=opts.scale,
+                                              enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3).float(), v.repeat_interleave(group, dim=-3).float()
+    s = q.float() @ k.transpose(-1, -2) * opts.scale
+    if opts.logit_softcap is not None:
+        s = torch.tanh(s / opts.logit_softcap) * opts.logit_softcap
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    if opts.sinks is None:
+        p = s.softmax(-1)
+    else:  # the sink joins the softmax as one more logit per head and carries no value
+        sink = opts.sinks.to(s.device).view(-1, 1, 1).expand(*s.shape[:-1], 1)
+        p = torch.cat([s, sink], dim=-1).softmax(-1)[..., :-1]
+    return (p @ v).to(q.dtype)
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (and windowed) visibility [len(q_pos), len(k_pos)]: HF's window keeps keys
+    q - window < k <= q."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
 def length_groups(lengths: list[int], min_fill: float = 0.6) -> list[list[int]]:
     """Indices grouped so that, padded to its longest member, each group is at least
     ``min_fill`` real keys: bounds the padding work of one batched call."""
@@ -42,55 +75,60 @@ def length_groups(lengths: list[int], min_fill: float = 0.6) -> list[list[int]]:
 
 
 def torch_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                           scale: float) -> torch.Tensor:
+                           opts: AttentionOptions) -> torch.Tensor:
     """Decode requests (one query each) in a few batched calls of similar context length."""
     n = meta.num_decodes
     lengths = meta.seq_lens_cpu[:n]
     groups = length_groups(lengths)
     if len(groups) == 1:
         return _decode_group(query[:n], kv_cache, meta.block_tables[:n], meta.seq_lens[:n],
-                             max(lengths), scale)
+                             max(lengths), opts)
     out = torch.empty_like(query[:n])
     for group in groups:
         idx = torch.tensor(group, device=query.device)
         out[idx] = _decode_group(query[idx], kv_cache, meta.block_tables[idx], meta.seq_lens[idx],
-                                 lengths[group[0]], scale)
+                                 lengths[group[0]], opts)
     return out
 
 
 def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                  seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+                  seq_lens: torch.Tensor, max_len: int, opts: AttentionOptions) -> torch.Tensor:
     n, block_size = query.shape[0], kv_cache.shape[2]
     # index_select on the leading (block) dim copies whole blocks: several times faster on
     # CPU than advanced indexing, which gathers element-wise.
     flat = block_tables[:, : -(-max_len // block_size)].long().flatten()
     k = kv_cache[0].index_select(0, flat).view(n, -1, *kv_cache.shape[-2:])  # [n, L, Hkv, D]
     v = kv_cache[1].index_select(0, flat).view(n, -1, *kv_cache.shape[-2:])
-    mask = (torch.arange(k.shape[1], device=query.device)[None, :]
-            < seq_lens[:, None].to(query.device))  # [n, L]
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    k_pos = torch.arange(k.shape[1], device=query.device)[None, :]
+    lens = seq_lens[:, None].to(query.device)
+    mask = k_pos < lens  # [n, L]
+    if opts.sliding_window is not None:  # the query sits at position len - 1
+        mask &= k_pos >= lens - opts.sliding_window
+    out = attend(query.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                 mask[:, None, None, :], opts)
     return out.squeeze(2)
 
 
 def torch_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                            scale: float, start_req: int, out: torch.Tensor) -> None:
+                            opts: AttentionOptions, start_req: int, out: torch.Tensor) -> None:
     """Requests from ``start_req`` on, one at a time: causal over cached prefix + new tokens."""
     for i in range(start_req, meta.num_reqs):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len, q_len = meta.seq_lens_cpu[i], end - start
         k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len)
         q = query[start:end].transpose(0, 1)  # [Hq, q_len, D]
-        if q_len == seq_len:
+        if q_len == seq_len and opts.plain:
             o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1),
-                                               is_causal=True, scale=scale, enable_gqa=True)
+                                               is_causal=True, scale=opts.scale, enable_gqa=True)
         else:
-            # Query i sits at position seq_len - q_len + i and sees keys up to it.
-            rows = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1),
-                                               attn_mask=mask, scale=scale, enable_gqa=True)
+            # Query i sits at position seq_len - q_len + i; keys before the first query's
+            # window are never visible, so they are not attended at all.
+            first = 0 if opts.sliding_window is None else max(
+                0, seq_len - q_len - opts.sliding_window + 1)
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            k_pos = torch.arange(first, seq_len, device=query.device)
+            o = attend(q, k[first:].transpose(0, 1), v[first:].transpose(0, 1),
+                       window_mask(q_pos, k_pos, opts.sliding_window), opts)
         out[start:end] = o.transpose(0, 1)
 
 
@@ -103,9 +141,9 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv_torch(key, value, kv_cache, meta.slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                opts: AttentionOptions) -> torch.Tensor:
         out = torch.empty_like(query)
         if meta.num_decodes:
-            out[: meta.num_decodes] = torch_decode_attention(query, kv_cache, meta, scale)
-        torch_prefill_attention(query, kv_cache, meta, scale, meta.num_decodes, out)
+            out[: meta.num_decodes] = torch_decode_attention(query, kv_cache, meta, opts)
+        torch_prefill_attention(query, kv_cache, meta, opts, meta.num_decodes, out)
         return out

@@ -10,6 +10,7 @@ import torch
 
 from pd_cluster.attention.base import AttentionBackend, register_backend
 from pd_cluster.attention.metadata import AttentionMetadata
+from pd_cluster.attention.options import AttentionOptions
 from pd_cluster.attention.torch_backend import torch_decode_attention, torch_prefill_attention
 
 
@@ -30,28 +31,31 @@ class TritonAttentionBackend(AttentionBackend):
         reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                opts: AttentionOptions) -> torch.Tensor:
         from kernels.paged_decode_attention import paged_decode_attention
         from kernels.paged_prefill_attention import paged_prefill_attention
 
         out = torch.empty_like(query)
         nd = meta.num_decodes
         use_kernels = self._kernel_runs(query, kv_cache)
+        variant = dict(sliding_window=opts.sliding_window, softcap=opts.logit_softcap,
+                       sinks=opts.sinks)
         if nd and not use_kernels:  # CPU without the interpreter: the torch path
-            out[:nd] = torch_decode_attention(query, kv_cache, meta, scale)
+            out[:nd] = torch_decode_attention(query, kv_cache, meta, opts)
         elif nd:
             paged_decode_attention(query[:nd], kv_cache, meta.block_tables[:nd],
-                                   meta.seq_lens[:nd], scale, num_splits=self.num_splits,
-                                   max_seq_len=max(meta.seq_lens_cpu[:nd]), out=out[:nd])
+                                   meta.seq_lens[:nd], opts.scale, num_splits=self.num_splits,
+                                   max_seq_len=max(meta.seq_lens_cpu[:nd]), out=out[:nd],
+                                   **variant)
         if meta.num_reqs > nd:
             if self.prefill_kernel and use_kernels:
                 locs = meta.query_start_loc_cpu
                 max_q = max(locs[i + 1] - locs[i] for i in range(nd, meta.num_reqs))
                 paged_prefill_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
-                                        meta.query_start_loc, scale, max_q, start_req=nd,
-                                        num_reqs=meta.num_reqs - nd, out=out)
+                                        meta.query_start_loc, opts.scale, max_q, start_req=nd,
+                                        num_reqs=meta.num_reqs - nd, out=out, **variant)
             else:
-                torch_prefill_attention(query, kv_cache, meta, scale, nd, out)
+                torch_prefill_attention(query, kv_cache, meta, opts, nd, out)
         n_real = meta.query_start_loc_cpu[-1]
         if query.shape[0] > n_real:  # padding tokens (e.g. graph padding): defined zeros
             out[n_real:].zero_()

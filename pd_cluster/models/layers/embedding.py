@@ -1,0 +1,50 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+Each rank holds a contiguous slice of the vocabulary's rows. The embedding looks up the ids it
+owns (zeros elsewhere) and all-reduces; the head computes its slice of the logits and
+all-gathers them, so every rank ends with the full [tokens, vocab] logits.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pd_cluster.models.layers.tp import TPGroup
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = TPGroup()) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.vocab_start, self.vocab_part = tp.split(vocab_size, "vocab_size")
+        self.weight = nn.Parameter(torch.empty(self.vocab_part, hidden_size), requires_grad=False)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
+            raise ValueError(f"checkpoint embedding shape {tuple(loaded.shape)} does not match "
+                             f"vocab_size={self.vocab_size}, hidden_size={param.shape[1]}")
+        param.data.copy_(loaded.narrow(0, self.vocab_start, self.vocab_part))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        owned = (local >= 0) & (local < self.vocab_part)
+        out = F.embedding(local.clamp(0, self.vocab_part - 1), self.weight)
+        out = out * owned.unsqueeze(-1).to(out.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits = hidden @ W^T, W split by vocabulary rows; the slices are gathered."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding's weight (tied embeddings); the checkpoint's lm_head is unused."""
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.tp.all_gather(F.linear(hidden, self.weight), dim=-1)
