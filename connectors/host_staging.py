@@ -27,7 +27,8 @@ class HostStaging:
 
     def stage(self, device_buf: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """(a pinned host copy of ``device_buf``, the copy's completion event)."""
-        assert self.stream is not None, "staging a device buffer needs a CUDA device"
+        if self.stream is None:
+            raise RuntimeError("staging a device buffer needs a CUDA device (made without one)")
         host = self.pool.acquire(tuple(device_buf.shape), device_buf.dtype,
                                  torch.device("cpu"), pin=True)
         self.stream.wait_stream(torch.cuda.current_stream(device_buf.device))  # after the gather

@@ -247,7 +247,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="write latency CDFs to this PNG")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true",
+                   help="a few-second tiny load (CI, scripts/gpu_check.sh --cpu): 8 requests, "
+                        "prompts of 16-64 tokens, 4-8 output tokens")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.num_requests, args.request_rate = 8, 8.0
+        args.prompt_len_min, args.prompt_len_max = 16, 64
+        args.output_len_min, args.output_len_max = 4, 8
+        args.num_kv_blocks, args.max_model_len = 256, 256
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\np99 TTFT colocated/pd = {colo['p99_ttft_ms'] / pd_['p99_ttft_ms']:.2f}, "
               f"goodput colocated/pd = {good:.2f}")
         print(f"p99_tpot_ratio_colocated_over_pd={colo['p99_tpot_ms'] / pd_['p99_tpot_ms']:.3f}")
+    failed = sum(s["failed"] for s in summaries.values())
+    if failed:  # figures from a run with failed requests are not figures
+        print(f"bench_serving: {failed} request(s) failed", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -5,27 +5,50 @@
 #      pinned-host staging, two engines sizing their caches on one GPU, the one-GPU and
 #      two-GPU clusters end to end against a colocated engine)
 #   3. scripts/bench_kernels.py (paged decode attention vs the GPU's copy bandwidth)
-#   4. configs/one-gpu.yaml launched from the CLI as a user would (P and D share the GPU, KV over
-#      ZMQ through pinned host memory): a greedy request, a streamed one, KV counters, a short
-#      scripts/bench_serving.py load, a leak check, stop
-#   5. with 2+ GPUs and CuPy: configs/two-gpu.yaml the same way (KV over NCCL)
-# then a summary table. Logs go to $GPU_CHECK_DIR (default: a new folder under /tmp).
+#   4. each cluster of the list at the end, launched from the CLI as a user would, checked by
+#      scripts/check_cluster.py: a fixed set of greedy and seeded requests must equal the
+#      colocated engine's answers (computed first, same config: same model, dtype and GPU),
+#      before and after a scripts/bench_serving.py load; then every engine idle with no KV
+#      block held, and decode engines fed by prefill engines (no local-prefill fallback)
+# then a summary table and a last line `gpu_check: ok ...` or `gpu_check: FAIL: <what failed>`;
+# the exit status is non-zero when anything failed. Logs go to $GPU_CHECK_DIR (default: a new
+# folder under /tmp).
 #
 #   bash scripts/gpu_check.sh            # PYTHON=/path/to/python to pick an interpreter
+#   bash scripts/gpu_check.sh --cpu      # steps 1 and 4 on the CPU configs, so CI runs this
+#                                        # script's logic (tests/test_gpu_check_cpu.py)
 # Needs the project installed in that Python: pip install -e ".[test]" (and ".[nccl]" for 2 GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+MODE=gpu
+case "${1:-}" in
+    --cpu) MODE=cpu ;;
+    "") ;;
+    *) echo "usage: bash scripts/gpu_check.sh [--cpu]" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python3}
 DIR=${GPU_CHECK_DIR:-$(mktemp -d /tmp/gpu-check.XXXXXX)}
 mkdir -p "$DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-declare -a ROWS=()
+declare -a ROWS=() FAILED=() RUNNING=()
 
-row() { ROWS+=("$(printf '%-28s %-5s %s' "$1" "$2" "$3")"); echo "== $1: $2 $3"; }
+row() {
+    ROWS+=("$(printf '%-28s %-5s %s' "$1" "$2" "$3")"); echo "== $1: $2 $3"
+    if [ "$2" = FAIL ]; then FAILED+=("$1"); fi
+}
+
+stop_running() {  # a cluster still up when we exit (an error, a signal) is stopped all the same
+    local ns
+    for ns in "${RUNNING[@]}"; do
+        [ -n "$ns" ] && timeout 120 "$PY" -m pd_cluster.cli stop --namespace "$ns" >/dev/null 2>&1
+    done
+}
+trap stop_running EXIT
+trap 'exit 130' INT TERM
 
 # ---- 1. environment ------------------------------------------------------------------------
-if ! "$PY" - >"$DIR/env.log" 2>&1 <<'EOF'
-import importlib.util, torch
+if ! "$PY" - "$MODE" >"$DIR/env.log" 2>&1 <<'PYEOF'
+import importlib.util, sys, torch
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available {torch.cuda.is_available()}")
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)
@@ -34,95 +57,97 @@ for mod in ("triton", "cupy"):
     spec = importlib.util.find_spec(mod)
     print(f"{mod}: {__import__(mod).__version__ if spec else 'missing'}")
 missing = [m for m in ("pd_cluster", "ray", "fastapi", "uvicorn", "zmq", "msgpack", "openai",
-                       "transformers", "pytest") if importlib.util.find_spec(m) is None]
+                       "transformers", "pytest", "aiohttp") if importlib.util.find_spec(m) is None]
 if missing:
     raise SystemExit(f"missing Python packages: {', '.join(missing)} "
                      f"(pip install -e '.[test]' in this interpreter)")
-if not torch.cuda.is_available():
-    raise SystemExit("no CUDA GPU visible to torch: nothing to check here")
-EOF
+if sys.argv[1] == "gpu" and not torch.cuda.is_available():
+    raise SystemExit("no CUDA GPU visible to torch: nothing to check here (--cpu: CPU configs)")
+PYEOF
 then
-    cat "$DIR/env.log"; echo "gpu_check: $(tail -n 1 "$DIR/env.log")" >&2; exit 2
+    cat "$DIR/env.log"; echo "gpu_check: FAIL: environment: $(tail -n 1 "$DIR/env.log")"; exit 2
 fi
 cat "$DIR/env.log"
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 HAS_CUPY=$("$PY" -c 'import importlib.util as u; print(int(u.find_spec("cupy") is not None))')
-row environment ok "$(grep -m1 '^GPU 0' "$DIR/env.log"); $GPUS GPU(s)"
+row environment ok "$MODE mode; $(grep -m1 '^GPU 0' "$DIR/env.log" || echo 'no GPU'); $GPUS GPU(s)"
 
-# ---- 2. cuda tests -------------------------------------------------------------------------
-timeout 1800 "$PY" -m pytest -q -rs -m "cuda or two_gpu" tests -p no:cacheprovider \
-    >"$DIR/cuda_tests.log" 2>&1
-rc=$?
-summary=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$DIR/cuda_tests.log" | tail -n 1)
-row "cuda tests" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "$summary"
+if [ "$MODE" = gpu ]; then
+    # ---- 2. cuda tests ---------------------------------------------------------------------
+    timeout 1800 "$PY" -m pytest -q -rs -m "cuda or two_gpu" tests -p no:cacheprovider \
+        >"$DIR/cuda_tests.log" 2>&1
+    rc=$?
+    summary=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$DIR/cuda_tests.log" | tail -n 1)
+    row "cuda tests" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "$summary"
 
-# ---- 3. kernel bench -----------------------------------------------------------------------
-timeout 900 "$PY" scripts/bench_kernels.py >"$DIR/bench_kernels.log" 2>&1
-rc=$?
-row "bench_kernels" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "$(tail -n 1 "$DIR/bench_kernels.log")"
+    # ---- 3. kernel bench -------------------------------------------------------------------
+    timeout 900 "$PY" scripts/bench_kernels.py >"$DIR/bench_kernels.log" 2>&1
+    rc=$?
+    row "bench_kernels" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" \
+        "$(tail -n 1 "$DIR/bench_kernels.log")"
+    BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---num-requests 200 --request-rate 20}
+else
+    BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---smoke}
+fi
 
-# ---- 4./5. launched clusters ---------------------------------------------------------------
-# One launched cluster: start detached, one greedy and one streamed request, the KV counters,
-# a short serving load, every engine idle with no KV block held, stop.
-check_cluster() {
-    local config=$1 name=$2 ns="gpu-check-$2-$$" log="$DIR/$2.log" port url ok=ok detail
+# ---- 4. launched clusters ------------------------------------------------------------------
+# cluster NAME CONFIG [gpus=N] [cupy] [--set KEY=VALUE]...: the colocated engine's reference
+# answers, launch detached, scripts/check_cluster.py against the reference, stop; one row.
+cluster() {
+    local name=$1 config=$2 need_gpus=0 need_cupy=0 log="$DIR/$1.log" port url ns rc verdict
+    local -a sets=()
+    shift 2
+    while [ $# -gt 0 ]; do
+        case $1 in
+            gpus=*) need_gpus=${1#gpus=} ;;
+            cupy) need_cupy=1 ;;
+            --set) sets+=(--set "$2"); shift ;;
+            *) row "$name" FAIL "unknown cluster option '$1' in scripts/gpu_check.sh"; return ;;
+        esac
+        shift
+    done
+    if [ "$GPUS" -lt "$need_gpus" ] || { [ "$need_cupy" = 1 ] && [ "$HAS_CUPY" != 1 ]; }; then
+        row "$name" skip "needs $need_gpus GPU(s)$([ "$need_cupy" = 1 ] && echo ' and cupy')" \
+            "(have $GPUS, cupy=$HAS_CUPY)"
+        return
+    fi
+    echo "== $name: $config ${sets[*]}"
+    if ! timeout 600 "$PY" scripts/check_cluster.py reference --config "$config" "${sets[@]}" \
+            --out "$DIR/$name.reference.json" >"$log" 2>&1; then
+        row "$name" FAIL "reference (colocated engine) failed: $(tail -n 1 "$log")"; return
+    fi
     port=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    url="http://127.0.0.1:$port"
-    if ! timeout 600 "$PY" -m pd_cluster.cli launch --config "$config" --port "$port" \
-            --namespace "$ns" --detach --no-progress >"$log" 2>&1; then
+    url="http://127.0.0.1:$port" ns="gpu-check-$name-$$"
+    RUNNING+=("$ns")
+    if ! timeout 600 "$PY" -m pd_cluster.cli launch --config "$config" "${sets[@]}" \
+            --port "$port" --namespace "$ns" --detach --no-progress >>"$log" 2>&1; then
         row "$name" FAIL "launch failed: $(tail -n 1 "$log")"; return
     fi
-    detail=$(timeout 300 "$PY" - "$url" >>"$log" 2>&1 <<'EOF'; echo $?
-import sys, time, httpx, openai
-url = sys.argv[1]
-client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
-model = client.models.list().data[0].id
-r = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=16,
-                              temperature=0)
-print("greedy:", repr(r.choices[0].text))
-text = "".join(c.choices[0].text for c in client.completions.create(
-    model=model, prompt="Once upon a time", max_tokens=32, temperature=0, stream=True))
-assert text, "empty stream"
-print("streamed:", repr(text))
-deadline = time.monotonic() + 60
-while True:  # idle: nothing in flight, every KV block free
-    st = httpx.get(f"{url}/cluster/status", timeout=30).json()
-    busy = st["inflight"] or any(e["inflight"] or e["stats"].get("kv_blocks_used")
-                                 for e in st["engines"])
-    if not busy or time.monotonic() > deadline:
-        break
-    time.sleep(0.5)
-for e in st["engines"]:
-    s = e["stats"]
-    print(f"{e['name']}: {s.get('kv_blocks_total')} KV blocks, {s.get('kv_blocks_used')} used, "
-          f"KV bytes sent {s.get('kv_bytes_sent', 0)} received {s.get('kv_bytes_received', 0)}, "
-          f"fallbacks {s.get('kv_fallbacks', 0)}")
-assert not busy, "blocks still held after the requests finished"
-d = [e["stats"] for e in st["engines"] if e["role"] == "decode"]
-assert all(s.get("kv_bytes_received", 0) > 0 and not s.get("kv_fallbacks") for s in d), \
-    "KV did not reach decode (it prefilled by itself)"
-EOF
-)
-    [ "$detail" = 0 ] || ok=FAIL
-    # shellcheck disable=SC2086  # word-split on purpose: a list of arguments
-    timeout 900 "$PY" scripts/bench_serving.py --url "$url" --modes pd --no-progress \
-        ${GPU_CHECK_BENCH_ARGS:---num-requests 200 --request-rate 20} >>"$log" 2>&1 || ok=FAIL
-    grep -qE '^=== pd: .* 0 failed' "$log" || ok=FAIL
-    timeout 120 "$PY" -m pd_cluster.cli stop --namespace "$ns" >>"$log" 2>&1 || ok=FAIL
-    row "$name" "$ok" "$(grep -E '^(greedy|decode-0)' "$log" | tr '\n' ' ' | cut -c1-160)"
-    grep -E '^(=== pd|throughput|ms |ttft|tpot|itl|e2e)' "$log" | sed 's/^/    /'
-    ROWS+=("$(grep -E '^(ttft|tpot) ' "$log" | sed 's/^/    /')")
+    timeout 1200 "$PY" scripts/check_cluster.py check --url "$url" \
+        --reference "$DIR/$name.reference.json" --bench-args="$BENCH_ARGS" >>"$log" 2>&1
+    rc=$?
+    timeout 120 "$PY" -m pd_cluster.cli stop --namespace "$ns" >>"$log" 2>&1 || rc=1
+    RUNNING=("${RUNNING[@]/$ns/}")
+    grep -E '^(=== pd|throughput|ttft|tpot|itl|e2e|  )' "$log" | sed 's/^/    /'
+    verdict=$(grep -E '^check_cluster: ' "$log" | tail -n 1)
+    row "$name" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "${verdict:-$(tail -n 1 "$log")}"
 }
 
-check_cluster configs/one-gpu.yaml one-gpu-cluster
-if [ "$GPUS" -ge 2 ] && [ "$HAS_CUPY" = 1 ]; then
-    check_cluster configs/two-gpu.yaml two-gpu-nccl-cluster
+# The clusters, one line each (GPU configs, then the CPU configs that --cpu checks):
+if [ "$MODE" = gpu ]; then
+    cluster one-gpu-cluster configs/one-gpu.yaml gpus=1
+    cluster two-gpu-nccl-cluster configs/two-gpu.yaml gpus=2 cupy
 else
-    row two-gpu-nccl-cluster skip "needs 2 GPUs and cupy (have $GPUS GPU(s), cupy=$HAS_CUPY)"
+    cluster cpu-1p1d-cluster configs/local.yaml --set engine.num_kv_blocks=256
+    # cluster cpu-1p1d-gloo-cluster configs/local.yaml --set kv_transfer.pipe=gloo  (+40 s in CI)
 fi
 
 # ---- summary -------------------------------------------------------------------------------
 echo
 echo "gpu_check summary (logs in $DIR)"
 printf '%s\n' "${ROWS[@]}"
-! printf '%s\n' "${ROWS[@]}" | grep -q ' FAIL '
+if [ ${#FAILED[@]} -gt 0 ]; then
+    echo "gpu_check: FAIL: ${FAILED[*]}"
+    exit 1
+fi
+echo "gpu_check: ok ($MODE mode: ${#ROWS[@]} rows, nothing failed)"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import traceback
 from typing import Any, Callable
 
 import msgspec
@@ -77,14 +78,24 @@ class _Method:
 
 
 class FakeEngine:
+    """A script per request. An assert inside a script runs under the dispatcher's ``except
+    Exception`` (it would only look like an engine failure and trigger a retry): it is recorded
+    in ``failures``, and ``run`` fails the test on it."""
+
     def __init__(self, script: Callable[[EngineRequest], Script]):
         self.requests: list[EngineRequest] = []
         self.aborted: list[str] = []
+        self.failures: list[str] = []
 
         def generate(req: bytes) -> _Gen:
             r = decode_request(req)
             self.requests.append(r)
-            return _Gen(script(r), r)
+            try:
+                items = script(r)
+            except AssertionError:
+                self.failures.append(f"{r.request_id}: {traceback.format_exc(limit=-1).strip()}")
+                raise
+            return _Gen(items, r)
 
         def abort(ids: list[str]) -> _Ref:
             self.aborted.extend(ids)
@@ -128,7 +139,14 @@ def run(dispatcher: Dispatcher, max_tokens: int = 3, **params: Any) -> list[tupl
         out = [(e.text, e.token_ids, e.finish_reason) async for e in dispatcher.stream(job)]
         await asyncio.sleep(0.05)  # let fire-and-forget aborts land
         return out
-    return asyncio.run(go())
+    try:
+        return asyncio.run(go())
+    finally:  # also when the request failed: a failed script assert is the test's failure
+        failures = [f for st in dispatcher.pool.engines
+                    for f in getattr(st.handle, "failures", [])]
+        if failures:
+            raise AssertionError("asserts in fake engines' scripts failed:\n" +
+                                 "\n".join(failures))
 
 
 def test_first_token_from_p_rest_from_d() -> None:
@@ -184,13 +202,14 @@ def test_client_error_from_engine_keeps_it_healthy() -> None:
     def d_rejects(r: EngineRequest) -> Script:
         return [EngineDelta(r.request_id, finished=True, error="prompt + max_tokens: too long",
                             error_type="invalid_request")]
-    p = FakeEngine(p_ok)
+    # P is still computing when D's rejection arrives: its leg must be aborted.
+    p = FakeEngine(lambda r: [0.5, delta(r.request_id, "a", [5], "length")])
     disp, pool, _ = make({"prefill-0": p, "decode-0": FakeEngine(d_rejects)})
     with pytest.raises(APIError) as exc:
         run(disp)
     assert exc.value.status == 400 and exc.value.param == "prompt"
     assert all(e.healthy for e in pool.engines)
-    assert p.aborted == ["cmpl-1"] or p.requests  # P's leg aborted or already done
+    assert [r.request_id for r in p.requests] == ["cmpl-1"] and p.aborted == ["cmpl-1"]
 
 
 def test_no_healthy_engine_is_503() -> None:

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from pd_cluster.request import Request
 
 
+class BlockTableError(RuntimeError):
+    """A block-table invariant broke (a request allocated twice, a block released more often
+    than taken): a bug in the caller. Raised, not asserted, so ``python -O`` keeps the check."""
+
+
 @dataclass
 class Block:
     block_id: int
@@ -83,7 +88,9 @@ class BlockManager:
 
     def allocate(self, request: Request, use_prefix_cache: bool = True) -> int:
         """Give the request blocks for all its current tokens; returns prefix-cached tokens."""
-        assert request.request_id not in self.tables, f"{request.request_id} already allocated"
+        if request.request_id in self.tables:
+            raise BlockTableError(f"{request.request_id} already holds blocks "
+                                  f"{self.tables[request.request_id][:8]}: allocated twice")
         hits = self._prefix_hits(request) if use_prefix_cache else []
         if self.enable_prefix_caching and use_prefix_cache:
             self.stats.queried_blocks += (request.num_tokens - 1) // self.block_size
@@ -141,8 +148,10 @@ class BlockManager:
         # Tail blocks are released first so they are evicted before the shared prefix.
         for block_id in reversed(table):
             block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise BlockTableError(f"block {block_id} of {request.request_id} released "
+                                      f"more often than taken (ref count {block.ref_count})")
             block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
 

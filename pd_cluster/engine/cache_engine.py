@@ -54,7 +54,8 @@ def determine_num_blocks(spec: KVCacheSpec, device: torch.device, num_kv_blocks:
     if num_kv_blocks is not None:
         num, why = num_kv_blocks, "num_kv_blocks"
     elif device.type == "cuda" or memory is not None:
-        assert memory is not None, "a GPU's cache is sized from a DeviceMemory report"
+        if memory is None:
+            raise RuntimeError("a GPU's KV cache is sized from a DeviceMemory report; none given")
         num = max(memory.kv_budget(gpu_memory_utilization), 0) // spec.block_bytes
         why = (f"gpu_memory_utilization={gpu_memory_utilization} of "
                f"{memory.total / 2**30:.1f} GiB ({memory.free / 2**30:.1f} GiB free), weights "
