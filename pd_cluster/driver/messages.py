@@ -4,7 +4,9 @@ and a stand-alone engine process <-> its parent.
 One format everywhere: msgspec Structs, encoded with msgspec's msgpack. Decoding is typed, so
 a malformed or unknown-field message is rejected at the edge (``msgspec.ValidationError``, a
 ValueError), never half-used. The request/delta hot path crosses Ray as encoded bytes; the
-control messages (spec, info, status) as plain builtins (``to_dict``/``from_dict``).
+control messages (spec, info, status) as plain builtins (``to_dict``/``from_dict``). An
+engine's deltas reach the proxy as one ``list[EngineDelta]`` message per engine step over ZMQ
+(serving/engine/output_sender.py).
 """
 from __future__ import annotations
 
@@ -55,6 +57,9 @@ class EngineRequest(Msg, frozen=True):
     # how many characters of that output's text the client already has.
     resume_token_ids: list[int] = []
     resume_text_len: int = 0
+    # The proxy session whose ZMQ channel gets this request's deltas ("": the caller streams
+    # them over the Ray call that submitted it).
+    output_session: str = ""
 
 
 class EngineDelta(Msg, array_like=True):

@@ -26,6 +26,7 @@ from pd_cluster.serving.routing.engine_pool import EnginePool
 from pd_cluster.serving.api.errors import APIError, invalid_request, model_not_found
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.request_tracker import RequestTracker
+from pd_cluster.serving.routing.token_channel import TokenChannel
 from pd_cluster.serving.api.utility_routes import add_utility_routes
 from pd_cluster.serving.api.choices import choice_jobs, merged
 from pd_cluster.serving.api.openai_format import (ChatFormatter, CompletionFormatter, Formatter,
@@ -56,8 +57,12 @@ class ProxyState:
                                  or hf.get("max_position_embeddings", 2048))
         self.pool = EnginePool(engines, cfg.proxy)
         self.metrics = ProxyMetrics(lambda: self.pool.engines, cfg.model_name)
+        channel = None
+        if cfg.proxy.token_transport == "zmq":
+            channel = TokenChannel(cfg.proxy.health_check_timeout, self.pool.mark_failed)
+            self.pool.token_channel = channel
         self.dispatcher = Dispatcher(self.pool, cfg.mode, self.metrics, cfg.proxy.max_retries,
-                                     cfg.proxy.max_migrations)
+                                     cfg.proxy.max_migrations, channel)
         self.inflight = 0
         self.node_ip = _node_ip()
 

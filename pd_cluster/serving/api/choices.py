@@ -23,13 +23,14 @@ def choice_jobs(request_id: str, prompts: list[tuple[list[int], SamplingParams]]
     """One job per choice: each prompt (with its own params) n times, prompt-major."""
     jobs = []
     for i, (prompt, params) in enumerate(prompts):
-        prefix = SharedPrefix() if n > 1 else None
-        for j in range(n):
+        ids = [request_id if len(prompts) * n == 1 else f"{request_id}-{i * n + j}"
+               for j in range(n)]
+        prefix = SharedPrefix(leader=ids[0]) if n > 1 else None
+        for j, rid in enumerate(ids):
             p = params if params.seed is None or j == 0 else \
                 dataclasses.replace(params, seed=params.seed + j)
-            rid = request_id if len(prompts) * n == 1 else f"{request_id}-{i * n + j}"
-            jobs.append(GenerateJob(rid, prompt, p, deadline,  # choices share the prompt list
-                                    prefix=prefix, leads_prefix=j == 0))
+            # the choices share the prompt list
+            jobs.append(GenerateJob(rid, prompt, p, deadline, prefix=prefix))
     return jobs
 
 

@@ -69,7 +69,13 @@ class RoleConfig(_Section):
 class ProxyConfig(_Section):
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the launcher prints the URL)
-    max_inflight: int = Field(256, ge=1)  # more concurrent requests get 429
+    max_inflight: int = Field(256, ge=1)  # requests running at once; more wait in the queue
+    # Requests waiting for an in-flight slot (first come, first served; their wait counts in
+    # their TTFT); beyond it a request gets 429 with Retry-After.
+    max_queue: int = Field(1024, ge=0)
+    # How tokens reach the proxy: "zmq", one message per engine step from each engine's
+    # output thread; "ray", one Ray streaming call per request (the previous path).
+    token_transport: Literal["zmq", "ray"] = "zmq"
     routing: str = "least_loaded"
     request_timeout: float = Field(120.0, gt=0)  # bound on every wait for one request
     health_check_interval: float = Field(2.0, gt=0)

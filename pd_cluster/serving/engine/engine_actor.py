@@ -1,11 +1,16 @@
 """A prefill, decode or colocated engine as a Ray actor.
 
-The actor is async: its event loop serves many concurrent request streams (Ray streaming
-generators) and health checks, while the engine itself runs on the EngineLoop thread (the
-same driver a stand-alone engine process uses). Deltas cross from that thread to the event
-loop with ``call_soon_threadsafe`` and fan out to one asyncio queue per request; each stream
-item carries every delta queued since the last one. Every wait is bounded by the request's
-timeout.
+The actor is async: its event loop serves submissions, control calls and health checks, while
+the engine itself runs on the EngineLoop thread (the same driver a stand-alone engine process
+uses). Tokens do not travel as Ray calls: the proxy opens an output session (``open_output``)
+and submits requests tagged with it; each engine step's deltas go out to it as one ZMQ message
+from the output thread (output_sender.py). ``watch_output`` is the one call the proxy keeps
+open per engine: it fails at once when the actor dies, and returns when the session closes.
+
+The previous path stays for comparison (scripts/bench_proxy.py) and for callers without a
+session: ``generate`` streams one request's deltas as a Ray streaming generator, fed from the
+output thread through ``call_soon_threadsafe`` and one asyncio queue per request. Every wait
+there is bounded by the request's timeout.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from pd_cluster.driver.engine_loop import EngineLoop
 from pd_cluster.driver.messages import (ERROR_ENGINE, ERROR_INVALID_REQUEST, ERROR_TIMEOUT,
                                         EngineDelta, EngineInfo, EngineSpec, decode_request,
                                         encode)
+from pd_cluster.serving.engine.output_sender import OutputSender
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +39,6 @@ class EngineActor:
         import ray
         import torch
 
-        from pd_cluster.config import EngineConfig
-        from pd_cluster.engine.llm_engine import LLMEngine
-        from pd_cluster.serving.cluster.cluster_config import resolve_model
-
         self.spec = EngineSpec.from_dict(spec)
         # The engine thread holds the GIL for most of a (small-model) step; a short switch
         # interval bounds how long the event loop waits to stream outputs (default: 5 ms).
@@ -48,17 +50,28 @@ class EngineActor:
         args = dict(self.spec.engine_args)
         if args.get("kv_transfer"):
             args["kv_transfer"] = on_this_node(args["kv_transfer"], self.node_ip)
-        model = resolve_model(self.spec.model, node=self.node_ip)
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **args))
+        self.engine = self._make_engine(args)
         self.incarnation = uuid.uuid4().hex[:12]
         self.kv_endpoint: str | None = getattr(self.engine, "kv_endpoint", lambda: None)()
         self._aio: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue[EngineDelta]] = {}
         self._pending: list[EngineDelta] = []  # emitted before the event loop was known
         self._lock = threading.Lock()
-        self.loop = EngineLoop(self.engine, self._emit_threadsafe, self._on_fatal, threads)
+        self._sessions: dict[str, asyncio.Future[str]] = {}  # open output session -> closed
+        self.loop = EngineLoop(self.engine, self._emit, self._on_fatal, threads)
+        self.output = OutputSender(self.node_ip, self.loop.abort, self._emit_threadsafe,
+                                   self._session_closed_threadsafe)
         self.loop.start()
         logger.info("%s ready (kv endpoint %s)", self.spec.name, self.kv_endpoint)
+
+    def _make_engine(self, args: dict[str, Any]) -> Any:
+        """The engine this actor hosts (a benchmark's subclass hosts one without a model)."""
+        from pd_cluster.config import EngineConfig
+        from pd_cluster.engine.llm_engine import LLMEngine
+        from pd_cluster.serving.cluster.cluster_config import resolve_model
+
+        model = resolve_model(self.spec.model, node=self.node_ip)
+        return LLMEngine(EngineConfig.from_kwargs(model, **args))
 
     # ---- info / health -------------------------------------------------------------------
     def _info(self) -> EngineInfo:
@@ -106,7 +119,46 @@ class EngineActor:
             return endpoint, None
         return dict(await asyncio.gather(*(one(ep, tag) for ep, tag in peers.items())))
 
-    # ---- requests ------------------------------------------------------------------------
+    # ---- the token path: output sessions ---------------------------------------------------
+    async def open_output(self, session: str, proxy_node_id: str) -> str:
+        """Bind (or find) ``session``'s PUSH socket: ipc if the proxy runs on this node, tcp
+        on this node's address otherwise. Returns the endpoint the proxy connects to."""
+        self._bind_loop()
+        endpoint = await asyncio.wrap_future(
+            self.output.open(session, ipc=proxy_node_id == self.node_id))
+        if session not in self._sessions:
+            self._sessions[session] = asyncio.get_running_loop().create_future()
+        return endpoint
+
+    async def watch_output(self, session: str) -> str:
+        """Returns why ``session`` closed, when it does; fails when this actor dies."""
+        closed = self._sessions.get(session)
+        if closed is None:
+            return f"no output session {session!r} here (engine restarted?)"
+        return await asyncio.shield(closed)
+
+    async def close_output(self, session: str) -> None:
+        """The proxy is going away: its session closes and its requests are aborted."""
+        self.output.close(session)
+
+    async def submit(self, request: bytes) -> str | None:
+        """Start a request whose deltas go to its output session. None when accepted (a
+        request the engine rejects is answered by an error delta on the session); otherwise
+        why it was not submitted."""
+        try:
+            req = decode_request(request)
+        except ValueError as e:
+            return f"malformed request: {e}"
+        closed = self._sessions.get(req.output_session)
+        if closed is None or closed.done():
+            return f"no open output session {req.output_session!r}"
+        if not self.loop.alive:
+            return f"engine loop is down: {self.loop.error!r}"
+        self.output.route(req.request_id, req.output_session)
+        self.loop.submit(req)
+        return None
+
+    # ---- requests over Ray (the previous token path) -----------------------------------------
     async def generate(self, request: bytes) -> AsyncIterator[bytes]:
         """Stream the request's EngineDeltas until it finishes: each item is every delta queued
         since the previous one (in order, never merged), msgpack-encoded."""
@@ -154,6 +206,7 @@ class EngineActor:
     async def shutdown(self) -> None:
         """Stop the engine thread and close the connector (before the actor is killed)."""
         self.loop.stop(timeout=5.0)
+        self.output.stop(timeout=5.0)
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
@@ -166,6 +219,20 @@ class EngineActor:
                 pending, self._pending = self._pending, []
             if pending:
                 self._dispatch(pending)
+
+    def _emit(self, deltas: list[EngineDelta]) -> None:
+        self.output.emit(deltas)  # the engine thread: a queue put, the output thread sends
+
+    def _session_closed_threadsafe(self, session: str, why: str) -> None:
+        with self._lock:
+            aio = self._aio
+        if aio is not None:
+            aio.call_soon_threadsafe(self._session_closed, session, why)
+
+    def _session_closed(self, session: str, why: str) -> None:
+        closed = self._sessions.pop(session, None)
+        if closed is not None and not closed.done():
+            closed.set_result(why)
 
     def _emit_threadsafe(self, deltas: list[EngineDelta]) -> None:
         with self._lock:

@@ -4,7 +4,9 @@ A background task health-checks each engine every ``health_check_interval``. An 
 routed around after ``unhealthy_threshold`` failed checks, or at once when its actor dies or
 a request sees it fail; it comes back when a check succeeds again (e.g. after Ray restarted
 it, with a new incarnation and therefore a fresh KV endpoint). After each round, producers
-are asked to handshake with consumers they do not hold a link to (PeerLinker).
+are asked to handshake with consumers they do not hold a link to (PeerLinker). With a token
+channel, a check that sees a new engine incarnation opens the channel to it before the engine
+is routable, and an engine found down has its open legs failed (their requests move on).
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class EnginePool:
         self.routers: dict[str, Router] = {e.role: create_router(config.routing)
                                            for e in self.engines}
         self._task: asyncio.Task | None = None
+        self.token_channel: Any = None  # TokenChannel: set by the proxy that reads tokens
         self.peers = PeerLinker(self.engines, config.health_check_timeout)
         self.stats_log = StatsLog(config.log_stats_interval)
 
@@ -67,6 +70,8 @@ class EnginePool:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self.peers.close()
+        if self.token_channel is not None:
+            await self.token_channel.close()
 
     async def _loop(self) -> None:
         while True:
@@ -89,10 +94,20 @@ class EnginePool:
         except Exception as exc:  # noqa: BLE001 - any failure counts against the engine
             dead = isinstance(exc, ray.exceptions.RayActorError)
             self.mark_failed(e, f"health check: {type(exc).__name__}: {exc}"[:500], dead)
+            if not e.healthy and self.token_channel is not None:  # down: move its requests
+                self.token_channel.detach(e, "engine down (health check)", dead)
             return
         if e.incarnation is not None and info.incarnation != e.incarnation:
             e.restarts += 1
             logger.warning("%s restarted (pid %d -> %d)", e.name, e.pid, info.pid)
+        channel = self.token_channel
+        if channel is not None and not channel.linked(e, info.incarnation):
+            try:
+                await channel.attach(e, info.incarnation)
+            except Exception as exc:  # noqa: BLE001 - not routable without its token path
+                self.mark_failed(e, f"token path: {type(exc).__name__}: {exc}"[:500],
+                                 dead=False)
+                return
         if not e.healthy:
             logger.info("%s is healthy", e.name)
         e.incarnation, e.kv_endpoint, e.pid = info.incarnation, info.kv_endpoint, info.pid
@@ -106,6 +121,8 @@ class EnginePool:
         if e.healthy and (dead or e.failures >= self.config.unhealthy_threshold):
             logger.warning("%s marked unhealthy: %s", e.name, error)
             e.healthy = False
+        if dead and self.token_channel is not None:  # its requests are gone with it
+            self.token_channel.detach(e, error, dead=True)
 
     # ---- routing ----------------------------------------------------------------------------
     def available(self, role: str, excluded: set[str] | frozenset[str] = frozenset()

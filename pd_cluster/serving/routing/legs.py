@@ -1,12 +1,15 @@
 """The state of one request inside the proxy: the job, each engine's leg, what was sent.
 
-A Leg is one engine's part of a request: its incremental deltas are appended in order (a gap
-or repeat is that engine's failure). Sent is what the client already has; it survives
-retries and migrations, so nothing is sent twice.
+A GenerateJob is what the client asked for (one choice). A Leg is one engine's part of one
+attempt at it: its incremental deltas are appended in order (a gap or repeat is that engine's
+failure). Sent is what the client already has; it survives retries and migrations, so nothing
+is sent twice. What the client gets next is computed from a leg and Sent without changing
+either (stream_diff.next_output), then committed to Sent (Sent.commit).
 """
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -16,14 +19,15 @@ from pd_cluster.driver.messages import EngineDelta, EngineRequest
 
 
 class SharedPrefix:
-    """The choices of one prompt (n > 1) share its prefill: the first choice runs as usual
-    (P, then D); the others wait until its first output, then run on the engine that holds the
-    prompt's KV, where the prefix cache serves every full block (ref counts, no copy) and only
-    the tail of the last block is computed again."""
+    """The choices of one prompt (n > 1) share its prefill: the leader (the first choice) runs
+    as usual (P, then D); the others wait until its first output, then run on the engine that
+    holds the prompt's KV, where the prefix cache serves every full block (ref counts, no copy)
+    and only the tail of the last block is computed again."""
 
-    def __init__(self) -> None:
+    def __init__(self, leader: str) -> None:
+        self.leader = leader  # request id of the choice that prefills the prompt
         self._ready = asyncio.Event()
-        self.engine: str | None = None  # None: siblings plan as usual
+        self.engine: str | None = None  # None: the others plan as usual
 
     def announce(self, engine: str | None) -> None:
         if not self._ready.is_set():
@@ -45,7 +49,11 @@ class GenerateJob:
     params: SamplingParams
     deadline: float  # time.monotonic() bound for the whole request
     prefix: SharedPrefix | None = None  # shared with this prompt's other choices
-    leads_prefix: bool = False  # the choice that prefills it (announces where its KV is)
+
+    @property
+    def leads_prefix(self) -> bool:
+        """This choice prefills the shared prompt (and announces where its KV is)."""
+        return self.prefix is not None and self.prefix.leader == self.request_id
 
 
 @dataclass
@@ -65,12 +73,24 @@ class EngineFailed(Exception):
         self.engine, self.dead = engine, dead
 
 
+class LegKind(enum.Enum):
+    """What one engine does for an attempt (the P/D vocabulary, one name per part)."""
+    WHOLE = "whole"  # computes the whole answer (colocated, degraded, resumed, n-sibling)
+    PREFILL = "prefill"  # P: computes the prompt and its first token, ships the KV to D
+    DECODE = "decode"  # D: gets the KV from P, generates the rest (and the first token again)
+
+    @property
+    def ends_request(self) -> bool:
+        """Its finish is the request's finish (P's token only starts it)."""
+        return self is not LegKind.PREFILL
+
+
 @dataclass
 class Leg:
     engine: EngineState
     request: EngineRequest
     work: int
-    final: bool  # its finish ends the request (D, or the only engine)
+    kind: LegKind
     finished: bool = False
     # What this engine produced so far, assembled from its deltas (appended, never re-sent).
     token_ids: list[int] = field(default_factory=list)
@@ -79,6 +99,7 @@ class Leg:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # from whoever computed it
     last: EngineDelta | None = None
     next_seq: int = 0
+    failure: Exception | None = None  # why this leg ended without finishing (see inbox.py)
 
     def apply(self, delta: EngineDelta) -> None:
         """Append one incremental delta; a gap or repeat is the engine's failure."""
@@ -97,16 +118,41 @@ class Leg:
 
 
 @dataclass
+class Output:
+    """What the client gets next from one leg: computed from the leg and Sent, not applied."""
+    event: StreamEvent | None  # None: nothing to send yet
+    # The client's first token came from P (True), or D's first token was checked against it
+    # (False); None: no change.
+    first_token_from_prefill: bool | None = None
+
+
+@dataclass
 class Sent:
     """What the client has been sent so far (across retries nothing is sent twice)."""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[int, float] | None] = field(default_factory=list)  # if asked for
     prompt_logprobs_sent: bool = False
-    first_from_prefill: bool = False  # the first token came from P: check D agrees
+    # The first token came from P and D has not confirmed it yet (D must continue P's token).
+    first_token_from_prefill: bool = False
 
     @property
     def any(self) -> bool:
         return bool(self.token_ids or self.text)
 
-__all__ = ["EngineFailed", "GenerateJob", "Leg", "Sent", "SharedPrefix", "StreamEvent"]
+    def commit(self, out: Output) -> None:
+        """The client is sent ``out``: record it."""
+        if out.first_token_from_prefill is not None:
+            self.first_token_from_prefill = out.first_token_from_prefill
+        ev = out.event
+        if ev is None:
+            return
+        if ev.logprobs is not None:
+            self.logprobs.extend(ev.logprobs)
+        self.token_ids.extend(ev.token_ids)
+        self.text += ev.text
+        self.prompt_logprobs_sent = self.prompt_logprobs_sent or ev.prompt_logprobs is not None
+
+
+__all__ = ["EngineFailed", "GenerateJob", "Leg", "LegKind", "Output", "Sent", "SharedPrefix",
+           "StreamEvent"]

@@ -1,0 +1,165 @@
+"""The proxy's end of the token path: one PULL socket per engine, one reader per socket.
+
+The proxy opens one output session on every engine incarnation (``attach``, from the health
+check that first sees it) and connects a PULL socket to the endpoint the engine bound for it
+(ipc on the proxy's node, tcp elsewhere). Its reader takes each message (one engine step: the
+numbered deltas of every request) and hands each delta to the inbox of the leg it belongs to.
+
+A watcher keeps one Ray call open per engine (``watch_output``): it fails the moment the actor
+dies, and returns when the engine closed the session; either way every leg still open on that
+engine fails with EngineFailed (the dispatcher retries or migrates it), as it does when the
+health check finds the engine down or restarted.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pd_cluster.driver.messages import EngineDelta
+from pd_cluster.serving.routing.inbox import AttemptInbox
+from pd_cluster.serving.routing.legs import EngineFailed, Leg
+
+logger = logging.getLogger(__name__)
+
+_decoder = msgspec.msgpack.Decoder(list[EngineDelta])
+
+
+@dataclass
+class _Link:
+    engine: Any  # EngineState
+    incarnation: str
+    sock: zmq.asyncio.Socket
+    legs: dict[str, tuple[Leg, AttemptInbox]] = field(default_factory=dict)  # by request id
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+class TokenChannel:
+    def __init__(self, timeout: float,
+                 on_lost: Callable[[Any, str, bool], None] = lambda e, why, dead: None,
+                 node_id: str | None = None):
+        """``timeout`` bounds the session handshake; ``on_lost(engine, why, dead)`` is told
+        when an engine's token path broke (the pool marks it failed)."""
+        self.session = uuid.uuid4().hex[:16]
+        self.node_id = _this_node_id() if node_id is None else node_id
+        self._timeout, self._on_lost = timeout, on_lost
+        self._ctx = zmq.asyncio.Context.instance()
+        self._links: dict[str, _Link] = {}  # by engine name
+        self.counters = {"messages": 0, "deltas": 0, "malformed": 0, "unrouted": 0}
+
+    # ---- engines ------------------------------------------------------------------------------
+    def linked(self, engine: Any, incarnation: str) -> bool:
+        link = self._links.get(engine.name)
+        return link is not None and link.incarnation == incarnation
+
+    async def attach(self, engine: Any, incarnation: str) -> None:
+        """Open this proxy's session on ``engine`` (its ``incarnation``) and start reading;
+        a previous link to it is dropped and its legs fail (their engine restarted)."""
+        self.detach(engine, "engine restarted", dead=True)
+        endpoint = await asyncio.wait_for(
+            engine.handle.open_output.remote(self.session, self.node_id), self._timeout)
+        sock = self._ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        link = _Link(engine, incarnation, sock)
+        self._links[engine.name] = link
+        link.tasks = [asyncio.create_task(self._read(link)),
+                      asyncio.create_task(self._watch(link))]
+        logger.info("%s: token path %s", engine.name, endpoint)
+
+    def detach(self, engine: Any, why: str, dead: bool) -> None:
+        """Stop reading ``engine``; every leg open on it fails."""
+        link = self._links.pop(engine.name, None)
+        if link is None:
+            return
+        for t in link.tasks:
+            t.cancel()
+        link.sock.close(linger=0)
+        for leg, inbox in link.legs.values():
+            inbox.fail(leg, EngineFailed(engine, f"token path: {why}", dead=dead))
+        link.legs.clear()
+
+    async def close(self) -> None:
+        """Close every session (the engines abort what this proxy still had running)."""
+        links = list(self._links.values())
+        for link in links:
+            self.detach(link.engine, "proxy closing", dead=False)
+        await asyncio.gather(*(asyncio.wait_for(link.engine.handle.close_output.remote(
+            self.session), self._timeout) for link in links), return_exceptions=True)
+
+    # ---- legs ---------------------------------------------------------------------------------
+    def register(self, leg: Leg, inbox: AttemptInbox) -> bool:
+        """Route ``leg``'s deltas to ``inbox`` (before it is submitted). False: no link to its
+        engine (not attached yet, or just lost)."""
+        link = self._links.get(leg.engine.name)
+        if link is None:
+            return False
+        link.legs[leg.request.request_id] = (leg, inbox)
+        return True
+
+    def unregister(self, leg: Leg) -> None:
+        link = self._links.get(leg.engine.name)
+        if link is not None:
+            entry = link.legs.get(leg.request.request_id)
+            if entry is not None and entry[0] is leg:
+                del link.legs[leg.request.request_id]
+
+    # ---- tasks --------------------------------------------------------------------------------
+    async def _read(self, link: _Link) -> None:
+        legs, counters = link.legs, self.counters
+        while True:
+            frame = await link.sock.recv(copy=False)
+            try:
+                deltas = _decoder.decode(frame.buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                # Dropped whole: a leg it carried deltas for sees a gap at its next delta.
+                counters["malformed"] += 1
+                logger.warning("%s: malformed token message dropped: %s", link.engine.name, e)
+                continue
+            counters["messages"] += 1
+            counters["deltas"] += len(deltas)
+            for d in deltas:
+                entry = legs.get(d.request_id)
+                if entry is None:  # its leg ended (finished, failed or cancelled)
+                    counters["unrouted"] += 1
+                    continue
+                leg, inbox = entry
+                inbox.deltas(leg, [d])
+                if d.finished or leg.failure is not None:
+                    legs.pop(d.request_id, None)
+
+    async def _watch(self, link: _Link) -> None:
+        try:
+            why = await link.engine.handle.watch_output.remote(self.session)
+            dead = False
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the actor died (or its call failed)
+            why, dead = f"{type(e).__name__}: {e}"[:300], _is_actor_death(e)
+        if self._links.get(link.engine.name) is not link:
+            return
+        logger.warning("%s: token path lost: %s", link.engine.name, why)
+        self.detach(link.engine, why, dead)
+        self._on_lost(link.engine, f"token path: {why}", dead)
+
+
+def _is_actor_death(e: BaseException) -> bool:
+    import ray.exceptions
+    return isinstance(e, ray.exceptions.RayActorError)
+
+
+def _this_node_id() -> str:
+    """The Ray node this proxy runs on ("" outside Ray: every engine then uses tcp)."""
+    try:
+        import ray
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside a Ray worker or driver
+        pass
+    return ""
