@@ -33,6 +33,10 @@ class EngineArgs(BaseModel):
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | triton
     tokenizer: str | None = None
+    # Ranks per engine (one device each); the KV budget (num_kv_blocks, kv_cache_memory,
+    # gpu_memory_utilization) is per rank.
+    tensor_parallel_size: int = 1
+    collective_timeout: float = 60.0  # s: bounds every collective between an engine's ranks
 
     @field_validator("block_size")
     @classmethod
@@ -41,11 +45,19 @@ class EngineArgs(BaseModel):
             raise ValueError(f"must be a power of two in [8, 128], got {value}")
         return value
 
-    @field_validator("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len")
+    @field_validator("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len",
+                     "tensor_parallel_size")
     @classmethod
     def _positive(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
             raise ValueError(f"must be >= 1, got {value}")
+        return value
+
+    @field_validator("collective_timeout")
+    @classmethod
+    def _timeout(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError(f"must be > 0, got {value}")
         return value
 
     @field_validator("gpu_memory_utilization")

@@ -20,6 +20,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's KV connector and tensor-parallel workers (also on ``with`` exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

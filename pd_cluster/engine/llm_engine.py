@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from pd_cluster.config import EngineConfig, read_hf_config
 from pd_cluster.engine.block_manager import BlockManager
-from pd_cluster.engine.model_runner import ModelRunner
+from pd_cluster.engine.executor import Executor, max_model_len_of
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.scheduler import Scheduler
 from pd_cluster.outputs import RequestOutput
@@ -30,37 +30,17 @@ class LLMEngine:
         hf_config = read_hf_config(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.vocab_size = hf_config["vocab_size"]
-        max_pos = hf_config.get("max_position_embeddings", 2048)
-        self.max_model_len = config.max_model_len or max_pos
-        if self.max_model_len > max_pos:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {max_pos}")
+        self.max_model_len = max_model_len_of(config, hf_config)
         self.eos_token_id = hf_config.get("eos_token_id", self.tokenizer.eos_token_id)
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
-        self.runner = ModelRunner(config, hf_config, self.max_model_len)
-        kv = config.kv_transfer
-        num_blocks = self.runner.init_kv_cache(kv.device_reserve_bytes() if kv else 0)
-        self.block_manager = BlockManager(num_blocks, config.block_size,
+        self.executor = Executor(config, hf_config, self.max_model_len)
+        self.runner = self.executor.runner  # rank 0's: its model, cache and connector
+        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        scheduler_connector = self._create_connector(hf_config)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
-                                   scheduler_connector)
+                                   self.executor.scheduler_connector)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
-
-    def _create_connector(self, hf_config: dict[str, Any]) -> Any:
-        if not self.config.kv_transfer:
-            return None
-        from connectors.factory import create_connector
-        from connectors.pd_connector import model_fingerprint
-        spec = self.runner.kv_spec
-        info = {"model_id": model_fingerprint(self.config.model), "dtype": str(spec.dtype),
-                "block_size": spec.block_size, "num_layers": spec.num_layers,
-                "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
-        scheduler_connector, worker_connector = create_connector(self.config.kv_transfer, info)
-        worker_connector.register_kv_caches(self.runner.kv_caches)
-        self.runner.connector = worker_connector
-        return scheduler_connector
 
     def kv_endpoint(self) -> str | None:
         """Where producers send this engine's prompt KV (None without a consumer connector)."""
@@ -83,8 +63,8 @@ class LLMEngine:
         return self.runner.connector.peers() if self.runner.connector else {}
 
     def close(self) -> None:
-        if self.runner.connector is not None:
-            self.runner.connector.close()
+        """Stop the connector and any tensor-parallel workers."""
+        self.executor.close()
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -145,7 +125,7 @@ class LLMEngine:
         if not sched_out.scheduled and self.runner.connector is not None:
             # Only waiting on transfers (KV arriving, ACKs): don't spin a core meanwhile.
             time.sleep(0.001)
-        result = self.runner.execute(sched_out)
+        result = self.executor.execute(sched_out)
         updated = self.scheduler.update_from_output(sched_out, result)
         outputs, to_finish = self.outputs.process(updated)
         for request, status in to_finish:

@@ -1,4 +1,5 @@
-"""Turns a SchedulerOutput into one forward pass and sampled tokens (a ModelRunnerOutput)."""
+"""One rank's model, paged KV cache and worker-side KV connector: runs a StepInput's forward
+and returns the logits it asks for (sampling is rank 0's, in step_output.py)."""
 from __future__ import annotations
 
 import logging
@@ -10,14 +11,12 @@ from pd_cluster.attention import AttentionMetadata, create_backend
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.cache_engine import (DeviceMemory, KVCacheSpec, allocate_kv_caches,
                                             determine_num_blocks)
-from pd_cluster.engine.penalties import apply_penalties
-from pd_cluster.engine.sampler import Sampler, apply_min_tokens_mask, token_logprobs
-from pd_cluster.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pd_cluster.models.llama import ForwardContext
+from pd_cluster.engine.step_input import StepInput
+from pd_cluster.models.context import ForwardContext
+from pd_cluster.models.layers.tp import TPGroup
 from pd_cluster.models.loader import load_model
 
 logger = logging.getLogger(__name__)
-_LOGITS_CHUNK = 512  # prompt positions whose logits are materialised at once
 
 
 def profile_batch(num_tokens: int, max_model_len: int, max_num_seqs: int
@@ -32,20 +31,24 @@ def profile_batch(num_tokens: int, max_model_len: int, max_num_seqs: int
 
 
 class ModelRunner:
+    """One rank's model, paged KV cache and worker-side connector (the engine's rank 0 runs
+    in the engine process; the others in worker processes, see worker.py)."""
+
     def __init__(self, config: EngineConfig, hf_config: dict[str, Any],
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, tp: TPGroup = TPGroup(),
+                 device: torch.device | None = None):
         self.config = config
+        self.tp = tp
         self.max_model_len = max_model_len or int(hf_config.get("max_position_embeddings", 2048))
-        self.device = config.torch_device
+        self.device = device or config.torch_device
         self.dtype = config.torch_dtype
         before = self._allocated()
-        self.model = load_model(config.model, hf_config, self.dtype, self.device)
+        self.model = load_model(config.model, hf_config, self.dtype, self.device, tp=tp)
         self.weights_bytes = self._allocated() - before  # this engine's, not the process's
         args = self.model.args
         self.kv_spec = KVCacheSpec(args.num_layers, config.block_size, args.num_kv_heads,
                                    args.head_dim, self.dtype)
         self.backend = create_backend(config.attention_backend, self.device)
-        self.sampler = Sampler(seed=config.seed)
         self.kv_caches: list[torch.Tensor] = []
         self.connector: Any = None  # worker-side KV connector
 
@@ -56,6 +59,15 @@ class ModelRunner:
     def init_kv_cache(self, reserved_bytes: int = 0) -> int:
         """Allocate the paged KV cache; ``reserved_bytes``: device memory the KV connector
         will hold (sized before it exists)."""
+        num_blocks = self.fitting_blocks(reserved_bytes)
+        self.allocate_kv_cache(num_blocks)
+        return num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
+
+    def fitting_blocks(self, reserved_bytes: int = 0) -> int:
+        """How many blocks this rank's budget holds (ranks agree on their minimum)."""
         memory = None
         if self.device.type == "cuda" and self.config.num_kv_blocks is None:
             memory = DeviceMemory.measure(self.device, self.weights_bytes,
@@ -63,7 +75,6 @@ class ModelRunner:
         num_blocks = determine_num_blocks(
             self.kv_spec, self.device, self.config.num_kv_blocks, self.config.kv_cache_memory,
             self.config.gpu_memory_utilization, memory)
-        self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
         return num_blocks
 
     def _profile_peak_bytes(self) -> int:
@@ -104,92 +115,53 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        result = ModelRunnerOutput()
-        if self.connector is not None and out.kv_connector_metadata is not None:
-            self.connector.bind_connector_metadata(out.kv_connector_metadata)
-            if self.connector.loads_layerwise:
-                self.connector.start_load_kv(self.kv_caches)
+    def run_step(self, step: StepInput) -> list[torch.Tensor]:
+        """This rank's part of a step: the connector's loads and saves around one forward, and
+        the logits of each of ``step.logit_rows``'s groups (full vocabulary, on every rank)."""
+        conn = self.connector
+        if conn is not None and step.kv_meta is not None:
+            conn.bind_connector_metadata(step.kv_meta)
+            if conn.loads_layerwise:
+                conn.start_load_kv(self.kv_caches)
         try:
-            if out.scheduled:
-                self._forward_and_sample(out.scheduled, result)
-            if self.connector is not None:
-                self.connector.wait_for_save()
+            logits = self._forward(step) if not step.empty else []
+            if conn is not None:
+                conn.wait_for_save()
         finally:
-            if self.connector is not None:
-                self.connector.clear_connector_metadata()
-        if self.connector is not None:
-            sending, recving = self.connector.get_finished()
-            result.finished_sending, result.finished_recving = set(sending), dict(recving)
-        return result
+            if conn is not None:
+                conn.clear_connector_metadata()
+        return logits
 
-    def _forward_and_sample(self, scheduled: list[ScheduledRequest],
-                            result: ModelRunnerOutput) -> None:
-        # Decodes first: backends batch the one-token queries at the front.
-        batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        tokens: list[int] = []
-        positions: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        sampling: list[int] = []  # batch indices whose step ends at the sequence end
-        for i, item in enumerate(batch):
-            req, start = item.request, item.request.num_computed_tokens
-            end = start + item.num_new_tokens
-            tokens.extend(req.token_ids_range(start, end))
-            positions.extend(range(start, end))
-            query_start.append(query_start[-1] + item.num_new_tokens)
-            seq_lens.append(end)
-            if end == req.num_tokens:
-                sampling.append(i)
-        width = max(len(s.request.block_ids) for s in batch)
-        tables = torch.tensor([s.request.block_ids + [0] * (width - len(s.request.block_ids))
-                               for s in batch], dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.long)
-        req_index = torch.repeat_interleave(
-            torch.arange(len(batch)), torch.tensor([s.num_new_tokens for s in batch]))
+    def finished_transfers(self) -> tuple[set[str], dict[str, int | None]]:
+        """(finished sending, finished receiving -> first token) on this rank's connector."""
+        if self.connector is None:
+            return set(), {}
+        sending, recving = self.connector.get_finished()
+        return set(sending), dict(recving)
+
+    def _forward(self, step: StepInput) -> list[torch.Tensor]:
+        tables = torch.tensor(step.block_tables, dtype=torch.int32)
+        pos = torch.tensor(step.positions, dtype=torch.long)
+        counts = torch.tensor([b - a for a, b in zip(step.query_start, step.query_start[1:])])
+        req_index = torch.repeat_interleave(torch.arange(len(step.seq_lens)), counts)
         bs = self.config.block_size
         slots = tables[req_index, pos // bs].long() * bs + pos % bs
-        num_decodes = sum(1 for s in batch if s.num_new_tokens == 1)
-        meta = self._metadata(slots, query_start, seq_lens, tables, num_decodes)
-        ctx = ForwardContext(meta, self.kv_caches, self.backend, self.connector)
-        hidden = self.model(torch.tensor(tokens, device=self.device), pos.to(self.device), ctx)
-        self._prompt_logprobs(batch, query_start, hidden)
-        if not sampling:
-            return
-        last = torch.tensor([query_start[i + 1] - 1 for i in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[last])
-        reqs = [batch[i].request for i in sampling]
-        if any(r.sampling_params.min_tokens for r in reqs):
-            logits = apply_min_tokens_mask(logits, [r.sampling_params for r in reqs],
-                                           [r.num_output_tokens for r in reqs], reqs[0].eos_token_id)
-        logits = apply_penalties(logits, reqs)
-        sampled = self.sampler.sample(logits, [r.sampling_params for r in reqs],
-                                      [r.generator_for_next_token(logits.device) for r in reqs])
-        for req, token, logprobs in zip(reqs, sampled.token_ids, sampled.logprobs):
-            result.sampled_token_ids[req.request_id] = token
-            result.logprobs[req.request_id] = logprobs
-
-    def _prompt_logprobs(self, batch: list[ScheduledRequest], query_start: list[int],
-                         hidden: torch.Tensor) -> None:
-        """Extend each prompt_logprobs request's list with the prompt positions run now
-        (position p's logits score prompt token p + 1)."""
-        for i, item in enumerate(batch):
-            req = item.request
-            k = req.sampling_params.prompt_logprobs
-            if k is None:
-                continue
-            start = req.num_computed_tokens
-            if start == 0:  # (re)computed from the beginning, e.g. after a preemption
-                req.prompt_logprobs = [None]
-            if len(req.prompt_logprobs) != start + 1:
-                continue  # earlier positions were not computed here (their KV came from P)
-            stop = min(start + item.num_new_tokens, req.num_prompt_tokens - 1)
-            for a in range(start, stop, _LOGITS_CHUNK):  # bounds the [rows, vocab] logits
-                b = min(a + _LOGITS_CHUNK, stop)
-                first = query_start[i] + a - start
-                logits = self.model.compute_logits(hidden[first:first + b - a])
-                req.prompt_logprobs.extend(token_logprobs(
-                    logits, req.prompt_token_ids[a + 1:b + 1], [k] * (b - a)))
+        meta = self._metadata(slots, step.query_start, step.seq_lens, tables, step.num_decodes)
+        # HF's RoPE sees max(prompt length, position + 1) tokens when computing a position.
+        rope_lens = torch.maximum(torch.tensor(step.prompt_lens)[req_index], pos + 1)
+        ctx = ForwardContext(meta, self.kv_caches, self.backend, self.connector,
+                             rope_lens=rope_lens.to(self.device))
+        hidden = self.model(torch.tensor(step.tokens, device=self.device), pos.to(self.device),
+                            ctx)
+        out = []
+        for group in step.logit_rows:
+            if len(group) == 1:
+                rows = hidden[group[0][0]:group[0][1]]
+            else:
+                rows = hidden[torch.tensor([r for a, b in group for r in range(a, b)],
+                                           device=self.device)]
+            out.append(self.model.compute_logits(rows))
+        return out
 
     def _metadata(self, slots: torch.Tensor, query_start: list[int], seq_lens: list[int],
                   tables: torch.Tensor, num_decodes: int) -> AttentionMetadata:

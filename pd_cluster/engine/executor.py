@@ -1,0 +1,114 @@
+"""The Executor: runs each scheduled step on the engine's ranks and returns rank 0's tokens.
+
+With ``tensor_parallel_size`` 1 everything is in-process (rank 0 is the only rank). Above 1,
+rank 0 stays in the engine process and the other ranks are worker processes (WorkerGroup):
+per step the StepInput is broadcast once, every rank runs the same forward (the model's
+collectives keep them in lockstep), rank 0 samples, and each rank's finished KV transfers are
+gathered so that a request counts as sent or received only when every rank reported it.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine.model_runner import ModelRunner
+from pd_cluster.engine.sampler import Sampler
+from pd_cluster.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from pd_cluster.engine.step_input import build_step
+from pd_cluster.engine.step_output import sample_step
+from pd_cluster.engine.tp_comm import RankTransfers
+from pd_cluster.engine.transfer_tally import TransferTally
+
+
+def max_model_len_of(config: EngineConfig, hf_config: dict[str, Any]) -> int:
+    max_pos = hf_config.get("max_position_embeddings", 2048)
+    max_len = config.max_model_len or max_pos
+    if max_len > max_pos:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's "
+                         f"max_position_embeddings {max_pos}")
+    return max_len
+
+
+def check_tensor_parallel(hf_config: dict[str, Any], size: int) -> None:
+    """One-line ValueError when ``size`` cannot split the model (before any process starts)."""
+    if size == 1:
+        return
+    heads = hf_config.get("num_attention_heads", 0)
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    checks = [("num_attention_heads", heads), ("vocab_size", hf_config.get("vocab_size", 0)),
+              ("intermediate_size", hf_config.get("intermediate_size", 0))]
+    for name, value in checks:
+        if value % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide {name}={value}")
+    if kv_heads % size and size % kv_heads:
+        raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={kv_heads}: "
+                         f"one must divide the other")
+
+
+def engine_info(config: EngineConfig, runner: ModelRunner) -> dict[str, Any]:
+    """What a connector's handshake compares (this rank's KV layout)."""
+    from connectors.pd_connector import model_fingerprint
+    spec = runner.kv_spec
+    return {"model_id": model_fingerprint(config.model), "dtype": str(spec.dtype),
+            "block_size": spec.block_size, "num_layers": spec.num_layers,
+            "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
+
+
+def create_worker_connector(config: EngineConfig, runner: ModelRunner) -> Any:
+    """This rank's worker-side connector, registered on its cache (None without kv_transfer);
+    returns the scheduler side (used by rank 0 only)."""
+    if not config.kv_transfer:
+        return None
+    from connectors.factory import create_connector
+    scheduler_side, worker_side = create_connector(config.kv_transfer, engine_info(config, runner))
+    worker_side.register_kv_caches(runner.kv_caches)
+    runner.connector = worker_side
+    return scheduler_side
+
+
+class Executor:
+    def __init__(self, config: EngineConfig, hf_config: dict[str, Any], max_model_len: int):
+        self.config = config
+        self.workers: Any = None
+        device = config.torch_device
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(hf_config, config.tensor_parallel_size)
+            from pd_cluster.engine.worker_group import WorkerGroup
+            self.workers = WorkerGroup(config, device)
+        try:
+            tp = self.workers.tp_group if self.workers else None
+            self.runner = (ModelRunner(config, hf_config, max_model_len, tp, device) if tp
+                           else ModelRunner(config, hf_config, max_model_len))
+            kv = config.kv_transfer
+            blocks = self.runner.fitting_blocks(kv.device_reserve_bytes() if kv else 0)
+            self.num_blocks = self.workers.agree_num_blocks(blocks) if self.workers else blocks
+            self.runner.allocate_kv_cache(self.num_blocks)
+            self.scheduler_connector = create_worker_connector(config, self.runner)
+        except BaseException:
+            self.close()
+            raise
+        self.sampler = Sampler(seed=config.seed)
+        self._tally = TransferTally(config.tensor_parallel_size)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        step, plan = build_step(out.scheduled, self.config.block_size, out.kv_connector_metadata)
+        result = ModelRunnerOutput()
+        with self.workers.step(step) if self.workers else nullcontext():
+            logits = self.runner.run_step(step)
+            sending, recving = self.runner.finished_transfers()
+            if self.workers and self.runner.connector is not None:
+                reports = self.workers.gather_transfers(RankTransfers(sorted(sending), recving))
+                sending, recving = self._tally.add(reports)
+        sample_step(plan, logits, self.sampler, result)
+        result.finished_sending, result.finished_recving = sending, recving
+        return result
+
+    def close(self) -> None:
+        if getattr(self, "runner", None) is not None and self.runner.connector is not None:
+            self.runner.connector.close()
+        if self.workers is not None:
+            self.workers.close()

@@ -1,0 +1,41 @@
+"""A request's KV transfer is done only when every rank says so (each rank ships its own heads).
+
+Ranks report finished sends and receives step by step, not necessarily in the same step; the
+tally holds partial reports and releases a request once all ``size`` ranks reported it. A
+receive that failed on any rank (first token None) failed for the engine: the consumer then
+prefills the prompt itself.
+"""
+from __future__ import annotations
+
+from pd_cluster.engine.tp_comm import RankTransfers
+
+
+class TransferTally:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._sent: dict[str, set[int]] = {}
+        self._recvd: dict[str, dict[int, int | None]] = {}
+
+    def add(self, reports: list[RankTransfers]) -> tuple[set[str], dict[str, int | None]]:
+        """Fold one step's per-rank reports in; return what every rank has now reported."""
+        done_sending: set[str] = set()
+        done_recving: dict[str, int | None] = {}
+        for rank, report in enumerate(reports):
+            for rid in report.sending:
+                ranks = self._sent.setdefault(rid, set())
+                ranks.add(rank)
+                if len(ranks) == self.size:
+                    done_sending.add(rid)
+                    del self._sent[rid]
+            for rid, first in report.recving.items():
+                got = self._recvd.setdefault(rid, {})
+                got[rank] = first
+                if len(got) == self.size:
+                    firsts = list(got.values())
+                    done_recving[rid] = None if None in firsts else firsts[0]
+                    del self._recvd[rid]
+        return done_sending, done_recving
+
+    @property
+    def pending(self) -> int:
+        return len(self._sent) + len(self._recvd)
