@@ -32,7 +32,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     cfg = local_config("local", f"test-openai-{os.getpid()}",
                        engine={"num_kv_blocks": 512, "max_model_len": 1024},
                        kv_transfer={"kv_transfer_timeout": 5.0},
-                       proxy={"max_inflight": MAX_INFLIGHT, "request_timeout": 60.0})
+                       proxy={"max_inflight": MAX_INFLIGHT, "max_queue": 0,  # no queue:
+                              "request_timeout": 60.0})  # over the limit is a 429 at once
     c = launch(cfg, progress=False)
     yield c
     c.shutdown()
@@ -121,24 +122,30 @@ def test_edge_params(client, offline) -> None:
     # Stop strings are honoured across the P -> D hand-over.
     full, _ = reference(offline, ids, 30)
     stop = next((full[i:i + 2] for i in range(3, len(full) - 2) if full[i:i + 2].strip()), None)
-    if stop:
-        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=30, temperature=0,
-                                      stop=[stop])
-        assert r.choices[0].text == reference(offline, ids, 30, stop=[stop])[0]
-        assert r.choices[0].finish_reason == "stop"
-    # Seeded sampling works and is reproducible.
-    a = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0.9,
-                                  seed=7, extra_body={"return_token_ids": True})
-    assert len(a.choices[0].token_ids) == 12  # type: ignore[attr-defined]
+    assert stop is not None, f"no two-character stop string in {full!r}"
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=30, temperature=0,
+                                  stop=[stop])
+    want = reference(offline, ids, 30, stop=[stop])[0]
+    assert r.choices[0].text == want and len(want) < len(full)  # cut at the stop string
+    assert r.choices[0].finish_reason == "stop"
+    # Seeded sampling is reproducible: the same tokens as the colocated engine with that seed
+    # (P samples token 1, D the rest, each from the seed and the token's position), and again.
+    seeded = dict(temperature=0.9, seed=7, max_tokens=12)
+    want_ids = list(offline.generate([ids], SamplingParams(**seeded, ignore_eos=True))[0]
+                    .outputs[0].token_ids)
+    for _ in range(2):
+        a = client.completions.create(model=MODEL, prompt=ids, **seeded,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+        assert a.choices[0].token_ids == want_ids  # type: ignore[attr-defined]
 
 
 def test_kv_really_moved_from_p_to_d(cluster) -> None:
     st = wait_idle(cluster.url)
     p, d = (next(e for e in st["engines"] if e["role"] == r) for r in ("prefill", "decode"))
     assert p["stats"]["requests_total"] > 0 and d["stats"]["requests_total"] > 0
-    if d["kv_endpoint"] is not None:  # the KV connector is in: D must not prefill by itself
-        assert d["stats"].get("kv_bytes_received", 0) > 0
-        assert d["stats"].get("kv_fallbacks", 0) == 0
+    assert d["kv_endpoint"] is not None  # the KV connector is in: D must not prefill by itself
+    assert d["stats"].get("kv_bytes_received", 0) > 0
+    assert d["stats"].get("kv_fallbacks", 0) == 0
 
 
 def test_models_health_metrics(cluster, client) -> None:
@@ -224,6 +231,7 @@ def test_over_limit_is_429_and_disconnect_aborts(cluster) -> None:
             for resp in streams:  # client goes away mid-stream
                 await resp.aclose()
             assert over.json()["error"]["code"] == "rate_limit_exceeded"
+            assert int(over.headers["Retry-After"]) >= 1
             return over.status_code
 
     assert asyncio.run(run()) == 429
