@@ -1,7 +1,8 @@
 """The HTTP front door: an OpenAI-compatible FastAPI app over the engine actors.
 
 The proxy validates and tokenizes (so it can count prompt tokens and enforce max_model_len),
-admits up to ``max_inflight`` requests, and hands token ids to the Dispatcher. Streaming
+admits up to ``max_inflight`` requests at once (up to ``max_queue`` more wait for a slot;
+beyond that 429 with Retry-After), and hands token ids to the Dispatcher. Streaming
 responses are primed with the first event before the SSE headers go out, so failures that
 happen before any output (no engine: 503, bad request found by an engine: 400) are plain
 HTTP errors and can still be retried; later failures end the stream with an error event.
@@ -25,6 +26,7 @@ from pd_cluster.serving.routing.dispatch import Dispatcher, StreamEvent
 from pd_cluster.serving.routing.engine_pool import EnginePool
 from pd_cluster.serving.api.errors import APIError, invalid_request, model_not_found
 from pd_cluster.serving.observability.metrics import ProxyMetrics
+from pd_cluster.serving.routing.admission import Admission
 from pd_cluster.serving.routing.request_tracker import RequestTracker
 from pd_cluster.serving.routing.token_channel import TokenChannel
 from pd_cluster.serving.api.utility_routes import add_utility_routes
@@ -63,7 +65,8 @@ class ProxyState:
             self.pool.token_channel = channel
         self.dispatcher = Dispatcher(self.pool, cfg.mode, self.metrics, cfg.proxy.max_retries,
                                      cfg.proxy.max_migrations, channel)
-        self.inflight = 0
+        self.admission = Admission(cfg.proxy.max_inflight, cfg.proxy.max_queue, self.metrics)
+        self.inflight = 0  # requests in the proxy, queued ones included
         self.node_ip = _node_ip()
 
     # ---- prompt handling -----------------------------------------------------------------
@@ -222,7 +225,8 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
     fmt_cls = ChatFormatter if chat else CompletionFormatter
     tracker = RequestTracker(state, rid, sum(len(ids) for ids in prompts))
     request.state.tracked = True
-    jobs = choice_jobs(rid, per_prompt, req.n, tracker.start + state.cfg.proxy.request_timeout)
+    deadline = tracker.start + state.cfg.proxy.request_timeout  # queue time included
+    jobs = choice_jobs(rid, per_prompt, req.n, deadline)
     echo = None if chat or not req.echo else [  # choices are prompt-major, n per prompt
         (texts[i // req.n], job.prompt_token_ids) for i, job in enumerate(jobs)]
     fmt = fmt_cls(rid, state.cfg.model_name, req.return_token_ids, per_prompt[0][1].logprobs,
@@ -232,6 +236,7 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
         events = _prompt_only(events)
     results = [Result(prompt_token_ids=job.prompt_token_ids) for job in jobs]
     try:
+        await _until_disconnect(request, tracker.admit(state.admission, deadline))
         if not req.stream:
             await _until_disconnect(request, _collect(events, results, tracker))
             tracker.close("success")
@@ -241,7 +246,8 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
         tracker.close("aborted")
         return Response(status_code=499)
     except APIError as e:
-        tracker.close("client_error" if e.is_client_error else "error", e.status)
+        tracker.close("rejected" if e.status == 429 else
+                      "client_error" if e.is_client_error else "error", e.status)
         raise
     except BaseException:
         tracker.close("error")
@@ -275,7 +281,7 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]]) -> FastA
             outcome = ("rejected" if exc.status == 429 else
                        "client_error" if exc.is_client_error else "error")
             state.metrics.requests.labels(outcome).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
@@ -315,6 +321,7 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]]) -> FastA
     async def cluster_status() -> Response:
         await state.pool.check_all()  # fresh stats, bounded by health_check_timeout
         body = {"mode": cfg.mode, "model": cfg.model_name, "inflight": state.inflight,
+                "queued": state.admission.queued,
                 "proxy": {"node_ip": state.node_ip},
                 "engines": [s.to_dict() for s in state.pool.status()]}
         return Response(json.dumps(body), media_type="application/json")

@@ -7,10 +7,12 @@ from typing import Any
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type_, param, code)
+        self.headers = headers or {}  # sent with the response (e.g. Retry-After)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -31,9 +33,10 @@ def model_not_found(model: str) -> APIError:
                     "model", "model_not_found")
 
 
-def too_many_requests(limit: int) -> APIError:
-    return APIError(429, f"Too many requests in flight (limit {limit}); retry later.",
-                    "rate_limit_error", None, "rate_limit_exceeded")
+def too_many_requests(running: int, queued: int, retry_after: int) -> APIError:
+    return APIError(429, f"Too many requests: {running} running and {queued} queued (the "
+                         f"limits); retry after {retry_after}s.", "rate_limit_error", None,
+                    "rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
 
 
 def timeout_error(message: str) -> APIError:

@@ -48,11 +48,15 @@ class OutputSender:
 
     def __init__(self, host: str, abort: Callable[[list[str]], None],
                  local: Callable[[list[EngineDelta]], None],
-                 closed: Callable[[str, str], None] = lambda session, why: None):
+                 closed: Callable[[str, str], None] = lambda session, why: None,
+                 backlog_messages: int = _BACKLOG_MESSAGES,
+                 backlog_seconds: float = _BACKLOG_SECONDS):
         """``host``: this node's address (tcp sessions bind there); ``abort``: aborts requests
         of a closed session; ``local``: gets the deltas of requests that have no session
-        (those streamed over a Ray call); ``closed(session, why)``: a session closed."""
+        (those streamed over a Ray call); ``closed(session, why)``: a session closed;
+        ``backlog_*``: how much a session that accepts nothing may hold, and how long."""
         self._host, self._abort, self._local, self._closed = host, abort, local, closed
+        self._backlog_messages, self._backlog_seconds = backlog_messages, backlog_seconds
         self._ctx = zmq.Context.instance()
         self._q: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._routes: dict[str, str] = {}  # request id -> session (finished: removed)
@@ -158,8 +162,8 @@ class OutputSender:
             return
         if s.backlog:
             s.backlog.append(data)
-            if len(s.backlog) > _BACKLOG_MESSAGES:
-                self._drop(session, f"backlog over {_BACKLOG_MESSAGES} messages")
+            if len(s.backlog) > self._backlog_messages:
+                self._drop(session, f"backlog over {self._backlog_messages} messages")
             return
         try:
             s.sock.send(data, zmq.NOBLOCK, copy=False)
@@ -181,8 +185,8 @@ class OutputSender:
                 s.stalled_since = now
             if not s.backlog:
                 s.stalled_since = None
-            elif s.stalled_since is not None and now - s.stalled_since > _BACKLOG_SECONDS:
-                self._drop(session, f"nothing accepted for {_BACKLOG_SECONDS:.0f}s")
+            elif s.stalled_since is not None and now - s.stalled_since > self._backlog_seconds:
+                self._drop(session, f"nothing accepted for {self._backlog_seconds:.1f}s")
 
     def _stalled(self) -> bool:
         return any(s.backlog for s in self._sessions.values())

@@ -47,9 +47,15 @@ class ProxyMetrics:
         self.vllm = VLLMRequestMetrics(r, model_name)
         r.register(VLLMEngineCollector(engines_snapshot, model_name))
         self.requests = Counter("pd_requests", "Requests by outcome", ["outcome"], registry=r)
-        self.inflight = Gauge("pd_requests_inflight", "Requests in flight in the proxy",
+        self.inflight = Gauge("pd_requests_inflight", "Requests in the proxy (queued included)",
                               registry=r)
-        self.ttft = Histogram("pd_time_to_first_token_seconds", "Time to first token",
+        self.queued = Gauge("pd_requests_queued", "Requests waiting for an in-flight slot",
+                            registry=r)
+        self.queue_time = Histogram(
+            "pd_request_queue_time_seconds", "Time a request waited for an in-flight slot "
+            "(part of its time to first token)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("pd_time_to_first_token_seconds",
+                              "Time to first token (queue time included)",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pd_inter_token_latency_seconds", "Time between streamed chunks",
                              buckets=_LATENCY_BUCKETS, registry=r)

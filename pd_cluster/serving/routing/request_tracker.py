@@ -1,12 +1,13 @@
-"""Per-request bookkeeping in the proxy: the in-flight slot, latency and token metrics (pd_ and
-vllm: series), and one access-log line when the request ends."""
+"""Per-request bookkeeping in the proxy: its admission (a running slot, maybe after a wait in
+the queue), latency and token metrics (pd_ and vllm: series), and one access-log line when the
+request ends. The clock starts when the request arrives: queue time counts in its TTFT."""
 from __future__ import annotations
 
 import logging
 import time
 from typing import Any
 
-from pd_cluster.serving.api.errors import too_many_requests
+from pd_cluster.serving.routing.admission import Admission
 
 access_log = logging.getLogger("pd_cluster.access")
 
@@ -16,8 +17,6 @@ _STATUS = {"success": 200, "client_error": 400, "rejected": 429, "aborted": 499,
 class RequestTracker:
     def __init__(self, state: Any, request_id: str, n_prompt: int):
         self.state, self.m, self.request_id = state, state.metrics, request_id
-        if state.inflight >= state.cfg.proxy.max_inflight:
-            raise too_many_requests(state.cfg.proxy.max_inflight)
         state.inflight += 1
         self.m.inflight.inc()
         self.m.prompt_tokens.inc(n_prompt)
@@ -27,6 +26,13 @@ class RequestTracker:
         self.ttft: float | None = None
         self.finish_reason: str | None = None
         self.closed = False
+        self._admission: Admission | None = None  # holding a running slot of it
+        self.queue_time = 0.0
+
+    async def admit(self, admission: Admission, deadline: float) -> None:
+        """Wait for a running slot (see Admission.enter for what it raises)."""
+        self.queue_time = await admission.enter(deadline)
+        self._admission = admission
 
     def on_event(self, ev: Any) -> None:
         now = time.monotonic()
@@ -52,11 +58,14 @@ class RequestTracker:
         self.m.inflight.dec()
         self.m.requests.labels(outcome).inc()
         latency = time.monotonic() - self.start
+        if self._admission is not None:
+            self._admission.leave(latency - self.queue_time)
         if outcome == "success":
             self.m.e2e.observe(latency)
             self.m.vllm.e2e.observe(latency)
             self.m.vllm.success.labels(self.m.vllm.model_name, self.finish_reason or "stop").inc()
         ttft = f"{self.ttft * 1e3:.1f}ms" if self.ttft is not None else "-"
-        access_log.info("%s %d %s prompt_tokens=%d output_tokens=%d ttft=%s latency=%.1fms",
-                        self.request_id, status or _STATUS.get(outcome, 500), outcome,
-                        self.n_prompt, self.n_output, ttft, latency * 1e3)
+        access_log.info("%s %d %s prompt_tokens=%d output_tokens=%d ttft=%s latency=%.1fms "
+                        "queued=%.1fms", self.request_id, status or _STATUS.get(outcome, 500),
+                        outcome, self.n_prompt, self.n_output, ttft, latency * 1e3,
+                        self.queue_time * 1e3)
