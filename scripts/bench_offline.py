@@ -14,6 +14,11 @@ bytes read + written / time).
 Example:
     python scripts/bench_offline.py --num-requests 64
 The last line is ``throughput_ratio_vs_hf=X`` (ours / HF useful output tokens per second).
+
+With ``--tensor-parallel-size N`` (N > 1) it instead runs the same requests on a TP1 and a TPN
+engine and prints their throughput and batch-1 decode latency side by side (on CPUs, Gloo: the
+cost of the collectives; on GPUs, NCCL: the speed-up), and whether their greedy outputs agree.
+``--smoke``: a tiny model and a few requests (seconds), for the test suite.
 """
 from __future__ import annotations
 
@@ -52,7 +57,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's default, i.e. all cores)")
     p.add_argument("--skip-hf", action="store_true", help="only run our engine")
-    return p.parse_args()
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="N > 1: compare a TP1 and a TPN engine side by side (no HF run)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny model, a few short requests, no HF (a few seconds)")
+    args = p.parse_args()
+    if args.smoke:
+        args.num_requests, args.prompt_len, args.output_len = 6, [4, 40], [4, 12]
+        args.batch1_tokens, args.bandwidth_mib, args.skip_hf = 4, 8, True
+    return args
+
+
+def smoke_model() -> str:
+    import tempfile
+
+    from pd_cluster.model_maker import make_model
+    out = os.path.join(tempfile.mkdtemp(prefix="bench-offline-smoke-"), "model")
+    return str(make_model(out, arch="llama", vocab_size=512, hidden_size=64, num_layers=2,
+                          num_heads=4, num_kv_heads=2, intermediate_size=128))
 
 
 def make_requests(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -91,7 +113,8 @@ def memory_bandwidth(device: Any, mib: int, repeats: int = 10) -> float:
     return 2 * n * 4 / best
 
 
-def run_ours(llm: Any, reqs: list[tuple[list[int], int]]) -> tuple[float, int, int]:
+def run_ours(llm: Any, reqs: list[tuple[list[int], int]], outputs: list | None = None
+             ) -> tuple[float, int, int]:
     from pd_cluster.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, out in reqs]
@@ -104,6 +127,8 @@ def run_ours(llm: Any, reqs: list[tuple[list[int], int]]) -> tuple[float, int, i
     expected = sum(out for _, out in reqs)
     assert produced == expected, f"engine produced {produced} tokens, expected {expected}"
     llm.engine.check_no_leaks()
+    if outputs is not None:
+        outputs.extend(o.outputs[0].token_ids for o in outs)
     return elapsed, produced, sum(len(p) for p, _ in reqs)
 
 
@@ -153,6 +178,33 @@ def batch1_decode_ms(llm: Any, prompt: list[int], num_tokens: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def compare_tp(args: argparse.Namespace, model_dir: str, engine_args: dict[str, Any]) -> int:
+    """The same requests on a TP1 and a TPN engine, one after the other, in one run."""
+    from pd_cluster.llm import LLM
+
+    size = args.tensor_parallel_size
+    results: dict[int, tuple[float, float, list]] = {}
+    for tp in (1, size):
+        with LLM(model=model_dir, tensor_parallel_size=tp, **engine_args) as llm:
+            reqs = make_requests(args, llm.engine.vocab_size)
+            prompt1 = make_requests(argparse.Namespace(**{
+                **vars(args), "num_requests": 1, "prompt_len": [args.batch1_prompt_len] * 2}),
+                llm.engine.vocab_size)[0][0]
+            run_ours(llm, [(reqs[0][0][:16], 4)])  # warm-up
+            b1_ms = batch1_decode_ms(llm, prompt1, args.batch1_tokens)
+            outputs: list = []
+            seconds, tokens, _ = run_ours(llm, reqs, outputs)
+            results[tp] = (tokens / seconds, b1_ms, outputs)
+            print(f"tp{tp}: device={llm.engine.runner.device} dtype={llm.engine.runner.dtype} "
+                  f"{seconds:.2f}s output_tokens={tokens} requests={len(reqs)}")
+    (tps1, b1, out1), (tpsn, bn, outn) = results[1], results[size]
+    print(f"output_tokens_per_s: tp1={tps1:.1f} tp{size}={tpsn:.1f}")
+    print(f"batch1_decode_ms_per_token: tp1={b1:.3f} tp{size}={bn:.3f}")
+    print(f"greedy_outputs_equal={out1 == outn}")
+    print(f"tp{size}_throughput_ratio_vs_tp1={tpsn / tps1:.2f}")
+    return 0
+
+
 def main() -> int:
     args = parse_args()
     import torch
@@ -168,12 +220,15 @@ def main() -> int:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
-    model_dir = args.model or str(default_model_path("bench-50m"))
+    model_dir = args.model or (smoke_model() if args.smoke
+                               else str(default_model_path("bench-50m")))
     engine_args: dict[str, Any] = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                        max_num_batched_tokens=args.max_num_batched_tokens,
                                        kv_cache_memory=args.kv_cache_memory)
     if args.dtype:
         engine_args["dtype"] = DTYPES[args.dtype]
+    if args.tensor_parallel_size > 1:
+        return compare_tp(args, model_dir, engine_args)
     llm = LLM(model=model_dir, **engine_args)
     device, dtype = llm.engine.runner.device, llm.engine.runner.dtype
     vocab = llm.engine.vocab_size
