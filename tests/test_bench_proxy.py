@@ -1,0 +1,35 @@
+"""scripts/bench_proxy.py --smoke runs both token paths against the null engine and prints
+its figures last; the null engine keeps LLMEngine's request interface (the benchmark crashed
+when that interface grew and the fake did not)."""
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.serving.engine.null_engine import NullEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_null_engine_takes_what_llm_engine_takes() -> None:
+    for name in ("add_request", "abort_request", "step", "has_unfinished_requests"):
+        real = list(inspect.signature(getattr(LLMEngine, name)).parameters.values())
+        fake = list(inspect.signature(getattr(NullEngine, name)).parameters.values())
+        assert [(p.name, p.kind, p.default) for p in fake] == \
+            [(p.name, p.kind, p.default) for p in real], name
+
+
+def test_bench_proxy_smoke_compares_both_token_paths() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_proxy.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    for path in ("ray", "zmq"):  # a row per path and level, paced and unpaced
+        assert sum(bool(re.match(rf"\s*{path}\s+[14]\s+\d+", ln)) for ln in lines) == 4, path
+    assert re.fullmatch(r"proxy_overhead_ms_p50=\d+\.\d\d .*", lines[-2]), lines[-2]
+    ratio = re.fullmatch(r"stream_tokens_per_s_ratio_zmq_over_ray=(\d+\.\d\d)", lines[-1])
+    assert ratio is not None and float(ratio.group(1)) > 0, lines[-1]
