@@ -18,6 +18,7 @@ from torch import nn
 
 from pd_cluster.models.decoder import CausalLM
 from pd_cluster.models.families import spec_from_config
+from pd_cluster.models.layers import moe
 from pd_cluster.models.layers.tp import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def _target(name: str, params: dict[str, nn.Parameter]) -> tuple[str, Any] | Non
             mapped = name.replace(theirs, ours)
             if mapped in params:
                 return mapped, shard
-    return None
+    return moe.checkpoint_target(name, params)  # per-expert tensors, Mixtral's names
 
 
 def load_weights(model: CausalLM, model_dir: str, device: torch.device) -> None:
@@ -95,7 +96,7 @@ def load_weights(model: CausalLM, model_dir: str, device: torch.device) -> None:
         elif ".gate_up_proj." in pname:
             parts = [f"{pname}#0", f"{pname}#1"]
         else:
-            parts = []
+            parts = [f"{pname}#{s}" for s in moe.expected_shards(pname, param)]
         if pname not in loaded and not (parts and all(p in loaded for p in parts)):
             needed.add(pname)
     if needed or unexpected:

@@ -58,17 +58,11 @@ class RoutingSpec:
                                  f"than num_experts_per_tok={self.top_k}")
 
 
-def _replicated(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint router tensor: shape {tuple(loaded.shape)} does not match "
-                         f"the model's {tuple(param.shape)}")
-    param.data.copy_(loaded)
-
-
 class Router(nn.Module):
-    """The gate: replicated on every tensor-parallel rank (it is tiny, and every rank must
-    route identically). Parameter names follow the checkpoints: ``weight``, gpt-oss's
-    ``bias``, DeepSeek-V3's ``e_score_correction_bias`` (a buffer in HF, a tensor in the file)."""
+    """The gate, replicated on every tensor-parallel rank (it is tiny, and every rank must
+    route identically), so its parameters take linear.py's default loader. Names follow the
+    checkpoints: ``weight``, gpt-oss's ``bias``, DeepSeek-V3's ``e_score_correction_bias``
+    (a buffer in HF's module, a tensor in the file)."""
 
     def __init__(self, hidden_size: int, spec: RoutingSpec) -> None:
         super().__init__()
@@ -79,8 +73,6 @@ class Router(nn.Module):
                      else None)
         self.e_score_correction_bias = (nn.Parameter(torch.empty(e), requires_grad=False)
                                         if spec.scoring == "sigmoid" else None)
-        for p in self.parameters():
-            p.weight_loader = _replicated  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, top_k], expert ids [T, top_k] int64)."""
