@@ -32,7 +32,16 @@ from ._corpus import CORPUS
 # Bump when anything that changes the generated files changes; cached presets are regenerated.
 GENERATOR_VERSION = 1
 MAKER_FILE = "pd_cluster_model.json"
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "phi3", "olmo2")
+# HF config class and architecture of each arch (Gemma 3: the text-only causal LM).
+_HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+               "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+               "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+               "olmo2": ("Olmo2Config", "Olmo2ForCausalLM")}
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0, 1, 2, 3
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS) + 40  # byte alphabet + specials + some merges
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
@@ -61,6 +70,27 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-random-llama": {"arch": "llama"},
     "tiny-qwen2": {"arch": "qwen2"},
     "tiny-mistral": {"arch": "mistral"},
+    # One per served family (issue 18), each exercising what sets it apart, at the default
+    # tiny size: windows shorter than test prompts, RoPE scalings, soft-caps, fused tensors.
+    "tiny-llama3": {"arch": "llama", "config_overrides": {"rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256, "rope_theta": 500000.0}}},
+    "tiny-qwen3": {"arch": "qwen3"},
+    "tiny-mistral-window": {"arch": "mistral", "config_overrides": {"sliding_window": 24}},
+    "tiny-gemma2": {"arch": "gemma2", "config_overrides": {
+        "sliding_window": 16, "attn_logit_softcapping": 4.0, "final_logit_softcapping": 30.0}},
+    "tiny-gemma3": {"arch": "gemma3", "tie_word_embeddings": True, "config_overrides": {
+        "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                               "rope_theta": 1000000.0}}}},
+    "tiny-phi3": {"arch": "phi3", "config_overrides": {"partial_rotary_factor": 0.5}},
+    "tiny-phi3-longrope": {"arch": "phi3", "max_position_embeddings": 256, "config_overrides": {
+        "original_max_position_embeddings": 32, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 2.0, 2.5, 3.0],
+            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 9.0]}}},
+    "tiny-olmo2": {"arch": "olmo2"},
     # ~51M params; 12 layers (not 8) so per-layer KV streaming has realistic granularity.
     "bench-50m": {"arch": "llama", "vocab_size": 4096, "hidden_size": 512, "num_layers": 12,
                   "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 2048},
@@ -173,8 +203,14 @@ def _init_weights(model, n_real_tokens: int, seed: int) -> None:
 def make_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, *, vocab_size: int = 512,
                hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                head_dim: int | None = None, intermediate_size: int = 128, tie_word_embeddings: bool = False,
-               max_position_embeddings: int = 2048, rope_theta: float = 10000.0) -> Path:
-    """Write a deterministic HF checkpoint (config, model.safetensors, tokenizer) to out_dir."""
+               max_position_embeddings: int = 2048, rope_theta: float = 10000.0,
+               config_overrides: dict[str, Any] | None = None,
+               max_shard_size: str | None = None) -> Path:
+    """Write a deterministic HF checkpoint (config, model.safetensors, tokenizer) to out_dir.
+
+    ``config_overrides``: extra HF config fields (a sliding_window, rope_parameters,
+    layer_types, soft-caps...); ``max_shard_size`` (e.g. "2MB") writes a sharded checkpoint
+    with model.safetensors.index.json."""
     _validate(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, head_dim,
               intermediate_size, max_position_embeddings, rope_theta)
     import torch
@@ -185,22 +221,24 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, *
                           num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                           head_dim=head_dim, intermediate_size=intermediate_size,
                           tie_word_embeddings=tie_word_embeddings,
-                          max_position_embeddings=max_position_embeddings, rope_theta=rope_theta)
+                          max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
+                          overrides=config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     _init_weights(model, n_real, seed)
     return save_checkpoint(model, tokenizer, out_dir,
                            dict(generator_version=GENERATOR_VERSION, arch=arch, seed=seed,
-                                tokenizer_trained_vocab=n_real))
+                                tokenizer_trained_vocab=n_real), max_shard_size)
 
 
 def build_config(tokenizer: Any, arch: str = "llama", *, vocab_size: int, hidden_size: int,
                  num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int | None = None,
                  intermediate_size: int, tie_word_embeddings: bool = False,
-                 max_position_embeddings: int = 2048, rope_theta: float = 10000.0) -> Any:
+                 max_position_embeddings: int = 2048, rope_theta: float = 10000.0,
+                 overrides: dict[str, Any] | None = None) -> Any:
     """The HF config (fp32, no biases beyond the arch's own) of a model using ``tokenizer``."""
     import torch
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    import transformers
 
     ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in
            (("bos_token_id", "<s>"), ("eos_token_id", "</s>"), ("pad_token_id", "<pad>"))}
@@ -209,26 +247,37 @@ def build_config(tokenizer: Any, arch: str = "llama", *, vocab_size: int, hidden
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
         tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings,
         rope_theta=float(rope_theta), rms_norm_eps=1e-6, hidden_act="silu", **ids)
-    if head_dim is not None:
-        common["head_dim"] = head_dim
+    if head_dim is not None or arch in ("gemma2", "gemma3"):  # Gemma's default head_dim is 256
+        common["head_dim"] = head_dim or hidden_size // num_heads
     if arch == "llama":
-        config = LlamaConfig(attention_bias=False, mlp_bias=False, **common)
-    elif arch == "qwen2":  # HF Qwen2 always has q/k/v biases
-        config = Qwen2Config(use_sliding_window=False, sliding_window=None, **common)
-    else:  # sliding_window=None: plain full attention, same math as llama
-        config = MistralConfig(sliding_window=None, **common)
+        common.update(attention_bias=False, mlp_bias=False)
+    elif arch in ("qwen2", "qwen3"):  # HF Qwen2 always has q/k/v biases
+        common.update(use_sliding_window=False, sliding_window=None)
+    elif arch == "mistral":  # sliding_window=None: plain full attention, same math as llama
+        common.update(sliding_window=None)
+    elif arch in ("gemma2", "gemma3"):
+        del common["hidden_act"]
+        common.update(hidden_activation="gelu_pytorch_tanh",
+                      query_pre_attn_scalar=common["head_dim"])
+    elif arch == "phi3":
+        common.update(original_max_position_embeddings=max_position_embeddings)
+    common.update(overrides or {})
+    config_class, architecture = _HF_CLASSES[arch]
+    config = getattr(transformers, config_class)(**common)
     config.dtype = torch.float32
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [architecture]
     return config
 
 
 def save_checkpoint(model: Any, tokenizer: Any, out_dir: str | os.PathLike,
-                    meta: dict[str, Any]) -> Path:
+                    meta: dict[str, Any], max_shard_size: str | None = None) -> Path:
     """Atomically write model (fp32 safetensors), tokenizer and ``meta`` (+ num_params) to out_dir."""
     from transformers import GenerationConfig
 
     cfg = model.config
-    rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or cfg.rope_theta
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers'
+    rope_theta = rope.get("rope_theta") or getattr(cfg, "rope_theta", None)
     model.generation_config = GenerationConfig(
         do_sample=False, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
         pad_token_id=cfg.pad_token_id)
@@ -240,7 +289,8 @@ def save_checkpoint(model: Any, tokenizer: Any, out_dir: str | os.PathLike,
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Writing model shards" noise from servers/tests
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True,
+                              **({"max_shard_size": max_shard_size} if max_shard_size else {}))
         tokenizer.save_pretrained(tmp)
         _patch_config(tmp / "config.json", rope_theta)
         _patch_tokenizer_config(tmp / "tokenizer_config.json", cfg.max_position_embeddings)
@@ -257,11 +307,12 @@ def save_checkpoint(model: Any, tokenizer: Any, out_dir: str | os.PathLike,
     return out
 
 
-def _patch_config(path: Path, rope_theta: float) -> None:
+def _patch_config(path: Path, rope_theta: float | None) -> None:
     # transformers 5 writes rope_parameters/dtype only; keep the legacy keys too for
     # hand-written loaders (and transformers 4.x). AutoConfig accepts both.
     cfg = json.loads(path.read_text())
-    cfg.setdefault("rope_theta", float(rope_theta))
+    if rope_theta is not None:
+        cfg.setdefault("rope_theta", float(rope_theta))
     cfg["torch_dtype"] = cfg["dtype"] = "float32"
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
@@ -291,11 +342,14 @@ def _atomic_replace(src: Path, dst: Path) -> None:
 
 
 def param_count(model_dir: str | os.PathLike) -> int:
-    """Number of parameters stored in model_dir/model.safetensors (tied weights counted once)."""
+    """Number of parameters stored in model_dir's safetensors (tied weights counted once)."""
     from safetensors import safe_open
 
-    with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as f:
-        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return total
 
 
 def _is_current(path: Path) -> bool:

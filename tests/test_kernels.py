@@ -55,7 +55,15 @@ def _close(a, b, dtype):
     torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
-def check_decode(cfg, dtype, device, num_splits):
+# Per-layer attention options (window, soft-cap, sinks) the kernels take, as kwargs.
+def _variant(name, hq, device):
+    sinks = torch.linspace(-1.0, 3.0, hq, device=device)
+    return {"plain": {}, "window": {"sliding_window": 50}, "softcap": {"softcap": 0.8},
+            "sinks": {"sinks": sinks},
+            "all": {"sliding_window": 33, "softcap": 1.5, "sinks": sinks}}[name]
+
+
+def check_decode(cfg, dtype, device, num_splits, variant="plain"):
     hq, hkv, d, bs = cfg
     seq_lens = [1, 45, 440, 130]  # not multiples of any block size; 440 spans 7 splits of 64
     max_blocks = -(-max(seq_lens) // bs)
@@ -63,11 +71,12 @@ def check_decode(cfg, dtype, device, num_splits):
     tables = _tables(len(seq_lens), cache.shape[1], max_blocks, device)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     q = torch.randn(len(seq_lens), hq, d, dtype=dtype, device=device)
-    out = pda.paged_decode_attention(q, cache, tables, sl, d ** -0.5, num_splits=num_splits)
-    _close(out, pda.paged_decode_attention_ref(q, cache, tables, sl, d ** -0.5), dtype)
+    kw = _variant(variant, hq, device)
+    out = pda.paged_decode_attention(q, cache, tables, sl, d ** -0.5, num_splits=num_splits, **kw)
+    _close(out, pda.paged_decode_attention_ref(q, cache, tables, sl, d ** -0.5, **kw), dtype)
 
 
-def check_prefill(cfg, dtype, device):
+def check_prefill(cfg, dtype, device, variant="plain"):
     hq, hkv, d, bs = cfg
     # (seq_len, q_len): a decode-like row first (skipped via start_req), a chunk after a
     # cached prefix, a full prefill, a one-token chunk with prefix.
@@ -81,8 +90,9 @@ def check_prefill(cfg, dtype, device):
         locs.append(locs[-1] + ql)
     qsl = torch.tensor(locs, dtype=torch.int32, device=device)
     q = torch.randn(locs[-1], hq, d, dtype=dtype, device=device)
-    out = ppa.paged_prefill_attention(q, cache, tables, sl, qsl, d ** -0.5, 37, start_req=1)
-    ref = ppa.paged_prefill_attention_ref(q, cache, tables, sl, qsl, d ** -0.5, start_req=1)
+    kw = _variant(variant, hq, device)
+    out = ppa.paged_prefill_attention(q, cache, tables, sl, qsl, d ** -0.5, 37, start_req=1, **kw)
+    ref = ppa.paged_prefill_attention_ref(q, cache, tables, sl, qsl, d ** -0.5, start_req=1, **kw)
     _close(out, ref, dtype)
     assert not out[:1].any()  # rows of requests before start_req are left alone
 
@@ -117,7 +127,7 @@ def check_block_copy(dtype, device, hkv=2, d=64, bs=16):
     assert torch.equal(got[:, dst_ids.long()], src[:, ids])
 
 
-def check_backend(dtype, device, cfg=(8, 2, 64, 16)):
+def check_backend(dtype, device, cfg=(8, 2, 64, 16), variant="plain"):
     from pd_cluster.attention.torch_backend import TorchAttentionBackend
     from pd_cluster.attention.triton_backend import TritonAttentionBackend
 
@@ -147,7 +157,9 @@ def check_backend(dtype, device, cfg=(8, 2, 64, 16)):
     tr.write_kv(k, v, c_tr, meta)
     to.write_kv(k, v, c_to, meta)
     assert torch.equal(c_tr, c_to)
-    opts = AttentionOptions(d ** -0.5)
+    kw = _variant(variant, hq, device)
+    opts = AttentionOptions(d ** -0.5, sliding_window=kw.get("sliding_window"),
+                            logit_softcap=kw.get("softcap"), sinks=kw.get("sinks"))
     got, want = tr.forward(q, c_tr, meta, opts), to.forward(q, c_to, meta, opts)
     _close(got[: locs[-1]], want[: locs[-1]], dtype)
     assert not got[locs[-1]:].any()
@@ -183,6 +195,28 @@ def test_choose_num_splits():
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CFG_IDS)
 def test_prefill_attention(cfg, dtype):
     check_prefill(cfg, dtype, DEV)
+
+
+VARIANTS = ["window", "softcap", "sinks", "all"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_variants(variant, num_splits):
+    """Window, soft-cap and sinks in the split-K decode kernel (sinks in both the direct
+    and the reduce path; a window that empties whole splits)."""
+    check_decode((4, 2, 64, 16), torch.float32, DEV, num_splits, variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_attention_variants(variant):
+    check_prefill((4, 2, 64, 8), torch.float32, DEV, variant)
+
+
+@pytest.mark.parametrize("variant", ["all"])
+def test_triton_backend_matches_torch_backend_variants(variant):
+    check_backend(torch.float32, DEV, variant=variant)
+    check_decode((4, 1, 80, 16), torch.float16, DEV, 3, variant)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
@@ -234,6 +268,12 @@ class TestKernelsCudaBf16:
 
     def test_backend(self):
         check_backend(self.dtype, "cuda")
+
+    @pytest.mark.parametrize("variant", ["window", "softcap", "sinks", "all"])
+    def test_variants(self, variant):
+        check_decode((8, 2, 128, 16), self.dtype, "cuda", None, variant)
+        check_prefill((8, 2, 128, 16), self.dtype, "cuda", variant)
+        check_backend(self.dtype, "cuda", variant=variant)
 
     def test_int64_offsets(self):
         """A cache past 2^31 elements per K/V half: int32 offsets would wrap."""
