@@ -22,6 +22,7 @@ _LAZY: dict[str, str] = {
     "paged_prefill_attention_ref": "kernels.paged_prefill_attention",
     "reshape_and_cache": "kernels.reshape_and_cache",
     "reshape_and_cache_ref": "kernels.reshape_and_cache",
+    "fused_experts": "kernels.fused_moe",
     "gather_kv_blocks": "kernels.block_copy",
     "scatter_kv_blocks": "kernels.block_copy",
 }

@@ -160,8 +160,13 @@ class MoEExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 fused: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """This rank's partial sum [T, H] (the caller all-reduces). ``fused``: a kernel with
-        ``grouped_experts``'s signature to use instead of the torch loop."""
+        ``grouped_experts``'s signature to use instead of the torch loop; by default the
+        Triton kernel on CUDA tensors, the torch loop elsewhere."""
         b2 = self.down_proj_bias if self.tp.rank == 0 else None
-        run = fused or grouped_experts
+        run = fused
+        if run is None and x.is_cuda:
+            from kernels.fused_moe import fused_experts  # imports Triton: only on CUDA
+            run = fused_experts
+        run = run or grouped_experts
         return run(x, self.gate_up_proj, self.down_proj, weights, ids, self.act,
                    self.gate_up_proj_bias, b2)
