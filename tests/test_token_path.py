@@ -300,3 +300,23 @@ def test_an_engine_dying_mid_stream_migrates_its_requests_exactly() -> None:
         a.sender.stop()
         b.sender.stop()
     asyncio.run(go())
+
+
+def test_concurrent_health_checks_open_one_link() -> None:
+    """The health loop and /cluster/status check at once: one attach, not a second one that
+    would drop the first link (failing the legs just registered on it)."""
+    async def go() -> None:
+        engine = FakeEngineActor()
+        opened: list[str] = []
+
+        async def slow_open(session: str, node_id: str) -> str:
+            opened.append(session)
+            await asyncio.sleep(0.05)
+            return await engine.open_output(session, node_id)
+        engine.handle.open_output = _Remote(slow_open)
+        channel = TokenChannel(5.0, node_id="here")
+        await asyncio.gather(channel.attach(engine, "i0"), channel.attach(engine, "i0"))
+        assert len(opened) == 1 and channel.linked(engine, "i0")
+        await channel.close()
+        engine.sender.stop()
+    asyncio.run(go())

@@ -37,7 +37,7 @@ class NullEngine:
         if params.max_tokens is not None and len(ids) >= params.max_tokens:
             raise ValueError(f"resume_token_ids: {len(ids)} tokens, max_tokens is "
                              f"{params.max_tokens}: nothing left to generate")
-        self.requests[request_id] = {"prompt": list(prompt), "ids": ids, "text": "",
+        self.requests[request_id] = {"prompt": list(prompt), "ids": ids,
                                      "max": params.max_tokens}
 
     def step(self) -> list[RequestOutput]:
@@ -47,11 +47,12 @@ class NullEngine:
         for rid, r in list(self.requests.items()):
             token_text = f" {int(now * 1e6) % (1 << 40):x}"
             r["ids"].append(token_id(len(r["ids"])))
-            r["text"] += token_text
             done = len(r["ids"]) >= r["max"]
+            # Only the deltas are read downstream: the cumulative fields are left empty (no
+            # O(tokens) copy per step, which would make the engine the benchmark's bottleneck).
             outs.append(RequestOutput(rid, None, r["prompt"], [CompletionOutput(
-                0, r["text"], list(r["ids"]), "length" if done else None, None, None,
-                token_text, r["ids"][-1:])], done))
+                0, "", [], "length" if done else None, None, None, token_text,
+                r["ids"][-1:])], done))
             if done:
                 del self.requests[rid]
         return outs
@@ -62,7 +63,7 @@ class NullEngine:
             r = self.requests.pop(rid, None)
             if r is not None:
                 out.append(RequestOutput(rid, None, r["prompt"], [CompletionOutput(
-                    0, r["text"], list(r["ids"]), "abort")], True))
+                    0, "", [], "abort")], True))
         return out
 
     def has_unfinished_requests(self) -> bool:

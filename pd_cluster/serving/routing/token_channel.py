@@ -51,6 +51,7 @@ class TokenChannel:
         self._timeout, self._on_lost = timeout, on_lost
         self._ctx = zmq.asyncio.Context.instance()
         self._links: dict[str, _Link] = {}  # by engine name
+        self._locks: dict[str, asyncio.Lock] = {}  # one attach at a time per engine
         self.counters = {"messages": 0, "deltas": 0, "malformed": 0, "unrouted": 0}
 
     # ---- engines ------------------------------------------------------------------------------
@@ -60,18 +61,23 @@ class TokenChannel:
 
     async def attach(self, engine: Any, incarnation: str) -> None:
         """Open this proxy's session on ``engine`` (its ``incarnation``) and start reading;
-        a previous link to it is dropped and its legs fail (their engine restarted)."""
-        self.detach(engine, "engine restarted", dead=True)
-        endpoint = await asyncio.wait_for(
-            engine.handle.open_output.remote(self.session, self.node_id), self._timeout)
-        sock = self._ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        link = _Link(engine, incarnation, sock)
-        self._links[engine.name] = link
-        link.tasks = [asyncio.create_task(self._read(link)),
-                      asyncio.create_task(self._watch(link))]
-        logger.info("%s: token path %s", engine.name, endpoint)
+        a previous link to it is dropped and its legs fail (their engine restarted). Health
+        checks run concurrently (the loop, /cluster/status): the second one waits for the
+        first and finds the link made."""
+        async with self._locks.setdefault(engine.name, asyncio.Lock()):
+            if self.linked(engine, incarnation):
+                return
+            self.detach(engine, "engine restarted", dead=True)
+            endpoint = await asyncio.wait_for(
+                engine.handle.open_output.remote(self.session, self.node_id), self._timeout)
+            sock = self._ctx.socket(zmq.PULL)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            link = _Link(engine, incarnation, sock)
+            self._links[engine.name] = link
+            link.tasks = [asyncio.create_task(self._read(link)),
+                          asyncio.create_task(self._watch(link))]
+            logger.info("%s: token path %s", engine.name, endpoint)
 
     def detach(self, engine: Any, why: str, dead: bool) -> None:
         """Stop reading ``engine``; every leg open on it fails."""
@@ -79,7 +85,8 @@ class TokenChannel:
         if link is None:
             return
         for t in link.tasks:
-            t.cancel()
+            if t is not asyncio.current_task():  # the watcher may be the one detaching
+                t.cancel()
         link.sock.close(linger=0)
         for leg, inbox in link.legs.values():
             inbox.fail(leg, EngineFailed(engine, f"token path: {why}", dead=dead))
