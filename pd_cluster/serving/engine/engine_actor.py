@@ -79,7 +79,7 @@ class EngineActor:
                           pid=os.getpid(), node_ip=self.node_ip, node_id=self.node_id,
                           kv_endpoint=self.kv_endpoint, kv_peers=self.engine.kv_peers(),
                           max_model_len=self.engine.max_model_len,
-                          stats=dict(self.loop.snapshot))
+                          stats={**self.loop.snapshot, **self.output.counters})
 
     async def ready(self) -> dict[str, Any]:
         self._bind_loop()
@@ -92,7 +92,7 @@ class EngineActor:
         return self._info().to_dict()
 
     async def stats(self) -> dict[str, Any]:
-        return dict(self.loop.snapshot)
+        return {**self.loop.snapshot, **self.output.counters}
 
     async def check_no_leaks(self, timeout: float = 10.0) -> str | None:
         """None when no request and no KV block is held; otherwise what is left."""

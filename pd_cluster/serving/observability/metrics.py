@@ -37,7 +37,10 @@ _COUNTER_STATS = {"kv_bytes_sent": "Prompt KV bytes sent by prefill engines",
                   "requests_rejected": "Requests the engine rejected as invalid",
                   "kv_send_timeouts": "KV sends that timed out",
                   "kv_dropped_messages": "Malformed or unexpected KV messages dropped",
-                  "num_preemptions": "Requests preempted"}
+                  "num_preemptions": "Requests preempted",
+                  "output_messages": "Token messages (one per engine step) sent to proxies",
+                  "output_sessions_dropped": "Proxy sessions closed by the engine (the proxy "
+                                             "left, or stopped reading)"}
 
 
 class ProxyMetrics:
