@@ -208,3 +208,24 @@ def test_bad_routing_settings_are_value_errors() -> None:
     with pytest.raises(ValueError, match="moe_intermediate_size=24"):
         SparseMoE(mixtral_moe(dict(hidden_size=H, intermediate_size=24)),
                   TPGroup(0, 5, group=object()))
+
+
+def test_which_layers_are_sparse_follows_hf() -> None:
+    """Qwen3-MoE's decoder_sparse_step / mlp_only_layers and DeepSeek-V3's dense first layers,
+    against the block type HF's model puts in each layer."""
+    import transformers
+
+    from pd_cluster.models.families.deepseek_v3_moe import deepseek_v3_sparse
+    from pd_cluster.models.families.qwen3_moe import qwen3_moe_sparse
+
+    tiny = dict(_COMMON, num_hidden_layers=6)
+    for cfg, sparse, moe_class in [
+        (transformers.Qwen3MoeConfig(**tiny, num_experts=4, moe_intermediate_size=8,
+                                     intermediate_size=8, decoder_sparse_step=2,
+                                     mlp_only_layers=[3]), qwen3_moe_sparse, "SparseMoeBlock"),
+        (transformers.DeepseekV3Config(**tiny, **FAMILIES["deepseek_v3"][1] | dict(
+            first_k_dense_replace=2)), deepseek_v3_sparse, "MoE")]:
+        hf = transformers.AutoModelForCausalLM.from_config(cfg)
+        want = [type(layer.mlp).__name__.endswith(moe_class) for layer in hf.model.layers]
+        assert [sparse(cfg.to_dict(), i) for i in range(6)] == want
+        assert True in want and False in want

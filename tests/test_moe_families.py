@@ -171,3 +171,20 @@ def test_checkpoint_missing_an_expert_is_refused(moe_model, tmp_path: Path) -> N
     save_file(tensors, dst / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.experts.gate_up_proj'"):
         LLM(model=str(dst))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_tp2_greedy_matches_hf(moe_model, name: str) -> None:
+    """Each rank holds half of every expert's intermediate dimension (gpt-oss: its slice of
+    the interleaved fused tensors, the down bias added on rank 0 only); HF-exact."""
+    model_dir = moe_model(name)
+    llm = LLM(model=model_dir, tensor_parallel_size=2, num_kv_blocks=64, block_size=8,
+              max_num_batched_tokens=16, collective_timeout=20.0)
+    try:
+        experts = llm.engine.runner.model.model.layers[1].mlp.experts
+        assert experts.down_proj.shape[-1] == FAMILIES[name][1]["intermediate_size"] // 2
+        check_greedy(llm, model_dir, [random_prompt(n, seed=n) for n in (4, 30)])
+    finally:
+        workers = llm.engine.executor.workers
+        llm.close()
+    assert workers is not None and all(p.poll() is not None for p in workers.procs)
