@@ -31,7 +31,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # several: any of them ends the request
     arrival_time: float = field(default_factory=time.monotonic)
     # Connector instructions from the proxy (e.g. "send KV to D", "KV comes from P").
     kv_transfer_params: dict[str, Any] | None = None

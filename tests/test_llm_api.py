@@ -153,7 +153,7 @@ def test_stop_token_ids(llm: LLM) -> None:
 
 
 def test_eos_stops_unless_ignored(llm: LLM) -> None:
-    eos = llm.engine.eos_token_id
+    (eos,) = llm.engine.eos_token_id  # every EOS id of the model: this one has one
     prompts = [[t] for t in range(4, 300)]  # ~7000 greedy tokens: some hit EOS by chance
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     stopped = [o for o in outs if o.outputs[0].finish_reason == "stop"]

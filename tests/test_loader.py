@@ -113,3 +113,34 @@ def test_peak_host_memory_while_loading_a_sharded_checkpoint(tmp_path: Path) -> 
     # The model itself, plus at most about one shard in flight (a tensor read, its pages).
     assert got["growth"] < got["weights"] + largest + 4 * 2**20
     assert got["growth"] < checkpoint  # never the whole (fp32) checkpoint at once
+
+
+def test_generation_config_eos_ids_all_end_generation(tmp_path: Path) -> None:
+    """Llama 3 lists several EOS ids in generation_config.json; each ends a request, as in
+    HF's generate (ours stops where HF, given the same list, stops)."""
+    from pd_cluster import LLM, SamplingParams
+    from tests.conftest import hf_model, random_prompt
+
+    model_dir = make_model(tmp_path / "m", seed=2, **SMALL)
+    prompt = random_prompt(20, seed=4)
+    free = LLM(model=str(model_dir)).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    tokens = free.outputs[0].token_ids
+    stop_at = next(i for i, t in enumerate(tokens) if i >= 3 and t not in tokens[:i])
+    eos = [2, tokens[stop_at], 511]  # the second of three ends this continuation
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text())
+    gen["eos_token_id"] = eos
+    gen_path.write_text(json.dumps(gen))
+    llm = LLM(model=str(model_dir))
+    assert llm.engine.eos_token_id == tuple(eos)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert out.token_ids == tokens[:stop_at + 1] and out.finish_reason == "stop"
+    assert out.stop_reason is None  # an EOS, not a stop_token_ids entry
+    hf = hf_model(str(model_dir))
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=12, eos_token_id=eos, pad_token_id=3)[0, 20:]
+    assert out.token_ids == want.tolist()
+    llm.engine.check_no_leaks()

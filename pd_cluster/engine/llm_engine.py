@@ -12,6 +12,7 @@ from pd_cluster.engine.block_manager import BlockManager
 from pd_cluster.engine.executor import Executor, max_model_len_of
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.scheduler import Scheduler
+from pd_cluster.models.generation_config import read_eos_token_ids
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.request import Request, RequestStatus
 from pd_cluster.sampling_params import SamplingParams
@@ -31,9 +32,8 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.vocab_size = hf_config["vocab_size"]
         self.max_model_len = max_model_len_of(config, hf_config)
-        self.eos_token_id = hf_config.get("eos_token_id", self.tokenizer.eos_token_id)
-        if isinstance(self.eos_token_id, list):
-            self.eos_token_id = self.eos_token_id[0]
+        self.eos_token_id = read_eos_token_ids(config.model, hf_config,
+                                               self.tokenizer.eos_token_id)
         self.executor = Executor(config, hf_config, self.max_model_len)
         self.runner = self.executor.runner  # rank 0's: its model, cache and connector
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pd_cluster.engine.stop_checker import EosIds, eos_ids
 from pd_cluster.sampling_params import SamplingParams
 
 
@@ -186,7 +187,7 @@ def apply_min_tokens_mask(
     logits: torch.Tensor,
     params: list[SamplingParams],
     num_output_tokens: list[int],
-    eos_token_id: int | None,
+    eos_token_id: EosIds,
 ) -> torch.Tensor:
     """Ban EOS / stop_token_ids (in place) for rows still below min_tokens.
 
@@ -198,8 +199,8 @@ def apply_min_tokens_mask(
         if num_output_tokens[i] >= p.min_tokens:
             continue
         banned = list(p.stop_token_ids or [])
-        if eos_token_id is not None and not p.ignore_eos:
-            banned.append(eos_token_id)
+        if not p.ignore_eos:
+            banned.extend(eos_ids(eos_token_id))
         banned = [t for t in banned if 0 <= t < vocab]
         if banned:
             logits[i, banned] = float("-inf")

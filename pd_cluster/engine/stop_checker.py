@@ -18,6 +18,15 @@ from pd_cluster.sampling_params import SamplingParams
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 
+# A model's EOS: one id, or several (Llama 3's generation_config lists three), or none.
+EosIds = int | tuple[int, ...] | None
+
+
+def eos_ids(eos_token_id: EosIds) -> tuple[int, ...]:
+    if eos_token_id is None:
+        return ()
+    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+
 
 def _min_tokens_satisfied(num_output_tokens: int, params: SamplingParams) -> bool:
     # A stop (token or string) may only end the request once min_tokens
@@ -29,7 +38,7 @@ def _min_tokens_satisfied(num_output_tokens: int, params: SamplingParams) -> boo
 
 def check_token_stop(
     output_token_ids: list[int],
-    eos_token_id: int | None,
+    eos_token_id: EosIds,
     params: SamplingParams,
     *,
     num_prompt_tokens: int = 0,
@@ -47,7 +56,7 @@ def check_token_stop(
         return None
     if _min_tokens_satisfied(n, params):
         last = output_token_ids[-1]
-        if not params.ignore_eos and eos_token_id is not None and last == eos_token_id:
+        if not params.ignore_eos and last in eos_ids(eos_token_id):
             return FINISH_STOP
         if last in params.stop_token_ids:  # type: ignore[operator]
             return FINISH_STOP
@@ -58,11 +67,11 @@ def check_token_stop(
     return None
 
 
-def stop_token_id(output_token_ids: list[int], eos_token_id: int | None, params: SamplingParams) -> int | None:
+def stop_token_id(output_token_ids: list[int], eos_token_id: EosIds, params: SamplingParams) -> int | None:
     """The stop_token_ids entry that ended the request (OpenAI ``stop_reason``)."""
     if output_token_ids and output_token_ids[-1] in params.stop_token_ids:  # type: ignore[operator]
         last = output_token_ids[-1]
-        if params.ignore_eos or last != eos_token_id:
+        if params.ignore_eos or last not in eos_ids(eos_token_id):
             return last
     return None
 
@@ -110,7 +119,7 @@ class StopChecker:
     def __init__(
         self,
         params: SamplingParams,
-        eos_token_id: int | None,
+        eos_token_id: EosIds,
         *,
         num_prompt_tokens: int = 0,
         max_model_len: int | None = None,
