@@ -1,7 +1,9 @@
 """Consumer state of the P/D connector: writes arriving layers into the request's blocks.
 
 Messages may arrive before the scheduler has registered the request (the producer can be
-faster than the consumer's next step); those wait in a bounded staging area.
+faster than the consumer's next step); those wait in a bounded staging area. With tensor
+parallelism several producer ranks may feed this rank, each a slice of its heads: a request
+is in when every (layer, K/V, block, head) was written and every feeder's FIN arrived.
 """
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from connectors.metadata import FinHeader, KVLayerHeader, RecvSpec
 from connectors.block_io import scatter_blocks
 
 logger = logging.getLogger(__name__)
+Ack = tuple[str, str, bool]  # (producer peer, request id, ok)
 
 
 @dataclass
@@ -24,9 +28,9 @@ class _Receiving:
     spec: RecvSpec
     block_index: torch.Tensor  # int64 block ids, for index_copy_
     deadline: float
-    received: list[list[set[int]]]  # per layer, per K/V: block positions written
-    fin: FinHeader | None = None
-    peer: str | None = None
+    written: np.ndarray  # bool [layers, K/V, blocks, local heads] (numpy: any thread, any mode)
+    fins: list[FinHeader] = field(default_factory=list)
+    peers: set[str] = field(default_factory=set)
     first_layer_time: float | None = None
     first_arrival: float | None = None  # monotonic, for kv_recv_seconds
 
@@ -60,25 +64,27 @@ class KVReceiver:
         self.num_dropped = 0
 
     # ---- scheduler-driven ----------------------------------------------------------------
-    def register(self, spec: RecvSpec) -> tuple[str, str, bool] | None:
-        """Start receiving; returns (peer, request id, ok) to ACK if staged messages completed it."""
+    def register(self, spec: RecvSpec) -> list[Ack]:
+        """Start receiving; returns what to ACK if staged messages completed it."""
         blocks = -(-spec.num_prompt_tokens // self.block_size)
+        heads = self.kv_caches[0].shape[3] if self.kv_caches else 1
         state = _Receiving(spec, torch.tensor(spec.block_ids[:blocks], dtype=torch.long),
                            time.monotonic() + self.timeout,
-                           [[set(), set()] for _ in range(self.num_layers)])
+                           np.zeros((self.num_layers, 2, blocks, heads), dtype=bool))
         with self._lock:
             if spec.request_id in self._active:
                 logger.warning("duplicate receive registration for %s dropped", spec.request_id)
-                return None
+                return []
             self._active[spec.request_id] = state
             staged = self._staged.pop(spec.request_id, None)
-            ack = None
+            acks: list[Ack] = []
             for header, tensor, peer in (staged.items if staged else []):
                 self._staged_bytes -= tensor.nbytes if tensor is not None else 0
-                ack = self._apply(state, header, tensor, peer) or ack
-            return ack
+                if spec.request_id in self._active:
+                    acks += self._apply(state, header, tensor, peer)
+            return acks
 
-    def cancel(self, request_id: str) -> tuple[str, str, bool] | None:
+    def cancel(self, request_id: str) -> list[Ack]:
         """Stop receiving (the request ended here). Returns a NACK for the producer if we
         know it, so it frees its blocks now; a FIN arriving later is answered the same way."""
         with self._lock:
@@ -89,8 +95,8 @@ class KVReceiver:
             self._cancelled[request_id] = time.monotonic()
             while len(self._cancelled) > 4096:
                 self._cancelled.popitem(last=False)
-            peer = state.peer if state else (staged.items[0][2] if staged else None)
-            return (peer, request_id, False) if peer else None
+            peers = state.peers if state else {p for _, _, p in (staged.items if staged else [])}
+            return [(peer, request_id, False) for peer in sorted(peers)]
 
     def take_finished(self) -> dict[str, int | None]:
         """Completed receives (first token) and expired ones (None: fall back)."""
@@ -103,8 +109,8 @@ class KVReceiver:
                     del self._active[rid]
                     self._done[rid] = None
                     self._cancelled[rid] = now  # a late FIN is NACKed at once
-                    if state.peer is not None:  # the producer may free its blocks now
-                        self._nacks.append((state.peer, rid, False))
+                    # the producers may free their blocks now
+                    self._nacks += [(peer, rid, False) for peer in sorted(state.peers)]
             for rid in [r for r, s in self._staged.items() if now - s.arrived > self.timeout]:
                 self._drop_staged(rid)  # never claimed: unknown or already-finished request
             done, self._done = self._done, {}
@@ -121,58 +127,58 @@ class KVReceiver:
         with self._lock:
             out: dict[str, list[str]] = {}
             for rid, state in self._active.items():
-                if state.peer is not None:
-                    out.setdefault(state.peer, []).append(rid)
+                for peer in state.peers:
+                    out.setdefault(peer, []).append(rid)
             return out
 
     # ---- receiver-thread-driven ----------------------------------------------------------
     def on_message(self, header: KVLayerHeader | FinHeader, tensor: torch.Tensor | None,
-                   peer: str) -> tuple[str, str, bool] | None:
-        """Apply or stage one message; returns (peer, request id, ok) to ACK when it ended."""
+                   peer: str) -> list[Ack]:
+        """Apply or stage one message; returns what to ACK when the request ended."""
         with self._lock:
             state = self._active.get(header.request_id)
             if state is not None:
                 return self._apply(state, header, tensor, peer)
             if header.request_id in self._cancelled:
-                return (peer, header.request_id, False) if isinstance(header, FinHeader) else None
+                return [(peer, header.request_id, False)] if isinstance(header, FinHeader) else []
             size = tensor.nbytes if tensor is not None else 0
             if self._staged_bytes + size > self.max_staging_bytes:
                 self.num_dropped += 1
                 logger.warning("staging full: dropped %s for %s", type(header).__name__,
                                header.request_id)
-                return None
+                return []
             self._staged.setdefault(header.request_id, _Staged(time.monotonic())).items.append(
                 (header, tensor, peer))
             self._staged_bytes += size
-            return None
+            return []
 
     # ---- internals (lock held) -----------------------------------------------------------
     def _apply(self, state: _Receiving, header: KVLayerHeader | FinHeader,
-               tensor: torch.Tensor | None, peer: str) -> tuple[str, str, bool] | None:
+               tensor: torch.Tensor | None, peer: str) -> list[Ack]:
         rid = state.spec.request_id
-        state.peer = peer
+        state.peers.add(peer)
         state.first_arrival = state.first_arrival or time.monotonic()
         if isinstance(header, FinHeader):
-            state.fin = header
-            if header.first_token is None:  # producer aborted: fall back now
+            state.fins.append(header)
+            if header.first_token is None:  # a producer aborted: fall back now
                 del self._active[rid]
                 self._done[rid] = None
-                return None
+                self._cancelled[rid] = time.monotonic()  # the other feeders' FINs: NACKed
+                return [(p, rid, False) for p in sorted(state.peers - {peer})]
         else:
             try:
                 self._write_layer(state, header, tensor)
             except ValueError as e:
                 self.num_dropped += 1
                 logger.warning("dropped KV for %s layer %s: %s", rid, header.layer, e)
-                return None
-        total = len(state.block_index)
-        if state.fin is not None and all(len(r) == total for parts in state.received
-                                         for r in parts):
+                return []
+        if (state.fins and len(state.fins) >= state.fins[0].num_fins
+                and state.written.all()):
             del self._active[rid]
-            self._done[rid] = state.fin.first_token
+            self._done[rid] = state.fins[0].first_token
             self.recv_seconds += time.monotonic() - state.first_arrival
-            return state.peer, rid, True
-        return None
+            return [(p, rid, True) for p in sorted(state.peers)]
+        return []
 
     def _write_layer(self, state: _Receiving, header: KVLayerHeader,
                      tensor: torch.Tensor | None) -> None:
@@ -181,8 +187,11 @@ class KVReceiver:
         cache = self.kv_caches[header.layer]
         both = header.part == 2
         n = tensor.shape[1 if both else 0] if tensor.dim() == (5 if both else 4) else -1
-        expected = ((2, n) if both else (n,)) + tuple(cache.shape[2:])
-        if n <= 0 or tuple(tensor.shape) != expected or tensor.dtype != cache.dtype:
+        heads = tensor.shape[-2] if n > 0 else 0
+        h0 = header.head_start
+        expected = ((2, n) if both else (n,)) + (cache.shape[2], heads, cache.shape[4])
+        if (n <= 0 or heads < 1 or h0 + heads > cache.shape[3]
+                or tuple(tensor.shape) != expected or tensor.dtype != cache.dtype):
             raise ValueError(f"payload {tuple(tensor.shape)} {tensor.dtype} does not match "
                              f"the cache layout {expected} {cache.dtype}")
         end = header.first_block + n
@@ -192,13 +201,15 @@ class KVReceiver:
         if header.descending:
             targets = targets.flip(0)
         parts = (0, 1) if both else (header.part,)
-        if both:
+        if both and heads == cache.shape[3]:
             scatter_blocks(tensor, cache, targets)
-        else:
-            cache[header.part].index_copy_(0, targets.to(cache.device),
-                                           tensor.to(cache.device, cache.dtype))
+        else:  # a slice of this rank's heads (a producer of another TP size)
+            for i, part in enumerate(parts):
+                cache[part, :, :, h0:h0 + heads].index_copy_(
+                    0, targets.to(cache.device),
+                    (tensor[i] if both else tensor).to(cache.device, cache.dtype))
         for part in parts:
-            state.received[header.layer][part].update(range(header.first_block, end))
+            state.written[header.layer, part, header.first_block:end, h0:h0 + heads] = True
         self.bytes_received += tensor.nbytes
         if state.first_layer_time is None and self.record_timings:
             state.first_layer_time = time.time()

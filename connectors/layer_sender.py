@@ -36,10 +36,17 @@ class LayerSender:
             self._staging = HostStaging(self.pipe.send_tensor, self.buffers, device,
                                         self.copy_timeout)
 
-    def layer_messages(self, spec: Any, layer: int, kv_layer: torch.Tensor) -> list[LayerMessage]:
+    def layer_messages(self, spec: Any, layer: int, kv_layer: torch.Tensor,
+                       heads: tuple[int, int, int] | None = None) -> list[LayerMessage]:
         """Zero-copy views of the cache when the blocks form a few contiguous runs (CPU, the
         common case: a prompt's blocks are allocated together); else one gathered copy,
-        staged to pinned host memory when the pipe cannot carry device memory."""
+        staged to pinned host memory when the pipe cannot carry device memory.
+        ``heads``: (first local head, count, consumer's first head) when only a slice of this
+        rank's heads goes to this consumer rank (copied: a head slice is not contiguous)."""
+        if heads is not None and heads[:2] == (0, kv_layer.shape[3]) and heads[2] == 0:
+            heads = None
+        if heads is not None:
+            return self._head_slice_messages(spec, layer, kv_layer, heads)
         runs = contiguous_runs(spec.block_ids)
         if kv_layer.device.type == "cpu" and len(runs) <= _MAX_ZERO_COPY_RUNS:
             # At most one pipe frame per message: the receiver then uses the frame in place
@@ -64,6 +71,17 @@ class LayerSender:
             host, copied = self._staging.stage(payload)
             return [LayerMessage(header, host, True, (copied, payload))]
         return [LayerMessage(header, payload, True)]
+
+    def _head_slice_messages(self, spec: Any, layer: int, kv_layer: torch.Tensor,
+                             heads: tuple[int, int, int]) -> list[LayerMessage]:
+        first, count, dst = heads
+        ids = torch.tensor(spec.block_ids, dtype=torch.long, device=kv_layer.device)
+        payload = kv_layer[:, :, :, first:first + count].index_select(1, ids)
+        header = KVLayerHeader(spec.request_id, layer, spec.first_block, head_start=dst)
+        if self._staging is not None:
+            host, copied = self._staging.stage(payload)
+            return [LayerMessage(header, host, True, (copied, payload))]
+        return [LayerMessage(header, payload, False)]
 
     def send_layer(self, peer: str, msg: LayerMessage) -> Future:
         future = self.send(peer, encode_header(msg.header), msg.tensor, msg.staged)

@@ -48,12 +48,15 @@ _Count = Annotated[int, msgspec.Meta(ge=0)]
 class KVLayerHeader(msgspec.Struct, frozen=True, tag="kv", tag_field="kind"):
     """Payload: [2, n, block_size, H, D] (part 2: K and V) or [n, block_size, H, D] (part 0 = K,
     1 = V), for the request's blocks first_block .. first_block + n - 1, in table order or,
-    when ``descending``, in reverse (a zero-copy view of a descending run of block ids)."""
+    when ``descending``, in reverse (a zero-copy view of a descending run of block ids).
+    H may be a slice of the consumer rank's heads, starting at ``head_start`` (producer and
+    consumer of different TP sizes, see tp_topology.py)."""
     request_id: str
     layer: _Count
     first_block: _Count
     part: Literal[0, 1, 2] = 2
     descending: bool = False
+    head_start: _Count = 0
 
 
 class FinHeader(msgspec.Struct, frozen=True, tag="fin", tag_field="kind"):
@@ -62,6 +65,8 @@ class FinHeader(msgspec.Struct, frozen=True, tag="fin", tag_field="kind"):
     num_prompt_tokens: _Count
     # the producer's lease: renew at least 3 times within it
     lease_seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    # producer ranks that feed this consumer rank: the request is in when all their FINs are
+    num_fins: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
 class AckHeader(msgspec.Struct, frozen=True, tag="ack", tag_field="kind"):

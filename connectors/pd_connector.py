@@ -28,6 +28,7 @@ from connectors.metadata import (AckHeader, FinHeader, KVConnectorMetadata, Rene
                                  decode_header, encode_header)
 from connectors.pd_scheduler import PDConnectorScheduler
 from connectors.send_leases import SendLeases
+from connectors.tp_topology import Route, num_feeders, routes_for, split_endpoint
 from connectors.pipes.base import PipeError, create_pipe
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,12 @@ def model_fingerprint(model_dir: str) -> str:
 class PDConnectorWorker(KVConnectorBase_Worker):
     def __init__(self, config: KVTransferConfig, engine_info: dict[str, Any]):
         self.config = config
-        self.hello = {k: engine_info[k] for k in _HANDSHAKE_KEYS}
+        # Tensor parallelism: this rank's place; num_kv_heads in the hello is the model's total.
+        self.tp_rank, self.tp_size = engine_info.get("tp_rank", 0), engine_info.get("tp_size", 1)
+        self.hello = {**{k: engine_info[k] for k in _HANDSHAKE_KEYS}, "tp_size": self.tp_size,
+                      "num_kv_heads": engine_info.get("total_kv_heads",
+                                                      engine_info["num_kv_heads"])}
+        self._routes: dict[str, list[tuple[str, Route]]] = {}  # consumer -> its ranks I feed
         self.pipe = create_pipe(config.pipe, config.pipe_config)
         self.receiver = KVReceiver(engine_info["num_layers"], engine_info["block_size"],
                                    config.kv_transfer_timeout, config.max_staging_bytes,
@@ -90,7 +96,8 @@ class PDConnectorWorker(KVConnectorBase_Worker):
     def _validate_hello(self, hello: dict) -> str | None:
         diffs = [f"{k}: ours={self.hello[k]!r} theirs={hello.get(k)!r}" for k in _HANDSHAKE_KEYS
                  if hello.get(k) != self.hello[k]]
-        return ("KV layout mismatch between prefill and decode engines: " + "; ".join(diffs)
+        return (f"KV layout mismatch between the prefill engine (TP{hello.get('tp_size', 1)}) "
+                f"and the decode engine (TP{self.tp_size}): " + "; ".join(diffs)
                 if diffs else None)
 
     # ---- peers: the consumers this producer sends to ------------------------------------
@@ -104,8 +111,13 @@ class PDConnectorWorker(KVConnectorBase_Worker):
         with lock:  # one handshake per peer at a time: a second would replace the first
             if peer in self._peers and self._peers[peer] == tag:
                 return
-            self.pipe.connect(peer, dict(self.hello))
+            ranks = split_endpoint(peer)  # one endpoint per consumer rank
+            routes = [(ranks[r.dst_rank], r) for r in routes_for(
+                self.tp_rank, self.tp_size, len(ranks), self.hello["num_kv_heads"])]
+            for endpoint, _ in routes:
+                self.pipe.connect(endpoint, dict(self.hello))
             with self._peer_lock:  # swapped whole: the engine thread reads it without a lock
+                self._routes = {**self._routes, peer: routes}
                 self._peers = {**self._peers, peer: tag}
                 self._warned.discard(peer)
 
@@ -113,7 +125,10 @@ class PDConnectorWorker(KVConnectorBase_Worker):
         """Forget a consumer that is gone for good (a restarted one has a new endpoint)."""
         with self._peer_lock:
             self._peers = {k: v for k, v in self._peers.items() if k != peer}
-        self.pipe.disconnect(peer)
+            routes = self._routes.get(peer, [])
+            self._routes = {k: v for k, v in self._routes.items() if k != peer}
+        for endpoint, _ in routes:
+            self.pipe.disconnect(endpoint)
 
     def peers(self) -> dict[str, str | None]:
         """Connected consumers (address -> tag)."""
@@ -159,23 +174,31 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             if spec.request_id in self._failed_sends or not self._usable(spec.peer):
                 self._failed_sends.add(spec.request_id)
                 continue
-            for msg in self.sender.layer_messages(spec, layer, kv_layer):
-                try:
-                    future = self.sender.send_layer(spec.peer, msg)
-                except PipeError as e:
-                    logger.error("send of %s layer %d failed: %s", spec.request_id, layer, e)
-                    self._failed_sends.add(spec.request_id)
-                    self._broken.add(spec.peer)
+            for endpoint, r in self._routes.get(spec.peer, []):
+                if not self._send_layer(spec, layer, endpoint,
+                                        self.sender.layer_messages(spec, layer, kv_layer,
+                                                                   (r.src, r.count, r.dst))):
                     break
-                self._step_futures.append((spec.request_id, spec.peer, future))
-                self.leases.sending(spec.request_id)
-                self.bytes_sent += msg.tensor.nbytes
         if layer == len(self.kv_caches) - 1 and self.config.record_timings:
             now = time.time()
             for spec in self._meta.sends:
                 self.last_layer_times[spec.request_id] = now
             while len(self.last_layer_times) > 4096:
                 self.last_layer_times.popitem(last=False)
+
+    def _send_layer(self, spec: Any, layer: int, endpoint: str, msgs: list) -> bool:
+        for msg in msgs:
+            try:
+                future = self.sender.send_layer(endpoint, msg)
+            except PipeError as e:
+                logger.error("send of %s layer %d failed: %s", spec.request_id, layer, e)
+                self._failed_sends.add(spec.request_id)
+                self._broken.add(spec.peer)
+                return False
+            self._step_futures.append((spec.request_id, spec.peer, future))
+            self.leases.sending(spec.request_id)
+            self.bytes_sent += msg.tensor.nbytes
+        return True
 
     def wait_for_save(self) -> None:
         """Every payload of this step released by the pipe: zero-copy views point into the
@@ -202,25 +225,28 @@ class PDConnectorWorker(KVConnectorBase_Worker):
     def _send_fin(self, fin: Any) -> None:
         ok = fin.request_id not in self._failed_sends and fin.first_token is not None
         self._failed_sends.discard(fin.request_id)
-        if not self._usable(fin.peer):
-            self.leases.drop(fin.request_id)  # no consumer can answer: free now
+        routes = self._routes.get(fin.peer, []) if self._usable(fin.peer) else []
+        if not routes:  # no consumer can answer (or this rank fed none of its ranks): free now
+            self.leases.drop(fin.request_id)
             return
-        header = FinHeader(fin.request_id, fin.first_token if ok else None, fin.num_prompt_tokens,
-                           self.config.lease_seconds)
-        if ok:  # held before the FIN leaves: the answer can come back before send returns
-            self.leases.hold(fin.request_id)
-        try:
-            self.sender.send(fin.peer, encode_header(header), None)
-        except PipeError as e:
-            logger.error("FIN for %s failed: %s", fin.request_id, e)
-            ok = False
+        if ok:  # held before the FINs leave: the answers can come back before send returns
+            self.leases.hold(fin.request_id, len(routes))
+        n_ranks = len(split_endpoint(fin.peer))
+        for endpoint, r in routes:
+            header = FinHeader(fin.request_id, fin.first_token if ok else None,
+                               fin.num_prompt_tokens, self.config.lease_seconds, num_feeders(
+                                   r.dst_rank, self.tp_size, n_ranks, self.hello["num_kv_heads"]))
+            try:
+                self.sender.send(endpoint, encode_header(header), None)
+            except PipeError as e:
+                logger.error("FIN for %s failed: %s", fin.request_id, e)
+                ok = False
         if not ok:  # a failed transfer's FIN makes the consumer recompute: nothing reads ours
             self.leases.drop(fin.request_id)
 
     def get_finished(self) -> tuple[set[str], dict[str, int | None]]:
         recving = self.receiver.take_finished()
-        for nack in self.receiver.take_nacks():  # gave up: the producer frees at once
-            self._ack(nack)
+        self._ack(self.receiver.take_nacks())  # gave up: the producers free at once
         return self.leases.take_done(), recving
 
     # ---- receiver thread -----------------------------------------------------------------
@@ -262,16 +288,14 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             except PipeError as e:
                 logger.warning("lease renewal to %s not sent: %s", peer, e)
 
-    def _ack(self, ended: tuple[str, str, bool] | None) -> None:
-        """Tell the producer at once that it may free the request's blocks (ok=False: the
+    def _ack(self, ended: list[tuple[str, str, bool]]) -> None:
+        """Tell the producers at once that they may free the request's blocks (ok=False: the
         request ended here before its KV was used)."""
-        if ended is None:
-            return
-        peer, rid, ok = ended
-        try:
-            self.pipe.send_tensor(peer, encode_header(AckHeader(rid, ok)), None)
-        except PipeError as e:
-            logger.warning("ACK for %s not sent: %s", rid, e)
+        for peer, rid, ok in ended:
+            try:
+                self.pipe.send_tensor(peer, encode_header(AckHeader(rid, ok)), None)
+            except PipeError as e:
+                logger.warning("ACK for %s not sent: %s", rid, e)
 
     def stats(self) -> dict[str, Any]:
         return {"kv_bytes_sent": self.bytes_sent, "kv_bytes_received": self.receiver.bytes_received,

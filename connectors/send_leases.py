@@ -20,6 +20,7 @@ class SendLeases:
         self._lock = threading.Lock()
         self._expires: dict[str, float] = {}  # request id -> monotonic lease end
         self._started: dict[str, float] = {}  # request id -> first KV sent (for send_seconds)
+        self._waiting: dict[str, int] = {}  # request id -> consumer ranks yet to ACK
         self._done: set[str] = set()
         self.send_seconds = 0.0  # first layer sent to the consumer's ACK, summed
         self.num_expired = 0
@@ -28,10 +29,12 @@ class SendLeases:
         with self._lock:
             self._started.setdefault(request_id, time.monotonic())
 
-    def hold(self, request_id: str) -> None:
-        """The FIN went out: keep the blocks until the consumer answers or stops renewing."""
+    def hold(self, request_id: str, answers: int = 1) -> None:
+        """The FIN went out (to ``answers`` consumer ranks): keep the blocks until each
+        answered, one NACKed, or they stop renewing."""
         with self._lock:
             self._expires[request_id] = time.monotonic() + self.ttl
+            self._waiting[request_id] = answers
 
     def renew(self, request_ids: list[str]) -> None:
         end = time.monotonic() + self.ttl
@@ -43,8 +46,14 @@ class SendLeases:
     def release(self, request_id: str, ok: bool) -> None:
         """ACK (ok) or NACK from the consumer; unknown ids (late replies) are ignored."""
         with self._lock:
-            if self._expires.pop(request_id, None) is None:
+            if request_id not in self._expires:
                 return
+            left = self._waiting.get(request_id, 1) - 1
+            if ok and left > 0:
+                self._waiting[request_id] = left
+                return
+            del self._expires[request_id]
+            self._waiting.pop(request_id, None)
             started = self._started.pop(request_id, None)
             if ok and started is not None:
                 self.send_seconds += time.monotonic() - started
@@ -54,6 +63,7 @@ class SendLeases:
         """Nothing to wait for (the send failed, or no consumer can answer): free now."""
         with self._lock:
             self._expires.pop(request_id, None)
+            self._waiting.pop(request_id, None)
             self._started.pop(request_id, None)
             self._done.add(request_id)
 
@@ -66,6 +76,7 @@ class SendLeases:
                                "blocks", rid, self.ttl)
                 self.num_expired += 1
                 del self._expires[rid]
+                self._waiting.pop(rid, None)
                 self._started.pop(rid, None)
                 self._done.add(rid)
             done, self._done = self._done, set()

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pd_cluster.config import EngineConfig
+from pd_cluster.config import EngineConfig, read_hf_config
 from pd_cluster.engine.model_runner import ModelRunner
 from pd_cluster.engine.sampler import Sampler
 from pd_cluster.engine.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -48,22 +48,27 @@ def check_tensor_parallel(hf_config: dict[str, Any], size: int) -> None:
                          f"one must divide the other")
 
 
-def engine_info(config: EngineConfig, runner: ModelRunner) -> dict[str, Any]:
-    """What a connector's handshake compares (this rank's KV layout)."""
+def engine_info(config: EngineConfig, runner: ModelRunner, tp: Any = None) -> dict[str, Any]:
+    """What a connector's handshake compares (this rank's KV layout, its place in the TP
+    group, and the model's total KV heads)."""
     from connectors.pd_connector import model_fingerprint
     spec = runner.kv_spec
+    hf = read_hf_config(config.model)
     return {"model_id": model_fingerprint(config.model), "dtype": str(spec.dtype),
             "block_size": spec.block_size, "num_layers": spec.num_layers,
-            "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
+            "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+            "total_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            "tp_rank": tp.rank if tp else 0, "tp_size": tp.size if tp else 1}
 
 
-def create_worker_connector(config: EngineConfig, runner: ModelRunner) -> Any:
+def create_worker_connector(config: EngineConfig, runner: ModelRunner, tp: Any = None) -> Any:
     """This rank's worker-side connector, registered on its cache (None without kv_transfer);
     returns the scheduler side (used by rank 0 only)."""
     if not config.kv_transfer:
         return None
     from connectors.factory import create_connector
-    scheduler_side, worker_side = create_connector(config.kv_transfer, engine_info(config, runner))
+    scheduler_side, worker_side = create_connector(config.kv_transfer,
+                                                   engine_info(config, runner, tp))
     worker_side.register_kv_caches(runner.kv_caches)
     runner.connector = worker_side
     return scheduler_side
@@ -86,12 +91,13 @@ class Executor:
             blocks = self.runner.fitting_blocks(kv.device_reserve_bytes() if kv else 0)
             self.num_blocks = self.workers.agree_num_blocks(blocks) if self.workers else blocks
             self.runner.allocate_kv_cache(self.num_blocks)
-            self.scheduler_connector = create_worker_connector(config, self.runner)
+            self.scheduler_connector = create_worker_connector(config, self.runner, tp)
         except BaseException:
             self.close()
             raise
         self.sampler = Sampler(seed=config.seed)
         self._tally = TransferTally(config.tensor_parallel_size)
+        self._rank_bytes: dict[int, tuple[int, int]] = {}  # rank -> (KV bytes sent, received)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -101,11 +107,46 @@ class Executor:
             logits = self.runner.run_step(step)
             sending, recving = self.runner.finished_transfers()
             if self.workers and self.runner.connector is not None:
-                reports = self.workers.gather_transfers(RankTransfers(sorted(sending), recving))
+                stats = self.runner.connector.stats()
+                reports = self.workers.gather_transfers(RankTransfers(
+                    sorted(sending), recving, stats["kv_bytes_sent"], stats["kv_bytes_received"]))
+                self._rank_bytes = {r: (t.bytes_sent, t.bytes_received)
+                                    for r, t in enumerate(reports)}
                 sending, recving = self._tally.add(reports)
         sample_step(plan, logits, self.sampler, result)
         result.finished_sending, result.finished_recving = sending, recving
         return result
+
+    # ---- the KV connector across ranks ----------------------------------------------------
+    def kv_endpoint(self) -> str | None:
+        """Where producers send this engine's KV: one endpoint per rank, joined in rank order."""
+        conn = self.runner.connector
+        if conn is None or conn.endpoint() is None:
+            return None
+        from connectors.tp_topology import join_endpoints
+        return join_endpoints([conn.endpoint()] + (self.workers.endpoints() if self.workers
+                                                   else []))
+
+    def connect_peer(self, endpoint: str, tag: str | None) -> None:
+        """Handshake every rank with a consumer (in parallel: workers in their threads)."""
+        seq = self.workers.peer_op("connect", endpoint, tag) if self.workers else None
+        self.runner.connector.connect_peer(endpoint, tag)
+        if seq is not None:
+            timeout = self.config.kv_transfer.pipe_config.handshake_timeout + 5.0
+            self.workers.wait_peer_op(seq, timeout)
+
+    def disconnect_peer(self, endpoint: str) -> None:
+        if self.workers:
+            self.workers.peer_op("disconnect", endpoint, None)
+        self.runner.connector.disconnect_peer(endpoint)
+
+    def connector_stats(self) -> dict[str, Any]:
+        """Rank 0's connector stats, KV byte counters summed over the ranks."""
+        stats = dict(self.runner.connector.stats())
+        if self._rank_bytes:
+            stats["kv_bytes_sent"] = sum(s for s, _ in self._rank_bytes.values())
+            stats["kv_bytes_received"] = sum(r for _, r in self._rank_bytes.values())
+        return stats
 
     def close(self) -> None:
         if getattr(self, "runner", None) is not None and self.runner.connector is not None:

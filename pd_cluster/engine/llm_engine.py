@@ -44,19 +44,19 @@ class LLMEngine:
 
     def kv_endpoint(self) -> str | None:
         """Where producers send this engine's prompt KV (None without a consumer connector)."""
-        return self.runner.connector.endpoint() if self.runner.connector else None
+        return self.executor.kv_endpoint()
 
     def connect_kv_peer(self, endpoint: str, tag: str | None = None) -> None:
         """Producer: handshake with a consumer's endpoint. Thread safe, and meant to run off
         the engine thread (it blocks up to the pipe's handshake_timeout)."""
         if self.runner.connector is None:
             raise ValueError("kv_transfer: this engine has no KV connector")
-        self.runner.connector.connect_peer(endpoint, tag)
+        self.executor.connect_peer(endpoint, tag)
 
     def disconnect_kv_peer(self, endpoint: str) -> None:
         """Producer: forget a consumer that is gone for good. Thread safe."""
         if self.runner.connector is not None:
-            self.runner.connector.disconnect_peer(endpoint)
+            self.executor.disconnect_peer(endpoint)
 
     def kv_peers(self) -> dict[str, str | None]:
         """Consumers this producer has a working handshake with (endpoint -> tag)."""
@@ -144,7 +144,7 @@ class LLMEngine:
                 "prefix_cache_hit_blocks": bm.stats.hit_blocks,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "kv_fallbacks": self.scheduler.num_kv_fallbacks,
-                **(self.runner.connector.stats() if self.runner.connector else {})}
+                **(self.executor.connector_stats() if self.runner.connector else {})}
 
     def check_no_leaks(self) -> None:
         """AssertionError unless no request is left and every KV block is free."""

@@ -29,13 +29,24 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class PeerOp(msgspec.Struct, tag="peer"):
+    """Connect (handshake, off the step path: a worker runs it in a thread and reports under
+    ``peerop/<seq>/<rank>`` in the store) or disconnect a KV peer on every rank."""
+    op: str  # "connect" | "disconnect"
+    endpoint: str
+    tag: str | None
+    seq: int
+
+
 class RankTransfers(msgspec.Struct):
-    """One rank's connector report for a step."""
+    """One rank's connector report for a step (byte counters are totals so far)."""
     sending: list[str] = []
     recving: dict[str, int | None] = {}
+    bytes_sent: int = 0
+    bytes_received: int = 0
 
 
-StepMessage = StepInput | Keepalive | Shutdown
+StepMessage = StepInput | Keepalive | Shutdown | PeerOp
 
 
 def create_groups(store: dist.Store, rank: int, size: int, device: torch.device,

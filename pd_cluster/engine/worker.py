@@ -8,12 +8,14 @@ import os
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pd_cluster.config import EngineConfig, read_hf_config
-from pd_cluster.engine.tp_comm import Keepalive, RankTransfers, Shutdown, StepChannel, create_groups
+from pd_cluster.engine.tp_comm import (Keepalive, PeerOp, RankTransfers, Shutdown, StepChannel,
+                                       create_groups)
 
 logger = logging.getLogger("pd_cluster.engine.worker")
 _STARTUP_TIMEOUT = 600.0
@@ -55,7 +57,9 @@ def run_worker(config: EngineConfig, rank: int, port: int) -> None:
     store.set(f"blocks/{rank}", str(runner.fitting_blocks(kv.device_reserve_bytes() if kv else 0)))
     store.wait(["blocks/agreed"])
     runner.allocate_kv_cache(int(store.get("blocks/agreed")))
-    create_worker_connector(config, runner)
+    create_worker_connector(config, runner, tp)
+    if runner.connector is not None:
+        store.set(f"endpoint/{rank}", runner.connector.endpoint() or "")
     channel = StepChannel(cpu_group, rank, size)
     try:
         while True:
@@ -64,13 +68,36 @@ def run_worker(config: EngineConfig, rank: int, port: int) -> None:
                 return
             if isinstance(msg, Keepalive):
                 continue
+            if isinstance(msg, PeerOp):
+                threading.Thread(target=_peer_op, args=(runner.connector, msg, store, rank),
+                                 daemon=True).start()
+                continue
             runner.run_step(msg)
             if runner.connector is not None:
-                sending, recving = runner.finished_transfers()
-                channel.gather_transfers(RankTransfers(sorted(sending), recving))
+                channel.gather_transfers(rank_transfers(runner))
     finally:
         if runner.connector is not None:
             runner.connector.close()
+
+
+def rank_transfers(runner: Any) -> RankTransfers:
+    sending, recving = runner.finished_transfers()
+    stats = runner.connector.stats()
+    return RankTransfers(sorted(sending), recving, stats["kv_bytes_sent"],
+                         stats["kv_bytes_received"])
+
+
+def _peer_op(connector: Any, op: PeerOp, store: Any, rank: int) -> None:
+    """A handshake blocks up to the pipe's timeout: never on the step loop."""
+    error = ""
+    try:
+        if op.op == "connect":
+            connector.connect_peer(op.endpoint, op.tag)
+        else:
+            connector.disconnect_peer(op.endpoint)
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
+        error = f"{type(e).__name__}: {e}" or "failed"
+    store.set(f"peerop/{op.seq}/{rank}", error)
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pd_cluster.config import EngineConfig
-from pd_cluster.engine.tp_comm import (Keepalive, RankTransfers, Shutdown, StepChannel,
+from pd_cluster.engine.tp_comm import (Keepalive, PeerOp, RankTransfers, Shutdown, StepChannel,
                                        create_groups)
 from pd_cluster.engine.step_input import StepInput
 from pd_cluster.models.layers.tp import TPGroup
@@ -60,6 +60,7 @@ class WorkerGroup:
         self._failed: str | None = None
         self._last = time.monotonic()
         self._closed = threading.Event()
+        self._peer_ops = 0
         try:
             self._wait_keys([f"ready/{r}" for r in range(1, self.size)], "worker start")
             self.cpu_group, self.tp = create_groups(self.store, 0, self.size, device,
@@ -95,6 +96,39 @@ class WorkerGroup:
                 raise WorkerError(self._failed) from e
             finally:
                 self._last = time.monotonic()
+
+    def endpoints(self) -> list[str]:
+        """Ranks 1..N-1's KV endpoints (published once their connectors listen)."""
+        keys = [f"endpoint/{r}" for r in range(1, self.size)]
+        self._wait_keys(keys, "worker KV endpoints")
+        return [self.store.get(k).decode() for k in keys]
+
+    def peer_op(self, op: str, endpoint: str, tag: str | None) -> int:
+        """Start ``op`` on every worker (one broadcast); ``wait_peer_op`` collects the results."""
+        with self._lock:
+            self.check()
+            self._peer_ops += 1
+            try:
+                self.channel.send(PeerOp(op, endpoint, tag, self._peer_ops))
+            except Exception as e:
+                self._fail(f"{type(e).__name__}: {e}")
+                raise WorkerError(self._failed) from e
+            self._last = time.monotonic()
+            return self._peer_ops
+
+    def wait_peer_op(self, seq: int, timeout: float) -> None:
+        keys = [f"peerop/{seq}/{r}" for r in range(1, self.size)]
+        deadline = time.monotonic() + timeout
+        while not self.store.check(keys):
+            self.check()
+            if time.monotonic() > deadline:
+                raise WorkerError(f"tensor-parallel workers did not finish a KV handshake "
+                                  f"within {timeout:.0f}s")
+            time.sleep(0.02)
+        errors = [(r, self.store.get(k).decode()) for r, k in enumerate(keys, start=1)]
+        for rank, error in errors:
+            if error:
+                raise ValueError(f"rank {rank}: {error}")
 
     def gather_transfers(self, mine: RankTransfers) -> list[RankTransfers]:
         return self.channel.gather_transfers(mine)
