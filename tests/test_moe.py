@@ -205,7 +205,8 @@ def test_bad_routing_settings_are_value_errors() -> None:
         RoutingSpec("sigmoid", 8, 2, n_group=3)
     with pytest.raises(ValueError, match="topk_group=1 groups of 2"):
         RoutingSpec("sigmoid", 8, 4, n_group=4, topk_group=1)
-    with pytest.raises(ValueError, match="moe_intermediate_size=24"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=5 does not divide the "
+                                         "experts. intermediate_size=24"):
         SparseMoE(mixtral_moe(dict(hidden_size=H, intermediate_size=24)),
                   TPGroup(0, 5, group=object()))
 

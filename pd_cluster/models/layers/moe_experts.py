@@ -76,7 +76,8 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     weights: torch.Tensor, ids: torch.Tensor,
                     act: Callable[[torch.Tensor], torch.Tensor],
-                    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
+                    b13: torch.Tensor | None = None,
+                    b2: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token, one matmul per active
     expert (torch, any device). The product with the weights happens in the weights' dtype
     (HF: fp32 for Mixtral/DeepSeek), then it is cast to x's dtype and summed there."""
@@ -100,7 +101,7 @@ class MoEExperts(nn.Module):
     def __init__(self, spec: ExpertsSpec, tp: TPGroup = TPGroup()) -> None:
         super().__init__()
         self.spec, self.tp = spec, tp
-        _, self.part = tp.split(spec.intermediate_size, "moe_intermediate_size")
+        _, self.part = tp.split(spec.intermediate_size, "the experts' intermediate_size")
         e, h, i = spec.num_experts, spec.hidden_size, self.part
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
