@@ -4,11 +4,11 @@
 The (token, slot) pairs are sorted by expert and each expert's run is padded to a multiple of
 ``BLOCK_M`` (``align_by_expert``, on the device, no host sync), so every M-tile of the sorted
 list belongs to one expert; a program computes one [BLOCK_M, BLOCK_N] tile of
-``A[rows] @ W[expert]^T (+ bias[expert])``, optionally times each pair's routing weight.
-Two launches make the experts: gate/up from the token rows, the activation in torch (it is
-the family's, e.g. gpt-oss's clamped SwiGLU), then down from the pair rows, weighted. The
-output rows are pairs in token order (pair = token * top_k + slot), so summing over the
-top_k slots is a reshape, deterministic (no atomics).
+``A[rows] @ W[expert]^T (+ bias[expert])``. Two launches make the experts: gate/up from the
+token rows, the activation in torch (it is the family's, e.g. gpt-oss's clamped SwiGLU),
+then down from the pair rows. The output rows are pairs in token order (pair = token *
+top_k + slot), so weighting and summing over the top_k slots is a reshape in torch,
+deterministic (no atomics) and rounded as the torch path rounds.
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _grouped_matmul_kernel(
-        a_ptr, w_ptr, bias_ptr, rw_ptr, c_ptr, pair_ptr, block_expert_ptr,
+        a_ptr, w_ptr, bias_ptr, c_ptr, pair_ptr, block_expert_ptr,
         num_pairs, N, K, top_k,
         stride_am, stride_we, stride_wn, stride_be, stride_cm,
-        A_BY_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
+        A_BY_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr,
         DOT_PREC: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
@@ -59,13 +59,12 @@ if HAS_TRITON:
             w = tl.load(w_ptr + safe_e * stride_we + offs_n[None, :] * stride_wn
                         + (k0 + offs_k)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc += tl.dot(a, w, input_precision=DOT_PREC)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + safe_e * stride_be + offs_n, mask=n_ok,
-                           other=0.0).to(tl.float32)[None, :]
-        if MUL_WEIGHTS:
-            acc *= tl.load(rw_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(c_ptr + pairs[:, None] * stride_cm + offs_n[None, :],
-                 acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        out = acc.to(c_ptr.dtype.element_ty)
+        if HAS_BIAS:  # added to the rounded product, as torch's matmul-then-add rounds
+            bias = tl.load(bias_ptr + safe_e * stride_be + offs_n, mask=n_ok, other=0.0)
+            out = (out.to(tl.float32) + bias.to(tl.float32)[None, :]).to(c_ptr.dtype.element_ty)
+        tl.store(c_ptr + pairs[:, None] * stride_cm + offs_n[None, :], out,
+                 mask=row_ok[:, None] & n_ok[None, :])
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int,
@@ -76,7 +75,9 @@ def align_by_expert(ids: torch.Tensor, num_experts: int,
     flat = ids.reshape(-1)
     num_pairs, dev = flat.numel(), flat.device
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount syncs with the host to size its output.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     pad_start = torch.cumsum(padded, 0) - padded  # where each expert's run starts
     start = torch.cumsum(counts, 0) - counts
@@ -94,7 +95,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int,
 
 
 def _grouped_matmul(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                    route_w: torch.Tensor | None, pairs: torch.Tensor,
+                    pairs: torch.Tensor,
                     block_expert: torch.Tensor, num_pairs: int, top_k: int,
                     a_by_token: bool, out_dtype: torch.dtype) -> torch.Tensor:
     n, k = w.shape[1], w.shape[2]
@@ -104,11 +105,11 @@ def _grouped_matmul(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     block_k = 32 if k >= 32 else 16
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_matmul_kernel[grid](
-        a, w, bias if bias is not None else w, route_w if route_w is not None else w, c,
+        a, w, bias if bias is not None else w, c,
         pairs, block_expert, num_pairs, n, k, top_k,
         a.stride(0), w.stride(0), w.stride(1), bias.stride(0) if bias is not None else 0,
         c.stride(0),
-        A_BY_TOKEN=a_by_token, HAS_BIAS=bias is not None, MUL_WEIGHTS=route_w is not None,
+        A_BY_TOKEN=a_by_token, HAS_BIAS=bias is not None,
         DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
     return c
@@ -128,7 +129,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return torch.zeros_like(x)
     num_pairs = num_tokens * top_k
     pairs, block_expert = align_by_expert(ids, w13.shape[0])
-    h = _grouped_matmul(x, w13, b13, None, pairs, block_expert, num_pairs, top_k, True, x.dtype)
-    y = _grouped_matmul(act(h), w2, b2, weights.reshape(-1).contiguous(), pairs, block_expert,
-                        num_pairs, top_k, False, x.dtype)
-    return y.view(num_tokens, top_k, -1).sum(dim=1)
+    h = _grouped_matmul(x, w13, b13, pairs, block_expert, num_pairs, top_k, True, x.dtype)
+    y = _grouped_matmul(act(h), w2, b2, pairs, block_expert, num_pairs, top_k, False, x.dtype)
+    # The routing weights and the top-k sum as grouped_experts (transformers) rounds them.
+    weighted = y * weights.reshape(-1, 1)
+    return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)

@@ -9,6 +9,7 @@ building every rank of a size-2 split and summing their pre-all-reduce partial o
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,20 @@ def test_block_matches_hf(name: str, tmp: Path) -> None:
         got = ours(x)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_block_bf16_rounds_as_hf(name: str, tmp: Path) -> None:
+    """In bf16, bit for bit HF's block (its default grouped_mm experts): biases added after the
+    matmul, routing weights applied in their own dtype (fp32 for Mixtral and DeepSeek-V3),
+    the top-k sum in that dtype, rounded once."""
+    block, _, _ = hf_family(name, tmp)
+    ours = our_block(name, tmp).to(torch.bfloat16)
+    x = torch.randn(1, 48, H, generator=torch.Generator().manual_seed(6)).bfloat16()
+    with torch.no_grad():
+        want = hf_out(copy.deepcopy(block).to(torch.bfloat16), x)
+        got = ours(x)
+    assert torch.equal(got, want), (got - want).abs().max()
 
 
 @pytest.mark.parametrize("name", ["mixtral", "gpt_oss", "deepseek_v3"])

@@ -79,22 +79,27 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     b13: torch.Tensor | None = None,
                     b2: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token, one matmul per active
-    expert (torch, any device). The product with the weights happens in the weights' dtype
-    (HF: fp32 for Mixtral/DeepSeek), then it is cast to x's dtype and summed there."""
-    top_k = ids.shape[1]
+    expert (torch, any device). Rounding as transformers' default (``grouped_mm``) experts:
+    biases added after the matmul, each pair's output times its weight in the weights' dtype
+    (fp32 for Mixtral and DeepSeek-V3), the top-k products summed in that dtype, then cast."""
+    num_tokens, top_k = ids.shape
     order, counts = sort_by_expert(ids, w13.shape[0])
-    token_of = order // top_k
-    xs = x[token_of]
+    xs = x[order // top_k]
     out = torch.empty(order.numel(), w2.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts.tolist()):  # one host sync: the group sizes
         if n == 0:
             continue
-        h = F.linear(xs[start:start + n], w13[e], None if b13 is None else b13[e])
-        out[start:start + n] = F.linear(act(h), w2[e], None if b2 is None else b2[e])
+        h = F.linear(xs[start:start + n], w13[e])
+        if b13 is not None:
+            h = h + b13[e]
+        y = F.linear(act(h), w2[e])
+        out[start:start + n] = y if b2 is None else y + b2[e]
         start += n
-    scaled = (out * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, scaled)
+    by_pair = torch.empty_like(out)
+    by_pair[order] = out  # back to (token, slot) order: the top-k sum is a reshape
+    weighted = by_pair * weights.reshape(-1, 1)
+    return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
 class MoEExperts(nn.Module):
