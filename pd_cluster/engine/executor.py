@@ -117,6 +117,11 @@ class Executor:
         result.finished_sending, result.finished_recving = sending, recving
         return result
 
+    @property
+    def failed(self) -> bool:
+        """A rank is gone: the next step raises (the engine is then restarted as a whole)."""
+        return self.workers is not None and self.workers.failed
+
     # ---- the KV connector across ranks ----------------------------------------------------
     def kv_endpoint(self) -> str | None:
         """Where producers send this engine's KV: one endpoint per rank, joined in rank order."""
@@ -147,6 +152,13 @@ class Executor:
             stats["kv_bytes_sent"] = sum(s for s, _ in self._rank_bytes.values())
             stats["kv_bytes_received"] = sum(r for _, r in self._rank_bytes.values())
         return stats
+
+    def rank_stats(self) -> dict[str, Any]:
+        """The ranks, for `pd-cluster status`: all on this engine's node, rank 0 this process."""
+        import os
+        pids = [os.getpid()] + ([p.pid for p in self.workers.procs] if self.workers else [])
+        return {"tensor_parallel_size": self.config.tensor_parallel_size,
+                "tp_pids": ",".join(map(str, pids))}
 
     def close(self) -> None:
         if getattr(self, "runner", None) is not None and self.runner.connector is not None:

@@ -117,7 +117,10 @@ class LLMEngine:
         return [self.outputs.finished_output(r) for r in aborted]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.scheduler.sending)
+        # A failed rank counts as work: the engine loop steps, the step raises, and the
+        # engine is restarted even when idle.
+        return (self.scheduler.has_unfinished() or bool(self.scheduler.sending)
+                or self.executor.failed)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -144,6 +147,7 @@ class LLMEngine:
                 "prefix_cache_hit_blocks": bm.stats.hit_blocks,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "kv_fallbacks": self.scheduler.num_kv_fallbacks,
+                **self.executor.rank_stats(),
                 **(self.executor.connector_stats() if self.runner.connector else {})}
 
     def check_no_leaks(self) -> None:

@@ -181,9 +181,21 @@ class WorkerGroup:
                 raise WorkerError(f"timed out after {_STARTUP_TIMEOUT}s waiting for {what}")
             time.sleep(0.05)
 
+    @property
+    def failed(self) -> bool:
+        return self._failed is not None
+
     def _keepalive(self) -> None:
+        """While idle: keep the workers' waits short of the timeout, and notice a worker that
+        died (the engine then fails on its next step, which it takes at once)."""
         period = self.timeout / 4
-        while not self._closed.wait(period / 2):
+        while not self._closed.wait(min(period / 2, 1.0)):
+            if self._failed is None and any(p.poll() is not None for p in self.procs):
+                with self._lock:
+                    try:
+                        self.check()
+                    except WorkerError:
+                        pass
             if time.monotonic() - self._last < period or self._failed is not None:
                 continue
             if not self._lock.acquire(timeout=period):

@@ -33,8 +33,12 @@ class _Section(BaseModel):
 
 class RoleConfig(_Section):
     replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(1.0, ge=0)  # Ray CPUs per engine; also its torch thread count on CPU
-    num_gpus: float = Field(0.0, ge=0)  # 1 per engine on CUDA
+    # Ranks per engine (tensor parallelism): rank 0 in the engine actor, the others its worker
+    # processes on the same node, one device each. num_cpus, num_gpus and the engine's KV
+    # budget are per rank; the actor holds tensor_parallel_size x them.
+    tensor_parallel_size: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, ge=0)  # Ray CPUs per rank; also its torch thread count on CPU
+    num_gpus: float = Field(0.0, ge=0)  # 1 per rank on CUDA
     max_restarts: int = Field(3, ge=-1)  # Ray restarts a dead engine this many times (-1: ever)
     # Placement, all through Ray: custom resources each engine needs (nodes started with
     # `ray start --resources`), node labels it needs (`ray start --labels`), and how the
@@ -54,6 +58,14 @@ class RoleConfig(_Section):
         return value
 
     @model_validator(mode="after")
+    def _whole_gpus_per_rank(self) -> "RoleConfig":
+        if self.tensor_parallel_size > 1 and 0 < self.num_gpus < 1:
+            raise ValueError(f"num_gpus: {self.num_gpus} with tensor_parallel_size "
+                             f"{self.tensor_parallel_size}: each rank needs a whole GPU (NCCL "
+                             f"refuses two ranks on one GPU)")
+        return self
+
+    @model_validator(mode="after")
     def _strategy_needs_resources(self) -> "RoleConfig":
         if self.strategy and not self.demand():
             raise ValueError("strategy: a placement group needs num_cpus, num_gpus or "
@@ -61,8 +73,9 @@ class RoleConfig(_Section):
         return self
 
     def demand(self) -> dict[str, float]:
-        """Ray resources one engine of this role holds."""
-        out = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        """Ray resources one engine of this role holds (all its ranks)."""
+        tp = self.tensor_parallel_size
+        out = {"CPU": self.num_cpus * tp, "GPU": self.num_gpus * tp, **self.resources}
         return {k: float(v) for k, v in out.items() if v}
 
 
@@ -129,6 +142,9 @@ class ClusterConfig(_Section):
         for key in ("model", "kv_transfer"):
             if key in value:
                 raise ValueError(f"{key}: set it as the top-level `{key}` section")
+        if "tensor_parallel_size" in value:
+            raise ValueError("tensor_parallel_size: set it per role (prefill, decode or "
+                             "colocated section): it decides the role's resources")
         try:
             EngineArgs.model_validate(value)
         except ValidationError as e:
@@ -176,6 +192,8 @@ class ClusterConfig(_Section):
             args = dict(self.engine)
             if role in _KV_ROLE:
                 args["kv_transfer"] = kv_for_role(self.kv_transfer, role)
+            if rc.tensor_parallel_size > 1:
+                args["tensor_parallel_size"] = rc.tensor_parallel_size
             for i in range(rc.replicas):
                 specs.append(EngineSpec(name=f"{role}-{i}", role=role, model=self.model,
                                         engine_args=args, num_cpus=rc.num_cpus,
@@ -183,10 +201,12 @@ class ClusterConfig(_Section):
         return specs
 
     def required_cpus(self) -> float:
-        return sum(rc.replicas * rc.num_cpus for rc in self.roles.values())
+        return sum(rc.replicas * rc.num_cpus * rc.tensor_parallel_size
+                   for rc in self.roles.values())
 
     def required_gpus(self) -> float:
-        return sum(rc.replicas * rc.num_gpus for rc in self.roles.values())
+        return sum(rc.replicas * rc.num_gpus * rc.tensor_parallel_size
+                   for rc in self.roles.values())
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(exclude_unset=True)

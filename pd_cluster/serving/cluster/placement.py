@@ -93,7 +93,8 @@ class Placement:
     def options(self, spec: EngineSpec, index: int) -> dict[str, Any]:
         """Ray ``.options()`` for the ``index``-th engine of its role."""
         rc = self.config.roles[spec.role]
-        opts: dict[str, Any] = {"num_cpus": rc.num_cpus, "num_gpus": rc.num_gpus}
+        tp = rc.tensor_parallel_size  # the actor holds every rank's share (ranks: its children)
+        opts: dict[str, Any] = {"num_cpus": rc.num_cpus * tp, "num_gpus": rc.num_gpus * tp}
         if rc.resources:
             opts["resources"] = dict(rc.resources)
         pg = self.groups.get(spec.role)

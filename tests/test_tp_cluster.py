@@ -1,0 +1,95 @@
+"""A Ray cluster with a TP2 prefill engine feeding two TP1 decode engines (CPU, Gloo, KV over
+ZMQ), launched from the cluster config: outputs equal the colocated TP1 engine, decode
+received KV with no fallback, `status` shows the ranks; then the prefill engine's worker is
+SIGKILLed under load: no request is lost, the engine comes back as a whole, nothing leaks."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+
+import httpx
+import pytest
+
+from pd_cluster import LLM, SamplingParams
+from pd_cluster.serving.cluster.cluster_config import resolve_model
+from pd_cluster.serving.cluster.testing import (cluster_status, ensure_ray, leak_reports,
+                                                local_config, wait_idle, wait_until)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PD_CLUSTER_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+    from pd_cluster.serving.cluster.launcher import launch
+
+    ensure_ray()
+    cfg = local_config("local", f"test-tp-{os.getpid()}",
+                       prefill={"tensor_parallel_size": 2, "num_cpus": 1},
+                       decode={"replicas": 2, "num_cpus": 1},
+                       engine={"num_kv_blocks": 256, "max_model_len": 512,
+                               "collective_timeout": 10.0},
+                       kv_transfer={"kv_transfer_timeout": 5.0},
+                       proxy={"request_timeout": 60.0, "health_check_timeout": 5.0})
+    c = launch(cfg, progress=False)
+    yield c
+    c.shutdown()
+    mp.undo()
+
+
+def work(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 500) for _ in range(rng.randrange(4, 80))] for _ in range(n)]
+
+
+async def _complete(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> list[int]:
+    r = await http.post("/v1/completions", json={
+        "model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return list(choice.get("token_ids") or [])
+
+
+def _run(url: str, prompts: list[list[int]], max_tokens: int, during=None) -> list[list[int]]:
+    async def go() -> list[list[int]]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            tasks = [asyncio.create_task(_complete(http, p, max_tokens)) for p in prompts]
+            if during is not None:
+                await asyncio.sleep(0.5)
+                during()
+            return await asyncio.gather(*tasks)
+    return asyncio.run(go())
+
+
+def test_tp2_prefill_to_tp1_decode_and_a_killed_worker(cluster) -> None:
+    offline = LLM(model=resolve_model("tiny-llama"), num_kv_blocks=512, max_model_len=512)
+    prompts = work(12, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+    got = _run(cluster.url, prompts, 24)
+    assert got == want
+    st = wait_idle(cluster.url)
+    engines = {e["name"]: e for e in st["engines"]}
+    assert engines["prefill-0"]["stats"]["tensor_parallel_size"] == 2
+    pids = engines["prefill-0"]["stats"]["tp_pids"].split(",")
+    assert len(pids) == 2 and pids[0] == str(engines["prefill-0"]["pid"])
+    assert sum(engines[d]["stats"]["kv_bytes_received"] for d in ("decode-0", "decode-1")) > 0
+    assert all(engines[d]["stats"]["kv_fallbacks"] == 0 for d in ("decode-0", "decode-1"))
+
+    worker = int(pids[1])
+    more = work(16, seed=2)
+    want = [o.outputs[0].token_ids for o in offline.generate(more, params)]
+    got = _run(cluster.url, more, 24, during=lambda: os.kill(worker, signal.SIGKILL))
+    assert got == want  # no request lost: retried, migrated or served whole by decode
+
+    def back() -> bool:
+        p = next(e for e in cluster_status(cluster.url)["engines"] if e["name"] == "prefill-0")
+        return (p["healthy"] and p["restarts"] >= 1
+                and str(worker) not in p["stats"].get("tp_pids", ""))
+    wait_until(back, 120, "prefill-0 restarted with fresh ranks", interval=0.5)
+    assert _run(cluster.url, prompts[:4], 24) == [o.outputs[0].token_ids for o in
+                                                  offline.generate(prompts[:4], params)]
+    wait_idle(cluster.url, timeout=60)
+    assert leak_reports(cluster) == {}
