@@ -4,7 +4,8 @@ Decode attention is memory-bound: each step streams every cached K/V byte once. 
 of merit is achieved bandwidth (K/V + q + out bytes / kernel time) as a fraction of what a plain
 device-to-device copy reaches on the same GPU in the same run.
 
-CUDA only. Example:
+CUDA only (``--smoke``: a tiny shape in a few seconds, on the CPU under the Triton interpreter
+where there is no GPU, so CI notices an interface change). Example:
     python scripts/bench_kernels.py --batch 8 32 64 --context 4096 32768
 The last line is ``decode_attention_bw_fraction=X`` (median over the measured shapes).
 """
@@ -14,6 +15,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -36,7 +38,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--inner", type=int, default=5, help="launches per timed repeat")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true",
+                   help="one tiny shape, one timed call (on the CPU without a GPU; no figures)")
+    args = p.parse_args()
+    if args.smoke:
+        args.batch, args.context, args.warmup, args.repeats, args.inner = [2], [40], 0, 1, 1
+        args.num_q_heads, args.num_kv_heads, args.head_dim = 4, 2, 32
+        if not torch.cuda.is_available():
+            args.dtype = "fp32"  # the Triton interpreter mishandles bf16
+    return args
 
 
 def time_ms(fn, warmup: int, repeats: int, inner: int) -> float:
@@ -44,6 +54,11 @@ def time_ms(fn, warmup: int, repeats: int, inner: int) -> float:
     so host launch overhead does not show up as GPU time."""
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():  # --smoke on the CPU: wall clock, nothing to compare
+        t0 = time.perf_counter()
+        for _ in range(repeats * inner):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / max(1, repeats * inner)
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
@@ -57,9 +72,10 @@ def time_ms(fn, warmup: int, repeats: int, inner: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(warmup: int, repeats: int, nbytes: int = 2 << 30) -> float:
+def copy_bandwidth(warmup: int, repeats: int, nbytes: int = 2 << 30,
+                   device: str = "cuda") -> float:
     """Device-to-device copy GB/s (read + write bytes), the practical roofline here."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), warmup, repeats, 1)
     del src, dst
@@ -68,16 +84,22 @@ def copy_bandwidth(warmup: int, repeats: int, nbytes: int = 2 << 30) -> float:
 
 def main() -> None:
     args = parse_args()
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.smoke:
         sys.exit("bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); "
-                 "the Triton kernels are only benchmarked on real hardware.")
+                 "the Triton kernels are only benchmarked on real hardware (--smoke runs "
+                 "a tiny shape on the CPU).")
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
     from kernels.paged_decode_attention import (choose_num_splits, paged_decode_attention,
                                                 paged_decode_attention_ref)
-    dtype, dev = DTYPES[args.dtype], torch.device("cuda")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.dtype]
     hq, hkv, d, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
     esize = torch.empty((), dtype=dtype).element_size()
-    copy_gbs = copy_bandwidth(args.warmup, args.repeats)
-    print(f"device: {torch.cuda.get_device_name(dev)}; copy bandwidth {copy_gbs:.0f} GB/s; "
+    copy_gbs = copy_bandwidth(args.warmup, args.repeats, (2 << 30) if not args.smoke else 1 << 20,
+                              dev.type)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (Triton interpreter)"
+    print(f"device: {name}; copy bandwidth {copy_gbs:.0f} GB/s; "
           f"Hq={hq} Hkv={hkv} D={d} block_size={bs} dtype={args.dtype}")
 
     # One cache big enough for the largest shape, reused with fresh shuffled block tables.

@@ -6,7 +6,8 @@ processes), timed from the first gather to the consumer's ACK; beside plain pyzm
 loopback throughput with the same frame sizes, in the same run.
 Part 2: TTFT of a ~2k-token prompt through a producer engine streaming its KV to a consumer
 engine (1P1D, two processes) vs a colocated engine, same model.
-Prints `kv_transfer_efficiency=X` (ours / raw, median over sizes) last.
+Prints `kv_transfer_efficiency=X` (ours / raw, median over sizes) last. ``--smoke``: one small
+transfer and a TTFT run on the built-in tiny model, a few seconds (CI: interfaces still fit).
 """
 from __future__ import annotations
 
@@ -118,13 +119,13 @@ def part1(sizes: list[int], transport: str, repeats: int) -> list[float]:
     return ratios
 
 
-def part2(prompt_tokens: int, repeats: int) -> None:
+def part2(prompt_tokens: int, repeats: int, model_name: str = "bench-50m") -> None:
     from pd_cluster import SamplingParams
     from pd_cluster.config import EngineConfig
     from pd_cluster.engine.engine_process import EngineProcess
     from pd_cluster.model_maker import default_model_path
-    model = str(default_model_path("bench-50m"))
-    prompt = [4 + (i * 37) % 1500 for i in range(prompt_tokens)]
+    model = str(default_model_path(model_name))
+    prompt = [4 + (i * 37) % 250 for i in range(prompt_tokens)]  # ids every preset's vocab has
     params = SamplingParams(temperature=0, max_tokens=1)
     kv = lambda role: {"role": role, "kv_transfer_timeout": 60}  # noqa: E731
     colo = EngineProcess(EngineConfig(model=model, enable_prefix_caching=False)).wait_ready()
@@ -169,12 +170,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ttft-prompt", type=int, default=2000)
     parser.add_argument("--skip-ttft", action="store_true")
+    parser.add_argument("--ttft-model", default="bench-50m", help="a built-in preset")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a few seconds (CI): 256 tokens once, TTFT of 64 on tiny-llama")
     args = parser.parse_args()
+    if args.smoke:
+        args.sizes, args.repeats, args.ttft_prompt, args.ttft_model = [256], 1, 64, "tiny-llama"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     ratios = part1(args.sizes, args.transport, args.repeats)
     if not args.skip_ttft:
-        part2(args.ttft_prompt, args.repeats)
+        part2(args.ttft_prompt, args.repeats, args.ttft_model)
     print(f"kv_transfer_efficiency={statistics.median(ratios):.3f}")
 
 

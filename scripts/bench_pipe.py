@@ -1,6 +1,7 @@
 """Throughput of our ZMQ pipe vs raw pyzmq with the same frame sizes, measured in one run.
 
     PYTHONPATH=. python scripts/bench_pipe.py [--total-mib 512] [--transport tcp] [--repeats 5]
+    python scripts/bench_pipe.py --smoke    # a few seconds, figures meaningless (CI)
 
 Producer here, consumer in a spawned process (as P and D are). Raw and pipe rounds alternate
 so machine noise hits both alike; prints the best GB/s of each and the pipe/raw ratio for 1, 4
@@ -71,7 +72,11 @@ def main() -> None:
     ap.add_argument("--total-mib", type=int, default=512)
     ap.add_argument("--transport", default="tcp", choices=["tcp", "ipc"])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds (CI): 8 MiB per round, one round each")
     a = ap.parse_args()
+    if a.smoke:
+        a.total_mib, a.repeats = 8, 1
     total = a.total_mib << 20
     print(f"zmq {a.transport}, {a.total_mib} MiB per round, best of {a.repeats} alternating "
           f"rounds, {os.cpu_count()} CPUs")

@@ -2,6 +2,8 @@
 # Runs the tools users point at an OpenAI server -- guidellm, aiperf and lm-eval, installed from
 # PyPI as they would install them -- against a pd-cluster launched here, offline, and prints
 # each tool's headline figures. Not part of CI (it installs three tools and takes minutes).
+# Exits non-zero on a tool error, a failed request, or an engine unhealthy or still holding a
+# request or a KV block after the runs (the last line then says `check_clients: FAIL: ...`).
 #
 #   scripts/check_clients.sh [CONFIG]          (default configs/local.yaml; port 8000)
 #
@@ -111,16 +113,28 @@ step "lm-eval: animal_facts (70 multiple-choice questions, loglikelihood via ech
   --model_args "model=$MODEL,base_url=$URL/v1/completions,tokenizer=$MODEL_DIR,tokenizer_backend=huggingface,num_concurrent=4,max_retries=1,tokenized_requests=True" \
   --tasks animal_facts --include_path . --batch_size 8 > "$RESULTS/lm-eval.log" 2>&1) \
   || { tail -30 "$RESULTS/lm-eval.log"; exit 1; }
-grep -E "^\|" "$RESULTS/lm-eval.log"
+grep -E "^\|" "$RESULTS/lm-eval.log" \
+  || { echo "check_clients: FAIL: lm-eval printed no results"; tail -30 "$RESULTS/lm-eval.log"; exit 1; }
 
-step "after the runs"
+step "after the runs: idle, every engine healthy, no KV block held"
 "$PY" - "$URL" <<'EOF'
-import json, sys, urllib.request
-body = json.load(urllib.request.urlopen(f"{sys.argv[1]}/cluster/status", timeout=30))
+import json, sys, time, urllib.request
+deadline = time.monotonic() + 60  # the last requests' blocks may still be being released
+while True:
+    body = json.load(urllib.request.urlopen(f"{sys.argv[1]}/cluster/status", timeout=30))
+    held = [e["name"] for e in body["engines"] if not e["healthy"] or e["inflight"]
+            or e["stats"].get("num_active") or e["stats"].get("kv_blocks_used")]
+    if (not held and not body["inflight"]) or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
 for e in body["engines"]:
     s = e["stats"]
     print(f"{e['name']}: healthy={e['healthy']} requests={s.get('requests_total')} "
           f"running={s.get('num_running')} waiting={s.get('num_waiting')} "
           f"kv_blocks_used={s.get('kv_blocks_used')} kv_fallbacks={s.get('kv_fallbacks')}")
+if held or body["inflight"]:
+    sys.exit(f"check_clients: FAIL: after 60 s, {body['inflight']} request(s) in flight; "
+             f"unhealthy, or holding requests or KV blocks: {held}")
 EOF
-echo "all three tools ran without errors; logs and reports in $RESULTS"
+echo "check_clients: ok: the three tools ran with no error and no failed request; no KV block" \
+     "held after them; logs and reports in $RESULTS"

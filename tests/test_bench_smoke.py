@@ -1,0 +1,30 @@
+"""Every benchmark still runs: each scripts/bench_*.py with ``--smoke`` (a tiny load, a few
+seconds), as a user runs it, so an interface change cannot break one unnoticed. The figures are
+meaningless here; only that the script runs to its last line.
+
+bench_serving.py --smoke runs in tests/test_gpu_check_cpu.py (against the launched cluster);
+bench_proxy.py and bench_offline.py have their own tests.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pd_cluster.serving.cluster.testing import REPO_ROOT
+
+
+@pytest.mark.parametrize("script, last_line", [
+    ("bench_kernels.py", "decode_attention_bw_fraction="),  # CPU: the Triton interpreter
+    ("bench_pipe.py", "8Mi "),
+    ("bench_kv_transfer.py", "kv_transfer_efficiency="),
+])
+def test_bench_smoke(script: str, last_line: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, f"scripts/{script}", "--smoke"], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert proc.stdout.strip().splitlines()[-1].lstrip().startswith(last_line), out
