@@ -21,7 +21,7 @@ from pd_cluster.llm import LLM
 from pd_cluster.model_maker import build_tokenizer, save_checkpoint
 from pd_cluster.sampling_params import SamplingParams
 from tests.conftest import assert_greedy_matches, edit_config, hf_greedy, random_prompt
-from tests.pd_helpers import engine, run_in_process, submit_pair
+from tests.pd_helpers import colocated_tokens, engine, run_in_process, submit_pair
 
 MAX_TOKENS = 10
 VOCAB, H = 512, 64
@@ -125,8 +125,9 @@ def test_specs_put_moe_where_hf_does(moe_model) -> None:
     assert all(la.attention.sliding_window == 16 for la in spec("mixtral").layers)
 
 
-def test_pd_mixtral_equals_hf(moe_model) -> None:
-    """P prefills in chunks and ships every layer's KV; D decodes; both HF-exact."""
+def test_pd_mixtral_equals_colocated_and_hf(moe_model) -> None:
+    """P prefills in chunks and ships every layer's KV; D decodes; its tokens equal the
+    colocated engine's and HF's."""
     model_dir = moe_model("mixtral")
     prompts = [random_prompt(n, seed=100 + n) for n in (5, 9, 30)]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -140,7 +141,9 @@ def test_pd_mixtral_equals_hf(moe_model) -> None:
         p.check_no_leaks(), d.check_no_leaks()
     finally:
         p.close(), d.close()
+    colocated = colocated_tokens(model_dir, prompts, [greedy] * len(prompts), block_size=8)
     for i, prompt in enumerate(prompts):
+        assert got[f"r{i}"] == colocated[i]
         assert_greedy_matches(model_dir, prompt, got[f"r{i}"],
                               hf_greedy(model_dir, prompt, MAX_TOKENS))
 
