@@ -86,6 +86,19 @@ if [ "$MODE" = gpu ]; then
     row "bench_kernels" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" \
         "$(tail -n 1 "$DIR/bench_kernels.log")"
     BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---num-requests 200 --request-rate 20}
+
+    # ---- 3b. tensor parallelism: TP1 vs TP2 offline throughput (NCCL) ------------------------
+    if [ "$GPUS" -ge 2 ]; then
+        timeout 900 "$PY" scripts/bench_offline.py --tensor-parallel-size 2 \
+            >"$DIR/bench_offline_tp2.log" 2>&1
+        rc=$?
+        row "bench_offline tp2" "$([ $rc -eq 0 ] && grep -q '^greedy_outputs_equal' \
+            "$DIR/bench_offline_tp2.log" && echo ok || echo FAIL)" \
+            "$(grep -E '^(output_tokens_per_s|greedy_outputs_equal)' "$DIR/bench_offline_tp2.log" \
+               | tr '\n' ' ')$(tail -n 1 "$DIR/bench_offline_tp2.log")"
+    else
+        row "bench_offline tp2" skip "needs 2 GPUs (have $GPUS)"
+    fi
 else
     BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---smoke}
 fi
@@ -137,6 +150,9 @@ cluster() {
 if [ "$MODE" = gpu ]; then
     cluster one-gpu-cluster configs/one-gpu.yaml gpus=1
     cluster two-gpu-nccl-cluster configs/two-gpu.yaml gpus=2 cupy
+    # P TP2 (two GPUs, NCCL between its ranks) -> D TP1 (a third GPU), KV head slices over NCCL
+    cluster tp2-prefill-tp1-decode-cluster configs/two-gpu.yaml gpus=3 cupy \
+        --set prefill.tensor_parallel_size=2
 else
     cluster cpu-1p1d-cluster configs/local.yaml --set engine.num_kv_blocks=256
     # cluster cpu-1p1d-gloo-cluster configs/local.yaml --set kv_transfer.pipe=gloo  (+40 s in CI)
