@@ -1,4 +1,4 @@
-"""KV connector interfaces, split by role as in vLLM v1 (names from the seeds / DESIGN.md).
+"""KV connector interfaces, split by role as in vLLM v1 (the contract: docs/design.md).
 
 The scheduler half decides *what* moves (no tensors); the worker half moves it, beside the
 model. In one engine process both halves exist; they talk only through KVConnectorMetadata
@@ -40,7 +40,9 @@ class KVConnectorBase_Scheduler(ABC):  # noqa: N801 (vLLM's name)
 
 class KVConnectorBase_Worker(ABC):  # noqa: N801
     # A connector whose consumer loads KV layer by layer during the forward pass sets this:
-    # only then are start_load_kv / wait_for_layer_load called (a push design needs neither).
+    # only then are start_load_kv / wait_for_layer_load called. The P/D connector pushes whole
+    # prompts before D schedules them, so it needs neither; they become live with prefix-aware
+    # P/D (docs/design.md, "Layer-wise load").
     loads_layerwise: bool = False
 
     @abstractmethod

@@ -36,8 +36,8 @@ try:
 except Exception:  # pragma: no cover - transformers is a hard dependency, but keep conftest importable
     pass
 
-# Near-tie tolerance from DESIGN.md "Testing": a greedy divergence from HF is accepted only
-# when HF's top-2 logits at that step are this close.
+# Near-tie tolerance (docs/design.md, "Testing rules"): a greedy divergence from HF is
+# accepted only when HF's top-2 logits at that step are this close.
 NEAR_TIE = 1e-4
 
 

@@ -1,8 +1,9 @@
 """The pipe interface: ships (header, tensor) messages between a KV producer (P) and consumer (D).
 
-Names follow the seeds' KVPipeBase (send_tensor / recv_tensor / close) plus a msgpack-able header
-and a peer. Transports register by name; a new transport is one new file
-`connectors/pipes/<name>_pipe.py` that decorates its class with `@register_pipe("<name>")`.
+Names follow vLLM's KVPipeBase (send_tensor / recv_tensor / close) plus a msgpack-able header
+and a peer; the contract is docs/design.md, "The pipe contract". Transports register by name;
+a new transport is one new file `connectors/pipes/<name>_pipe.py` that decorates its class
+with `@register_pipe("<name>")`.
 """
 from __future__ import annotations
 
