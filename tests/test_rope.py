@@ -7,8 +7,6 @@ import math
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig, LlamaConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pd_cluster.models.layers.rotary import RopeSpec, RotaryEmbedding, inv_freq_and_factor, read_rope
 
@@ -30,7 +28,12 @@ VARIANTS = {
 }
 
 
+# transformers is imported inside the tests: importing its model configs imports Triton, which
+# must not happen before tests/test_kernels.py has set TRITON_INTERPRET (collection order).
 def _hf(params: dict, seq_len: int | None = None, **extra) -> tuple[torch.Tensor, float, dict]:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     cfg = LlamaConfig(**BASE, rope_parameters={"rope_theta": 50000.0, **params}, **extra)
     inv, factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](cfg, "cpu", seq_len=seq_len)
     return inv, factor, cfg.to_dict()
@@ -93,6 +96,9 @@ def test_transformers4_rope_scaling_reads_the_same(name: str) -> None:
 
 
 def test_gemma3_local_and_global_rope_per_layer_type() -> None:
+    from transformers import Gemma3TextConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     cfg = Gemma3TextConfig(hidden_size=256, num_attention_heads=4, head_dim=HEAD_DIM,
                            rope_parameters={"sliding_attention": {"rope_type": "default",
                                                                   "rope_theta": 10000.0},
