@@ -76,6 +76,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 256, "rope_theta": 500000.0}}},
     "tiny-qwen3": {"arch": "qwen3"},
+    "tiny-qwen2-window": {"arch": "qwen2", "config_overrides": {
+        "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}},
     "tiny-mistral-window": {"arch": "mistral", "config_overrides": {"sliding_window": 24}},
     "tiny-gemma2": {"arch": "gemma2", "config_overrides": {
         "sliding_window": 16, "attn_logit_softcapping": 4.0, "final_logit_softcapping": 30.0}},

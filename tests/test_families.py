@@ -22,8 +22,8 @@ from pd_cluster.models.loader import load_model
 from pd_cluster.sampling_params import SamplingParams
 from tests.conftest import assert_greedy_matches, hf_greedy, hf_model, random_prompt
 
-FAMILIES = ["tiny-llama3", "tiny-qwen3", "tiny-mistral-window", "tiny-gemma2", "tiny-gemma3",
-            "tiny-phi3", "tiny-phi3-longrope", "tiny-olmo2"]
+FAMILIES = ["tiny-llama3", "tiny-qwen3", "tiny-qwen2-window", "tiny-mistral-window",
+            "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-phi3-longrope", "tiny-olmo2"]
 MAX_TOKENS = 12
 _MADE: dict[str, str] = {}
 
@@ -113,6 +113,7 @@ def test_spec_reads_what_sets_each_family_apart(family_model) -> None:
     assert gemma2.layers[0].attention.logit_softcap == 4.0 and gemma2.final_logit_softcap == 30.0
     assert [la.attention.sliding_window for la in gemma2.layers] == [16, None]
     assert all(la.attention.sliding_window == 24 for la in spec("tiny-mistral-window").layers)
+    assert [la.attention.sliding_window for la in spec("tiny-qwen2-window").layers] == [None, 16]
     assert spec("tiny-llama3").layers[0].attention.rope.rope_type == "llama3"
     assert spec("tiny-qwen3").layers[0].attention.qk_norm == "head"
     assert spec("tiny-olmo2").layers[0].attention.qk_norm == "proj"
@@ -135,3 +136,16 @@ def test_unimplemented_config_values_are_one_line_errors(family_model, tmp_path,
     with pytest.raises(ValueError, match=match) as err:
         LLM(model=bad)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels)")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_triton_kernels_match_hf_on_cuda(family_model, name: str) -> None:
+    """The CUDA default path: every family's window / soft-cap / scale through the Triton
+    decode and prefill kernels, fp32, against HF on the CPU."""
+    model_dir = family_model(name)
+    llm = LLM(model=model_dir, block_size=16, max_num_batched_tokens=12, device="cuda",
+              dtype="float32", attention_backend="triton")
+    lens = (3, 13, 45, 70) if name == "tiny-phi3-longrope" else (3, 13, 26, 45, 70)
+    check_greedy(llm, model_dir, [random_prompt(n, seed=n) for n in lens])
