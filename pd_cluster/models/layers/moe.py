@@ -115,9 +115,8 @@ def checkpoint_target(name: str, params: dict[str, Any]) -> tuple[str, Any] | No
 def expected_shards(param_name: str, param: torch.Tensor) -> list[Any]:
     """The shard ids a per-expert checkpoint delivers to a stacked expert parameter (a fused
     checkpoint delivers it whole, shard id None, instead); [] for any other parameter."""
-    num_experts = param.shape[0]
     if param_name.endswith((".experts.gate_up_proj", ".experts.gate_up_proj_bias")):
-        return [(e, which) for e in range(num_experts) for which in (0, 1)]
+        return [(e, which) for e in range(param.shape[0]) for which in (0, 1)]
     if param_name.endswith((".experts.down_proj", ".experts.down_proj_bias")):
-        return list(range(num_experts))
+        return list(range(param.shape[0]))
     return []
