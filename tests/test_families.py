@@ -108,7 +108,7 @@ def test_spec_reads_what_sets_each_family_apart(family_model) -> None:
     assert [la.attention.sliding_window for la in gemma3.layers] == [16, None]
     assert [la.attention.rope.rope_type for la in gemma3.layers] == ["default", "linear"]
     assert gemma3.layers[0].attention.qk_norm == "head" and gemma3.embed_scale
-    assert gemma3.tie_word_embeddings and gemma3.gemma_norm
+    assert gemma3.tie_word_embeddings and gemma3.norm == "gemma"
     gemma2 = spec("tiny-gemma2")
     assert gemma2.layers[0].attention.logit_softcap == 4.0 and gemma2.final_logit_softcap == 30.0
     assert [la.attention.sliding_window for la in gemma2.layers] == [16, None]

@@ -42,8 +42,7 @@ class DecoderLayer(nn.Module):
         p = spec.norms
         for name in (p.attn_in, p.attn_out, p.mlp_in, p.mlp_out):
             if name is not None:
-                self.add_module(name, RMSNorm(spec.hidden_size, spec.rms_norm_eps,
-                                              spec.gemma_norm))
+                self.add_module(name, RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm))
         self._placement = p
 
     def _norm(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +61,7 @@ class DecoderModel(nn.Module):
         self.spec = spec
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, tp) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norm)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm)
         # One rotary per distinct RoPE (Gemma 3: local and global); cos/sin computed once a step.
         self.rotary = {layer.attention.rope.key: RotaryEmbedding(layer.attention.rope)
                        for layer in spec.layers}

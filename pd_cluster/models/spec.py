@@ -72,7 +72,7 @@ class ModelSpec:
     max_position_embeddings: int
     layers: tuple[LayerSpec, ...]
     norms: NormPlacement = PRE_NORM
-    gemma_norm: bool = False  # RMSNorm scales by (1 + weight)
+    norm: str = "llama"  # RMSNorm kind: llama | scaled | gemma (layers/norm.py)
     embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the activation dtype
     tie_word_embeddings: bool = False
     final_logit_softcap: float | None = None

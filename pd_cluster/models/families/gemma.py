@@ -19,7 +19,7 @@ def _gemma_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                 or "gelu_pytorch_tanh",
                 scale=float(cfg.get("query_pre_attn_scalar") or head_dim(cfg)) ** -0.5,
                 logit_softcap=cfg.get("attn_logit_softcapping"), norms=SANDWICH_NORM,
-                gemma_norm=True, embed_scale=True,
+                norm="gemma", embed_scale=True,
                 final_logit_softcap=cfg.get("final_logit_softcapping"))
 
 

@@ -66,14 +66,14 @@ class Attention(nn.Module):
         self.qk_norm = a.qk_norm
         eps = model.rms_norm_eps
         if a.qk_norm == "head":
-            self.q_norm = RMSNorm(a.head_dim, eps, model.gemma_norm)
-            self.k_norm = RMSNorm(a.head_dim, eps, model.gemma_norm)
+            self.q_norm = RMSNorm(a.head_dim, eps, model.norm)
+            self.k_norm = RMSNorm(a.head_dim, eps, model.norm)
         elif a.qk_norm == "proj":
             if self.qkv_proj.kv_replicas > 1:
                 raise ValueError(f"q/k norm over the projection with tensor_parallel_size="
                                  f"{tp.size} > num_key_value_heads={a.num_kv_heads}")
-            self.q_norm = ShardedRMSNorm(a.num_heads * a.head_dim, eps, tp)
-            self.k_norm = ShardedRMSNorm(a.num_kv_heads * a.head_dim, eps, tp)
+            self.q_norm = ShardedRMSNorm(a.num_heads * a.head_dim, eps, tp, model.norm)
+            self.k_norm = ShardedRMSNorm(a.num_kv_heads * a.head_dim, eps, tp, model.norm)
         elif a.qk_norm is not None:
             raise ValueError(f"qk_norm {a.qk_norm!r} is not supported (head, proj)")
         if a.sinks:

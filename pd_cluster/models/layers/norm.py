@@ -1,8 +1,10 @@
-"""RMSNorm as the families define it.
+"""RMSNorm as the families define it (``kind``, statistics always in fp32):
 
-``unit_offset``: Gemma scales by ``1 + weight`` (weights stored around 0) and multiplies in
-fp32 before casting back; Llama-style casts the normalised value first, then multiplies. The
-two orders differ only in low precision, but matching HF there keeps bf16 runs identical.
+- ``llama``: cast the normalised value to the activation dtype, then multiply by the weight;
+- ``scaled``: multiply by the weight in fp32, then cast (OLMo 2, gpt-oss);
+- ``gemma``: multiply by ``1 + weight`` (weights stored around 0) in fp32, then cast.
+
+The orders differ only in low precision, but matching HF there keeps bf16 runs identical.
 
 ``ShardedRMSNorm`` normalises over a dimension that tensor parallelism splits (OLMo 2's q/k
 norm over the whole projection): the mean of squares is all-reduced over ranks.
@@ -17,16 +19,23 @@ from torch import nn
 from pd_cluster.models.layers.tp import TPGroup
 
 
+NORM_KINDS = ("llama", "scaled", "gemma")
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, kind: str = "llama") -> None:
         super().__init__()
-        self.eps, self.unit_offset = eps, unit_offset
+        if kind not in NORM_KINDS:
+            raise ValueError(f"norm kind {kind!r} is not supported (supported: {NORM_KINDS})")
+        self.eps, self.kind = eps, kind
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def _scale(self, x: torch.Tensor, mean_sq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         x = x * torch.rsqrt(mean_sq + self.eps)
-        if self.unit_offset:
+        if self.kind == "gemma":
             return (x * (1.0 + self.weight.float())).to(dtype)
+        if self.kind == "scaled":
+            return (self.weight.float() * x).to(dtype)
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,9 +46,10 @@ class RMSNorm(nn.Module):
 class ShardedRMSNorm(RMSNorm):
     """RMSNorm over ``total_dim`` features of which this rank holds a contiguous slice."""
 
-    def __init__(self, total_dim: int, eps: float, tp: TPGroup = TPGroup()) -> None:
+    def __init__(self, total_dim: int, eps: float, tp: TPGroup = TPGroup(),
+                 kind: str = "llama") -> None:
         _, part = tp.split(total_dim, "normalised features")
-        super().__init__(part, eps)
+        super().__init__(part, eps, kind)
         self.tp, self.total_dim = tp, total_dim
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
