@@ -28,3 +28,11 @@ def test_bench_smoke(script: str, last_line: str) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert proc.stdout.strip().splitlines()[-1].lstrip().startswith(last_line), out
+
+
+def test_every_benchmark_has_a_smoke_test() -> None:
+    """A new scripts/bench_*.py needs a --smoke run in some test (named in that test file)."""
+    tests = {p.name: p.read_text() for p in (REPO_ROOT / "tests").glob("test_*.py")}
+    missing = [b.name for b in sorted((REPO_ROOT / "scripts").glob("bench_*.py"))
+               if not any(b.name in text and "--smoke" in text for text in tests.values())]
+    assert not missing, f"benchmarks without a --smoke test: {missing}"
