@@ -9,8 +9,12 @@ Two proxies serve the same engine: one reads tokens the previous way (one Ray st
 per request, ``proxy.token_transport: ray``), one over ZMQ (one message per engine step,
 ``zmq``, the default). Each runs 1..256 streams of 256 tokens, twice: with the engine stepping
 every 5 ms like a real decode engine (latency without a backlog), then as fast as it can
-(throughput). Printed last: per path ``proxy_overhead_ms_p50``/``_p99`` (paced, per token, 1
-stream) and the best streamed tokens/s, then the ZMQ path's ``proxy_overhead_ms_p50=`` and
+(throughput). Wall-clock tokens/s on a small shared machine measure the whole box (client,
+proxy, engine and Ray share the cores), so each unpaced level also reads the CPU time the
+proxy and the engine processes spent per streamed token: a proxy's capacity is one core's
+worth of that. Printed last: per path ``proxy_overhead_ms_p50``/``_p99`` (paced, per token, 1
+stream), the best streamed tokens/s and CPU microseconds per token, then
+``proxy_cpu_per_token_ratio_ray_over_zmq=``, the ZMQ path's ``proxy_overhead_ms_p50=`` and
 ``stream_tokens_per_s_ratio_zmq_over_ray=`` (best level of each).
 
   python scripts/bench_proxy.py            # a few minutes on 2 CPUs
@@ -21,8 +25,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -35,6 +39,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 _REF_LEVEL = 1  # streams at which the overhead percentiles are reported (no backlog)
 _STEP_MS = 5.0  # the paced engine's step
 TRANSPORTS = ("ray", "zmq")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pid_of(actor: Any) -> int:
+    import ray
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
 
 
 def start(namespace: str) -> tuple[dict[str, str], list[Any]]:
@@ -67,22 +82,25 @@ def start(namespace: str) -> tuple[dict[str, str], list[Any]]:
     return urls, [*proxies.values(), *engines]
 
 
+# A chunk's text: the emit times of its tokens (the client shares the proxy's two cores, so it
+# reads them with one regex per network read instead of parsing every chunk's JSON).
+_TEXT = re.compile(rb'"text": ?"([^"]*)"')
+
+
 async def stream(session: Any, url: str, tokens: int, lat: list[float]) -> int:
     body = {"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": tokens, "stream": True,
             "ignore_eos": True}
     n = 0
     async with session.post(f"{url}/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
-        async for raw in r.content:
-            line = raw.strip()
-            if not line.startswith(b"data: {"):
-                continue
-            now = time.time()
-            text = json.loads(line[6:])["choices"][0]["text"]
-            now_us = int(now * 1e6)
-            for stamp in text.split():  # emit times, microseconds modulo 2**40
-                lat.append(((now_us - int(stamp, 16)) % (1 << 40)) / 1e6)
-                n += 1
+        rest = b""
+        async for data in r.content.iter_any():
+            now_us = int(time.time() * 1e6)
+            whole, _, rest = (rest + data).rpartition(b"\n\n")  # complete SSE events only
+            for text in _TEXT.findall(whole):
+                for stamp in text.split():  # emit times, microseconds modulo 2**40
+                    lat.append(((now_us - int(stamp, 16)) % (1 << 40)) / 1e6)
+                    n += 1
     return n
 
 
@@ -103,12 +121,13 @@ async def level(url: str, streams: int, tokens: int) -> dict[str, float]:
             "mean_ms": statistics.fmean(lat) * 1e3}
 
 
-def run(urls: dict[str, str], engines: list[Any], levels: list[int], tokens: int
-        ) -> dict[str, dict[str, list[dict[str, float]]]]:
-    """Per transport: its paced (latency) and unpaced (throughput) rows."""
+def run(urls: dict[str, str], engines: list[Any], pids: dict[str, int], levels: list[int],
+        tokens: int) -> dict[str, dict[str, list[dict[str, float]]]]:
+    """Per transport: its paced (latency) and unpaced (throughput) rows. ``pids``: the proxy
+    process of each transport, and the engine's ("engine")."""
     import ray
     header = f"{'path':>5} {'streams':>8} {'tokens/s':>10} {'p50 ms':>8} {'p99 ms':>8} " \
-             f"{'mean ms':>8}"
+             f"{'mean ms':>8} {'proxy us/tok':>12} {'engine us/tok':>13}"
     out: dict[str, dict[str, list[dict[str, float]]]] = {t: {"paced": [], "unpaced": []}
                                                           for t in urls}
     for title, step, key in ((f"paced engine ({_STEP_MS:.0f} ms steps): latency", _STEP_MS,
@@ -117,10 +136,15 @@ def run(urls: dict[str, str], engines: list[Any], levels: list[int], tokens: int
         print(f"{title}\n{header}", flush=True)
         for n in levels:
             for t, url in urls.items():  # the paths alternate: same machine load for both
+                cpu0 = {k: cpu_seconds(pids[k]) for k in (t, "engine")}
                 row = asyncio.run(level(url, n, tokens))
+                total = n * tokens
+                for k, name in ((t, "proxy"), ("engine", "engine")):
+                    row[f"{name}_cpu_us"] = (cpu_seconds(pids[k]) - cpu0[k]) * 1e6 / total
                 out[t][key].append(row)
                 print(f"{t:>5} {n:>8} {row['tokens_per_s']:>10.0f} {row['p50_ms']:>8.2f} "
-                      f"{row['p99_ms']:>8.2f} {row['mean_ms']:>8.2f}", flush=True)
+                      f"{row['p99_ms']:>8.2f} {row['mean_ms']:>8.2f} "
+                      f"{row['proxy_cpu_us']:>12.1f} {row['engine_cpu_us']:>13.1f}", flush=True)
     return out
 
 
@@ -141,18 +165,26 @@ def main() -> None:
     try:
         for url in urls.values():
             asyncio.run(level(url, 4, 16))  # warm-up
-        rows = run(urls, engines, levels, tokens)
+        pids = {t: pid_of(a) for t, a in zip(urls, actors)}
+        pids["engine"] = pid_of(engines[0])
+        rows = run(urls, engines, pids, levels, tokens)
     finally:
         for a in actors:
             ray.kill(a)
         ray.shutdown()
-    best = {}
+    best, cpu = {}, {}
     for t in TRANSPORTS:
         ref = next((r for r in rows[t]["paced"] if r["streams"] == _REF_LEVEL),
                    rows[t]["paced"][-1])
-        best[t] = max(r["tokens_per_s"] for r in rows[t]["unpaced"])
+        top = max(rows[t]["unpaced"], key=lambda r: r["tokens_per_s"])
+        best[t], cpu[t] = top["tokens_per_s"], top["proxy_cpu_us"]
         print(f"proxy_overhead_ms_p50_{t}={ref['p50_ms']:.2f}  proxy_overhead_ms_p99_{t}="
-              f"{ref['p99_ms']:.2f}  proxy_max_stream_tokens_per_s_{t}={best[t]:.0f}")
+              f"{ref['p99_ms']:.2f}  proxy_max_stream_tokens_per_s_{t}={best[t]:.0f}  "
+              f"proxy_cpu_us_per_token_{t}={cpu[t]:.1f}  "
+              f"engine_cpu_us_per_token_{t}={top['engine_cpu_us']:.1f}")
+    print(f"proxy_cpu_per_token_ratio_ray_over_zmq={cpu['ray'] / max(cpu['zmq'], 1e-9):.2f}  "
+          f"(at each path's best unpaced level: one proxy core streams "
+          f"{1e6 / max(cpu['zmq'], 1e-9):.0f} vs {1e6 / max(cpu['ray'], 1e-9):.0f} tokens/s)")
     ref = next((r for r in rows["zmq"]["paced"] if r["streams"] == _REF_LEVEL),
                rows["zmq"]["paced"][-1])
     print(f"proxy_overhead_ms_p50={ref['p50_ms']:.2f}  (zmq path, per token, emit -> client, "

@@ -2,8 +2,10 @@
 
 The proxy opens one output session on every engine incarnation (``attach``, from the health
 check that first sees it) and connects a PULL socket to the endpoint the engine bound for it
-(ipc on the proxy's node, tcp elsewhere). Its reader takes each message (one engine step: the
-numbered deltas of every request) and hands each delta to the inbox of the leg it belongs to.
+(ipc on the proxy's node, tcp elsewhere). Its reader, an event-loop callback on the socket's
+file descriptor (no task hop between a message and the streams it wakes), takes each message
+(one engine step: the numbered deltas of every request) and hands each delta to the inbox of
+the leg it belongs to.
 
 A watcher keeps one Ray call open per engine (``watch_output``): it fails the moment the actor
 dies, and returns when the engine closed the session; either way every leg still open on that
@@ -20,7 +22,6 @@ from typing import Any, Callable
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from pd_cluster.driver.messages import EngineDelta
 from pd_cluster.serving.routing.inbox import AttemptInbox
@@ -29,13 +30,17 @@ from pd_cluster.serving.routing.legs import EngineFailed, Leg
 logger = logging.getLogger(__name__)
 
 _decoder = msgspec.msgpack.Decoder(list[EngineDelta])
+# Messages a reader takes in one turn of the event loop once one arrived: everything already
+# queued is applied before the clients' streams run, so a proxy that fell behind sends each
+# client one coalesced chunk instead of one per engine step (and catches up).
+_DRAIN = 256
 
 
 @dataclass
 class _Link:
     engine: Any  # EngineState
     incarnation: str
-    sock: zmq.asyncio.Socket
+    sock: zmq.Socket
     legs: dict[str, tuple[Leg, AttemptInbox]] = field(default_factory=dict)  # by request id
     tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -49,7 +54,7 @@ class TokenChannel:
         self.session = uuid.uuid4().hex[:16]
         self.node_id = _this_node_id() if node_id is None else node_id
         self._timeout, self._on_lost = timeout, on_lost
-        self._ctx = zmq.asyncio.Context.instance()
+        self._ctx = zmq.Context.instance()
         self._links: dict[str, _Link] = {}  # by engine name
         self._locks: dict[str, asyncio.Lock] = {}  # one attach at a time per engine
         self.counters = {"messages": 0, "deltas": 0, "malformed": 0, "unrouted": 0}
@@ -75,8 +80,10 @@ class TokenChannel:
             sock.connect(endpoint)
             link = _Link(engine, incarnation, sock)
             self._links[engine.name] = link
-            link.tasks = [asyncio.create_task(self._read(link)),
-                          asyncio.create_task(self._watch(link))]
+            loop = asyncio.get_running_loop()
+            loop.add_reader(sock.FD, self._read, link)
+            loop.call_soon(self._read, link)  # the FD is edge-triggered: drain what is there
+            link.tasks = [asyncio.create_task(self._watch(link))]
             logger.info("%s: token path %s", engine.name, endpoint)
 
     def detach(self, engine: Any, why: str, dead: bool) -> None:
@@ -87,6 +94,7 @@ class TokenChannel:
         for t in link.tasks:
             if t is not asyncio.current_task():  # the watcher may be the one detaching
                 t.cancel()
+        asyncio.get_running_loop().remove_reader(link.sock.FD)
         link.sock.close(linger=0)
         for leg, inbox in link.legs.values():
             inbox.fail(leg, EngineFailed(engine, f"token path: {why}", dead=dead))
@@ -117,29 +125,38 @@ class TokenChannel:
             if entry is not None and entry[0] is leg:
                 del link.legs[leg.request.request_id]
 
-    # ---- tasks --------------------------------------------------------------------------------
-    async def _read(self, link: _Link) -> None:
-        legs, counters = link.legs, self.counters
-        while True:
-            frame = await link.sock.recv(copy=False)
+    # ---- reading ------------------------------------------------------------------------------
+    def _read(self, link: _Link) -> None:
+        if link.sock.closed:
+            return
+        for _ in range(_DRAIN):
             try:
-                deltas = _decoder.decode(frame.buffer)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                # Dropped whole: a leg it carried deltas for sees a gap at its next delta.
-                counters["malformed"] += 1
-                logger.warning("%s: malformed token message dropped: %s", link.engine.name, e)
+                frame = link.sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return  # drained: the FD signals again when a message arrives
+            self._apply(link, frame)
+        asyncio.get_running_loop().call_soon(self._read, link)  # more: after the streams run
+
+    def _apply(self, link: _Link, frame: zmq.Frame) -> None:
+        legs, counters = link.legs, self.counters
+        try:
+            deltas = _decoder.decode(frame.buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            # Dropped whole: a leg it carried deltas for sees a gap at its next delta.
+            counters["malformed"] += 1
+            logger.warning("%s: malformed token message dropped: %s", link.engine.name, e)
+            return
+        counters["messages"] += 1
+        counters["deltas"] += len(deltas)
+        for d in deltas:
+            entry = legs.get(d.request_id)
+            if entry is None:  # its leg ended (finished, failed or cancelled)
+                counters["unrouted"] += 1
                 continue
-            counters["messages"] += 1
-            counters["deltas"] += len(deltas)
-            for d in deltas:
-                entry = legs.get(d.request_id)
-                if entry is None:  # its leg ended (finished, failed or cancelled)
-                    counters["unrouted"] += 1
-                    continue
-                leg, inbox = entry
-                inbox.deltas(leg, [d])
-                if d.finished or leg.failure is not None:
-                    legs.pop(d.request_id, None)
+            leg, inbox = entry
+            inbox.deltas(leg, [d])
+            if d.finished or leg.failure is not None:
+                legs.pop(d.request_id, None)
 
     async def _watch(self, link: _Link) -> None:
         try:
