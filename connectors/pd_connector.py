@@ -8,13 +8,11 @@ Consumer: a receiver thread writes arriving layers into pre-allocated blocks (KV
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, wait
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,31 +25,18 @@ from connectors.layer_sender import LayerSender
 from connectors.metadata import (AckHeader, FinHeader, KVConnectorMetadata, RenewHeader,
                                  decode_header, encode_header)
 from connectors.pd_scheduler import PDConnectorScheduler
+from connectors.hello import hello_mismatch, make_hello
 from connectors.send_leases import SendLeases
 from connectors.tp_topology import Route, num_feeders, routes_for, split_endpoint
 from connectors.pipes.base import PipeError, create_pipe
 
 logger = logging.getLogger(__name__)
-_HANDSHAKE_KEYS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
-
-
-def model_fingerprint(model_dir: str) -> str:
-    """Identifies the checkpoint across hosts: config plus the head of the weights."""
-    h = hashlib.sha1(Path(model_dir, "config.json").read_bytes())
-    for f in sorted(Path(model_dir).glob("*.safetensors"))[:1]:
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-    return h.hexdigest()[:16]
-
-
 class PDConnectorWorker(KVConnectorBase_Worker):
     def __init__(self, config: KVTransferConfig, engine_info: dict[str, Any]):
         self.config = config
         # Tensor parallelism: this rank's place; num_kv_heads in the hello is the model's total.
         self.tp_rank, self.tp_size = engine_info.get("tp_rank", 0), engine_info.get("tp_size", 1)
-        self.hello = {**{k: engine_info[k] for k in _HANDSHAKE_KEYS}, "tp_size": self.tp_size,
-                      "num_kv_heads": engine_info.get("total_kv_heads",
-                                                      engine_info["num_kv_heads"])}
+        self.hello = make_hello(engine_info)
         self._routes: dict[str, list[tuple[str, Route]]] = {}  # consumer -> its ranks I feed
         self.pipe = create_pipe(config.pipe, config.pipe_config)
         self.receiver = KVReceiver(engine_info["num_layers"], engine_info["block_size"],
@@ -94,11 +79,7 @@ class PDConnectorWorker(KVConnectorBase_Worker):
             self.sender.use_device(kv_caches[0].device)
 
     def _validate_hello(self, hello: dict) -> str | None:
-        diffs = [f"{k}: ours={self.hello[k]!r} theirs={hello.get(k)!r}" for k in _HANDSHAKE_KEYS
-                 if hello.get(k) != self.hello[k]]
-        return (f"KV layout mismatch between the prefill engine (TP{hello.get('tp_size', 1)}) "
-                f"and the decode engine (TP{self.tp_size}): " + "; ".join(diffs)
-                if diffs else None)
+        return hello_mismatch(self.hello, hello)
 
     # ---- peers: the consumers this producer sends to ------------------------------------
     def connect_peer(self, peer: str, tag: str | None = None) -> None:

@@ -119,3 +119,15 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_failed_start_leaves_no_worker(tiny_model, tmp_path) -> None:
+    """Rank 0 fails to load its model after the workers started: the error surfaces as is and
+    the workers are gone with it."""
+    from tests.conftest import edit_config
+    model_dir = edit_config(tiny_model(arch="llama", num_heads=4, num_kv_heads=2),
+                            tmp_path / "m", architectures=["NoSuchForCausalLM"])
+    before = set(_children(os.getpid()))
+    with pytest.raises(ValueError, match="NoSuchForCausalLM"):
+        tp2_engine(model_dir)
+    assert [p for p in _children(os.getpid()) if p not in before and _alive(p)] == []

@@ -51,7 +51,7 @@ def check_tensor_parallel(hf_config: dict[str, Any], size: int) -> None:
 def engine_info(config: EngineConfig, runner: ModelRunner, tp: Any = None) -> dict[str, Any]:
     """What a connector's handshake compares (this rank's KV layout, its place in the TP
     group, and the model's total KV heads)."""
-    from connectors.pd_connector import model_fingerprint
+    from connectors.hello import model_fingerprint
     spec = runner.kv_spec
     hf = read_hf_config(config.model)
     return {"model_id": model_fingerprint(config.model), "dtype": str(spec.dtype),
@@ -93,7 +93,9 @@ class Executor:
             self.runner.allocate_kv_cache(self.num_blocks)
             self.scheduler_connector = create_worker_connector(config, self.runner, tp)
         except BaseException:
-            self.close()
+            # The workers may be anywhere in their start-up (not listening for a Shutdown).
+            if self.workers is not None:
+                self.workers.kill()
             raise
         self.sampler = Sampler(seed=config.seed)
         self._tally = TransferTally(config.tensor_parallel_size)

@@ -143,6 +143,9 @@ class WorkerGroup:
 
     def close(self) -> None:
         """Stop the workers (a Shutdown broadcast, then kill whatever is left)."""
+        if self._closed.is_set():  # closed or failed before: nothing to say to the workers
+            self.kill()
+            return
         self._closed.set()
         if self._failed is None and self._lock.acquire(timeout=self.timeout):
             try:
