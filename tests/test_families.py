@@ -149,3 +149,28 @@ def test_triton_kernels_match_hf_on_cuda(family_model, name: str) -> None:
               dtype="float32", attention_backend="triton")
     lens = (3, 13, 45, 70) if name == "tiny-phi3-longrope" else (3, 13, 26, 45, 70)
     check_greedy(llm, model_dir, [random_prompt(n, seed=n) for n in lens])
+
+
+def test_configs_as_hub_checkpoints_write_them() -> None:
+    """Fields a config.json leaves out take transformers' class defaults, as HF reads them:
+    Gemma 3 1B's file (transformers 4.50) has no tie_word_embeddings (True) and spells the
+    local RoPE base rope_local_base_freq; Qwen3's head_dim defaults to 128, not hidden/heads."""
+    from pd_cluster.models.families import spec_from_config
+
+    gemma3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+              "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+              "intermediate_size": 6912, "max_position_embeddings": 32768,
+              "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+              "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+              "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+              "sliding_window_pattern": 6, "eos_token_id": [1, 106], "vocab_size": 262144}
+    spec = spec_from_config(gemma3)
+    assert spec.tie_word_embeddings and spec.final_logit_softcap is None
+    windows = [la.attention.sliding_window for la in spec.layers]
+    assert windows == [None if (i + 1) % 6 == 0 else 512 for i in range(26)]
+    assert {la.attention.rope.theta for la in spec.layers if la.attention.sliding_window} == {1e4}
+    assert {la.attention.rope.theta for la in spec.layers if not la.attention.sliding_window} == {1e6}
+    qwen3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+             "intermediate_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "num_hidden_layers": 2, "vocab_size": 1000}
+    assert spec_from_config(qwen3).layers[0].attention.head_dim == 128

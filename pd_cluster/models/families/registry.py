@@ -21,7 +21,28 @@ def supported_architectures() -> list[str]:
     return sorted(_FAMILIES)
 
 
+def with_transformers_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config as transformers itself reads it: fields the file leaves out take the config
+    class's defaults (real checkpoints omit them: Gemma 3's config.json has no
+    tie_word_embeddings, which defaults to True), and older spellings are converted
+    (rope_theta/rope_scaling -> rope_parameters, Gemma 3's rope_local_base_freq, layer_types
+    from sliding_window_pattern). Unknown model types are read as written."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = cfg.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        return cfg
+    try:
+        full = CONFIG_MAPPING[model_type].from_dict(dict(cfg)).to_dict()
+    except Exception as e:  # transformers' own validation: one line naming what it refused
+        msg = " ".join(str(e).split())
+        raise ValueError(f"config.json: transformers cannot read this {model_type} config: "
+                         f"{msg}") from e
+    return {**full, "architectures": cfg.get("architectures")}
+
+
 def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
+    cfg = with_transformers_defaults(cfg)
     archs = cfg.get("architectures") or []
     known = [a for a in archs if a in _FAMILIES]
     if not known:
