@@ -92,6 +92,8 @@ class Executor:
             self.num_blocks = self.workers.agree_num_blocks(blocks) if self.workers else blocks
             self.runner.allocate_kv_cache(self.num_blocks)
             self.scheduler_connector = create_worker_connector(config, self.runner, tp)
+            if self.workers is not None:
+                self.workers.start()
         except BaseException:
             # The workers may be anywhere in their start-up (not listening for a Shutdown).
             if self.workers is not None:

@@ -69,6 +69,11 @@ class WorkerGroup:
             self.kill()
             raise
         self.channel = StepChannel(self.cpu_group, 0, self.size)
+
+    def start(self) -> None:
+        """Every rank is set up (model, cache, connector): keep them alive while idle from now
+        (earlier, a keepalive would time out against a worker still loading its model)."""
+        self._last = time.monotonic()
         threading.Thread(target=self._keepalive, name="tp-keepalive", daemon=True).start()
 
     @property
