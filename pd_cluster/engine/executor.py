@@ -140,9 +140,15 @@ class Executor:
         """Handshake every rank with a consumer (in parallel: workers in their threads)."""
         seq = self.workers.peer_op("connect", endpoint, tag) if self.workers else None
         self.runner.connector.connect_peer(endpoint, tag)
-        if seq is not None:
-            timeout = self.config.kv_transfer.pipe_config.handshake_timeout + 5.0
-            self.workers.wait_peer_op(seq, timeout)
+        if seq is None:
+            return
+        try:
+            self.workers.wait_peer_op(seq, self.config.kv_transfer.pipe_config.handshake_timeout
+                                      + 5.0)
+        except Exception:
+            # Linked on every rank or on none: rank 0's peers() is what the cluster sees.
+            self.disconnect_peer(endpoint)
+            raise
 
     def disconnect_peer(self, endpoint: str) -> None:
         if self.workers:
