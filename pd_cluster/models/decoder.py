@@ -35,7 +35,7 @@ class KVLayout:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, tp: TPGroup) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, tp: TPGroup = TPGroup()) -> None:
         super().__init__()
         self.self_attn = build_attention(spec, layer_idx, tp)
         self.mlp = build_mlp(spec, layer_idx, tp)
@@ -56,7 +56,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPGroup) -> None:
+    def __init__(self, spec: ModelSpec, tp: TPGroup = TPGroup()) -> None:
         super().__init__()
         self.spec = spec
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
