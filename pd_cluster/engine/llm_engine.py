@@ -36,8 +36,11 @@ class LLMEngine:
                                                self.tokenizer.eos_token_id)
         self.executor = Executor(config, hf_config, self.max_model_len)
         self.runner = self.executor.runner  # rank 0's: its model, cache and connector
-        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+        caching = config.enable_prefix_caching and self.runner.model.args.prefix_cacheable
+        if config.enable_prefix_caching and not caching:
+            logger.warning("prefix caching off: this model's RoPE depends on the sequence "
+                           "length (longrope), so equal tokens need not have equal KV")
+        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.executor.scheduler_connector)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)

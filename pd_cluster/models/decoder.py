@@ -25,13 +25,16 @@ from pd_cluster.models.spec import ModelSpec
 class KVLayout:
     """What the model runner reads to size and allocate the paged KV cache (``model.args``):
     every layer caches K and V of ``num_kv_heads`` (this rank's) x ``head_dim``.
-    ``sliding_windows`` per layer is informational: window layers keep the full history."""
+    ``sliding_windows`` per layer is informational: window layers keep the full history.
+    ``prefix_cacheable``: a block's KV depends only on the tokens up to it (False for
+    longrope, whose factors depend on the whole sequence's length: no prefix sharing)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
     sliding_windows: tuple[int | None, ...]
+    prefix_cacheable: bool = True
 
 
 class DecoderLayer(nn.Module):
@@ -88,7 +91,9 @@ class CausalLM(nn.Module):
         attach_weight_loaders(self)
         attn = self.model.layers[0].self_attn
         self.args = KVLayout(spec.num_layers, attn.num_kv_heads, attn.head_dim, spec.vocab_size,
-                             tuple(layer.attention.sliding_window for layer in spec.layers))
+                             tuple(layer.attention.sliding_window for layer in spec.layers),
+                             all(layer.attention.rope.rope_type != "longrope"
+                                 for layer in spec.layers))
 
     def materialize(self, dtype: torch.dtype, device: torch.device) -> "CausalLM":
         """A meta-built model's parameters as uninitialised ``dtype`` tensors on ``device``."""
