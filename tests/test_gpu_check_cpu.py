@@ -54,14 +54,15 @@ class _Client:
 
 def test_check_cluster_fails_on_a_wrong_answer() -> None:
     cc = _check_cluster()
-    refs = {name: {"token_ids": [i, i + 1], "text": f"{i} {i + 1}"}
-            for i, (name, _, _) in enumerate(cc.REQUESTS)}
-    right = {prompt: refs[name]["token_ids"] for name, prompt, _ in cc.REQUESTS}
-    assert cc._compare(_Client(right), "m", refs, "now") == []
+    when, prefix = "after load", cc.PASSES["after load"]
+    refs = {when: {name: {"token_ids": [i, i + 1], "text": f"{i} {i + 1}"}
+                   for i, (name, _, _) in enumerate(cc.REQUESTS)}}
+    right = {prefix + prompt: refs[when][name]["token_ids"] for name, prompt, _ in cc.REQUESTS}
+    assert cc._compare(_Client(right), "m", refs, when) == []
     name, prompt, _ = cc.REQUESTS[-1]  # a seeded one
-    wrong = {**right, prompt: [refs[name]["token_ids"][0], 999]}
-    failed = cc._compare(_Client(wrong), "m", refs, "now")
-    assert failed == [f"{name} now: differs at token 1"]
+    wrong = {**right, prefix + prompt: [refs[when][name]["token_ids"][0], 999]}
+    failed = cc._compare(_Client(wrong), "m", refs, when)
+    assert failed == [f"{name} after load: differs at token 1"]
 
 
 @pytest.mark.parametrize("engine_stats, inflight, expect", [
