@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -77,6 +80,11 @@ def test_tp2_prefill_to_tp1_decode_and_a_killed_worker(cluster) -> None:
     assert len(pids) == 2 and pids[0] == str(engines["prefill-0"]["pid"])
     assert sum(engines[d]["stats"]["kv_bytes_received"] for d in ("decode-0", "decode-1")) > 0
     assert all(engines[d]["stats"]["kv_fallbacks"] == 0 for d in ("decode-0", "decode-1"))
+    status = subprocess.run([sys.executable, "-m", "pd_cluster.cli", "status", "--url",
+                             cluster.url], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert re.search(rf"prefill-0\s.*\s2 \(pids {pids[0]},{pids[1]}\)", status.stdout), \
+        status.stdout
 
     worker = int(pids[1])
     more = work(16, seed=2)

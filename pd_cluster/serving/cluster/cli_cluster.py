@@ -186,20 +186,19 @@ def run_status(args: argparse.Namespace) -> int:
     proxy_node = body.get("proxy", {}).get("node_ip", "?")
     print(f"{body['mode']} cluster serving {body['model']} at {url} (proxy on node "
           f"{proxy_node}); {body['inflight']} request(s) in flight")
-    cols = ("ENGINE", "ROLE", "TP", "HEALTH", "RUNNING", "WAITING", "KV_USED", "KV_FREE",
-            "KV_LINKS",
-            "INFLIGHT", "RESTARTS", "PID", "NODE")
+    cols = ("ENGINE", "ROLE", "HEALTH", "RUNNING", "WAITING", "KV_USED", "KV_FREE", "KV_LINKS",
+            "INFLIGHT", "RESTARTS", "PID", "NODE", "TP")
     rows = [cols]
     for e in body["engines"]:
         s = e.get("stats", {})
         # Ranks: rank 0 is the engine's process, the others its children on the same node.
         tp = s.get("tensor_parallel_size", 1)
-        rows.append((e["name"], e["role"], tp if tp == 1 else f"{tp} ({s.get('tp_pids', '?')})",
-                     "ok" if e["healthy"] else "UNHEALTHY",
+        rows.append((e["name"], e["role"], "ok" if e["healthy"] else "UNHEALTHY",
                      s.get("num_running", "?"), s.get("num_waiting", "?"),
                      s.get("kv_blocks_used", "?"), s.get("kv_blocks_free", "?"),
                      e.get("kv_peers", 0) if e["role"] == "prefill" else "-", e["inflight"],
-                     e["restarts"], e["pid"], e.get("node_ip") or "?"))
+                     e["restarts"], e["pid"], e.get("node_ip") or "?",
+                     tp if tp == 1 else f"{tp} (pids {s.get('tp_pids', '?')})"))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(cols))]
     for r in rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
