@@ -227,7 +227,10 @@ class EngineActor:
         with self._lock:
             aio = self._aio
         if aio is not None:
-            aio.call_soon_threadsafe(self._session_closed, session, why)
+            try:
+                aio.call_soon_threadsafe(self._session_closed, session, why)
+            except RuntimeError:  # the event loop is closed: the actor is shutting down
+                pass
 
     def _session_closed(self, session: str, why: str) -> None:
         closed = self._sessions.pop(session, None)

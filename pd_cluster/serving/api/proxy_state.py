@@ -1,0 +1,97 @@
+"""The proxy's state: the tokenizer and the prompt rules, and the parts that serve requests
+(engine pool, token channel, dispatcher, admission, metrics), wired from the cluster config."""
+from __future__ import annotations
+
+from typing import Any
+
+from pd_cluster.serving.api.errors import invalid_request
+from pd_cluster.serving.api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from pd_cluster.serving.cluster.cluster_config import ClusterConfig, resolve_model
+from pd_cluster.serving.observability.metrics import ProxyMetrics
+from pd_cluster.serving.routing.admission import Admission
+from pd_cluster.serving.routing.dispatch import Dispatcher
+from pd_cluster.serving.routing.engine_pool import EnginePool
+from pd_cluster.serving.routing.token_channel import TokenChannel
+from pd_cluster.validation import InvalidRequest, check_max_tokens, check_prompt
+
+MAX_CHOICES = 256  # prompts x n in one request
+
+
+class ProxyState:
+    def __init__(self, cfg: ClusterConfig, engines: list[tuple[str, str, Any]]):
+        from transformers import AutoTokenizer
+
+        from pd_cluster.config import read_hf_config
+
+        self.cfg = cfg
+        path = resolve_model(cfg.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.engine.get("tokenizer") or path)
+        hf = read_hf_config(path)
+        self.vocab_size = int(hf["vocab_size"])
+        self.max_model_len = int(cfg.engine.get("max_model_len")
+                                 or hf.get("max_position_embeddings", 2048))
+        self.pool = EnginePool(engines, cfg.proxy)
+        self.metrics = ProxyMetrics(lambda: self.pool.engines, cfg.model_name)
+        channel = None
+        if cfg.proxy.token_transport == "zmq":
+            channel = TokenChannel(cfg.proxy.health_check_timeout, self.pool.mark_failed)
+            self.pool.token_channel = channel
+        self.dispatcher = Dispatcher(self.pool, cfg.mode, self.metrics, cfg.proxy.max_retries,
+                                     cfg.proxy.max_migrations, channel)
+        self.admission = Admission(cfg.proxy.max_inflight, cfg.proxy.max_queue, self.metrics)
+        self.inflight = 0  # requests in the proxy, queued ones included
+        self.node_ip = _node_ip()
+
+    # ---- prompt handling -----------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Token ids of each prompt: a text or token-id prompt, or a list of either."""
+        batch = _prompt_list(req)
+        if len(batch) * req.n > MAX_CHOICES:
+            raise invalid_request(f"prompt: {len(batch)} prompts x n={req.n} exceeds "
+                                  f"{MAX_CHOICES} choices per request", "prompt")
+        # a text prompt is tokenized as the engine (and vLLM) would
+        return [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p)
+                for p in batch]
+
+    def prompt_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """What echo shows of each prompt: its text as sent, or its token ids decoded."""
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids)
+                for p, ids in zip(_prompt_list(req), prompts)]
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception as e:  # noqa: BLE001 - a template error is the request's problem
+            raise invalid_request(f"messages: chat template failed: {e}", "messages") from None
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def max_tokens(self, requested: int | None, ids: list[int], prompt_param: str) -> int:
+        """The request's max_tokens under the shared rules (pd_cluster.validation)."""
+        try:
+            room = check_prompt(ids, self.vocab_size, self.max_model_len, prompt_param)
+            return check_max_tokens(requested, room, len(ids), self.max_model_len)
+        except InvalidRequest as e:
+            raise invalid_request(str(e), e.param, e.code) from None
+
+
+def _prompt_list(req: CompletionRequest) -> list[Any]:
+    prompt = req.prompt
+    return prompt if isinstance(prompt, list) and prompt and isinstance(
+        prompt[0], (str, list)) else [prompt]
+
+
+def _node_ip() -> str:
+    """This proxy's node as the cluster knows it (the host name outside Ray, e.g. in tests)."""
+    import socket
+    try:
+        import ray
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    return socket.gethostname()
