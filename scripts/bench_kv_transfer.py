@@ -119,7 +119,8 @@ def part1(sizes: list[int], transport: str, repeats: int) -> list[float]:
     return ratios
 
 
-def part2(prompt_tokens: int, repeats: int, model_name: str = "bench-50m") -> None:
+def part2(prompt_tokens: int, repeats: int, model_name: str = "bench-50m",
+          colocated: bool = True) -> None:
     from pd_cluster import SamplingParams
     from pd_cluster.config import EngineConfig
     from pd_cluster.engine.engine_process import EngineProcess
@@ -128,9 +129,11 @@ def part2(prompt_tokens: int, repeats: int, model_name: str = "bench-50m") -> No
     prompt = [4 + (i * 37) % 250 for i in range(prompt_tokens)]  # ids every preset's vocab has
     params = SamplingParams(temperature=0, max_tokens=1)
     kv = lambda role: {"role": role, "kv_transfer_timeout": 60}  # noqa: E731
-    colo = EngineProcess(EngineConfig(model=model, enable_prefix_caching=False)).wait_ready()
-    ttft_colo = _ttft(colo, lambda rid: colo.add_request(rid, prompt, params), repeats)
-    colo.shutdown()
+    ttft_colo = float("nan")
+    if colocated:  # (--smoke: the P/D pair alone, the same EngineProcess calls)
+        colo = EngineProcess(EngineConfig(model=model, enable_prefix_caching=False)).wait_ready()
+        ttft_colo = _ttft(colo, lambda rid: colo.add_request(rid, prompt, params), repeats)
+        colo.shutdown()
     d = EngineProcess(EngineConfig(model=model, kv_transfer=kv("consumer")))
     p = EngineProcess(EngineConfig(model=model, enable_prefix_caching=False,
                                    kv_transfer=kv("producer")))
@@ -146,7 +149,8 @@ def part2(prompt_tokens: int, repeats: int, model_name: str = "bench-50m") -> No
     p.shutdown(), d.shutdown()
     print(f"TTFT {prompt_tokens}-token prompt: colocated {ttft_colo * 1e3:.1f} ms, "
           f"1P1D {ttft_pd * 1e3:.1f} ms")
-    print(f"ttft_ratio_pd_over_colocated={ttft_pd / ttft_colo:.3f}")
+    if colocated:
+        print(f"ttft_ratio_pd_over_colocated={ttft_pd / ttft_colo:.3f}")
 
 
 def _ttft(proc, submit, repeats: int, consumer=None) -> float:
@@ -172,7 +176,8 @@ def main() -> None:
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--ttft-model", default="bench-50m", help="a built-in preset")
     parser.add_argument("--smoke", action="store_true",
-                        help="a few seconds (CI): 256 tokens once, TTFT of 64 on tiny-llama")
+                        help="a few seconds (CI): 256 tokens once, 1P1D TTFT of 64 tokens on "
+                             "tiny-llama (no colocated run, no ratio)")
     args = parser.parse_args()
     if args.smoke:
         args.sizes, args.repeats, args.ttft_prompt, args.ttft_model = [256], 1, 64, "tiny-llama"
@@ -180,7 +185,7 @@ def main() -> None:
     torch.set_num_threads(1)
     ratios = part1(args.sizes, args.transport, args.repeats)
     if not args.skip_ttft:
-        part2(args.ttft_prompt, args.repeats, args.ttft_model)
+        part2(args.ttft_prompt, args.repeats, args.ttft_model, colocated=not args.smoke)
     print(f"kv_transfer_efficiency={statistics.median(ratios):.3f}")
 
 
