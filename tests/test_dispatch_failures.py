@@ -54,10 +54,12 @@ def test_decode_dying_mid_stream_is_migrated_and_the_stream_goes_on() -> None:
         assert r.kv_transfer_params is None  # recomputes the prompt + output itself
         return [delta(r.request_id, "abc", [5, 6, 7], "length")]
 
+    d1 = FakeEngine(resumed)
     disp, pool, metrics = make({"prefill-0": FakeEngine(p_ok), "decode-0": FakeEngine(d_dies),
-                                "decode-1": FakeEngine(resumed)})
+                                "decode-1": d1})
     disp.max_migrations = 2
-    events = run(disp)
+    events = run(disp)  # fails on a failed assert in a script (FakeEngine.failures)
+    assert [(r.resume_token_ids, r.kv_transfer_params) for r in d1.requests] == [([5, 6], None)]
     assert "".join(t for t, _, _ in events) == "abc" and events[-1][2] == "length"
     assert [i for _, ids, _ in events for i in ids] == [5, 6, 7]
     assert metrics.migrations._value.get() == 1
@@ -75,10 +77,12 @@ def test_a_first_token_mismatch_is_never_streamed() -> None:
         assert r.resume_token_ids == [5]
         return [delta(r.request_id, "abc", [5, 6, 7], "length")]
 
+    d1 = FakeEngine(resumed)
     disp, _, metrics = make({"prefill-0": FakeEngine(p_ok), "decode-0": FakeEngine(d_disagrees),
-                             "decode-1": FakeEngine(resumed)})
+                             "decode-1": d1})
     disp.max_migrations = 1
     events = run(disp)
+    assert [r.resume_token_ids for r in d1.requests] == [[5]]
     assert [i for _, ids, _ in events for i in ids] == [5, 6, 7]
     assert "".join(t for t, _, _ in events) == "abc"
     assert metrics.first_token_mismatch._value.get() == 1
@@ -92,9 +96,11 @@ def test_colocated_engine_dying_mid_stream_is_migrated() -> None:
         assert r.resume_token_ids == [5, 6]
         return [delta(r.request_id, "abc", [5, 6, 7], "length")]
 
-    disp, _, metrics = make({"colocated-0": FakeEngine(dies),
-                             "colocated-1": FakeEngine(resumed)}, mode="colocated")
+    c1 = FakeEngine(resumed)
+    disp, _, metrics = make({"colocated-0": FakeEngine(dies), "colocated-1": c1},
+                            mode="colocated")
     disp.max_migrations = 1
     events = run(disp)
+    assert [r.resume_token_ids for r in c1.requests] == [[5, 6]]
     assert [i for _, ids, _ in events for i in ids] == [5, 6, 7]
     assert metrics.migrations._value.get() == 1
