@@ -322,3 +322,68 @@ def test_concurrent_health_checks_open_one_link() -> None:
         await channel.close()
         engine.sender.stop()
     asyncio.run(go())
+
+
+def test_a_client_that_stops_reading_gets_the_rest_in_one_chunk() -> None:
+    """Over HTTP: a client that reads nothing while its request generates 400 tokens holds
+    up its own stream only; the proxy keeps the leg's output (not a chunk per engine step),
+    and when the client reads again it gets all of it in one chunk, then [DONE]."""
+    import json
+
+    from pd_cluster.serving.api.app import create_app
+    from pd_cluster.serving.cluster.cluster_config import parse_config
+
+    cfg = parse_config({"mode": "colocated", "colocated": {"replicas": 1}, "proxy": {"port": 0}})
+    n = 400
+
+    async def go() -> None:
+        engine = FakeEngineActor()
+        engine.step_seconds = 0.001
+        app = create_app(cfg, [(engine.name, engine.role, engine.handle)])
+        state = app.state.proxy
+        await state.pool.start()
+        body = json.dumps({"model": cfg.model_name, "prompt": [1, 2, 3], "max_tokens": n,
+                           "ignore_eos": True, "stream": True}).encode()
+        chunks: list[bytes] = []
+        reading = asyncio.Event()
+        received = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal received
+            if not received:
+                received = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # the client never hangs up
+            raise AssertionError
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and message.get("body"):
+                chunks.append(message["body"])
+                if len(chunks) == 1:
+                    await reading.wait()  # the client stops reading after its first chunk
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions",
+                 "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json")],
+                 "server": ("proxy", 80), "client": ("client", 1234)}
+        call = asyncio.ensure_future(app(scope, receive, send))
+        try:
+            await _until(lambda: bool(chunks))
+            await _until(lambda: channel_deltas(state) >= n)  # the engine finished meanwhile
+            reading.set()
+            await asyncio.wait_for(call, 30)
+        finally:
+            await state.pool.close()
+            engine.sender.stop()
+        events = [json.loads(c[6:]) for c in chunks if c.startswith(b"data: {")]
+        assert len(events) == 2, [len(e["choices"][0]["text"]) for e in events]
+        text = "".join(e["choices"][0]["text"] for e in events)
+        assert text == "".join(f"t{i} " for i in range(n))
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1] == b"data: [DONE]\n\n"
+    asyncio.run(go())
+
+
+def channel_deltas(state: Any) -> int:
+    return state.pool.token_channel.counters["deltas"]
