@@ -120,8 +120,8 @@ cluster() {
         shift
     done
     if [ "$GPUS" -lt "$need_gpus" ] || { [ "$need_cupy" = 1 ] && [ "$HAS_CUPY" != 1 ]; }; then
-        row "$name" skip "needs $need_gpus GPU(s)$([ "$need_cupy" = 1 ] && echo ' and cupy')" \
-            "(have $GPUS, cupy=$HAS_CUPY)"
+        row "$name" skip "needs $need_gpus GPU(s)$([ "$need_cupy" = 1 ] && echo ' and cupy')\
+ (have $GPUS, cupy=$HAS_CUPY)"
         return
     fi
     echo "== $name: $config ${sets[*]}"
