@@ -42,16 +42,21 @@ async def merged(jobs: list[GenerateJob],
         async for ev in stream(jobs[0]):
             yield 0, ev
         return
-    q: asyncio.Queue[tuple[int, StreamEvent | None, BaseException | None]] = asyncio.Queue()
+    # Bounded: a client slower than its choices leaves their streams waiting here, so their
+    # output coalesces in the dispatcher (one event later) instead of queueing per step.
+    q: asyncio.Queue[tuple[int, StreamEvent | None, BaseException | None]] = \
+        asyncio.Queue(maxsize=len(jobs))
 
     async def pump(index: int, job: GenerateJob) -> None:
         try:
             async for ev in stream(job):
-                q.put_nowait((index, ev, None))
+                await q.put((index, ev, None))
+        except asyncio.CancelledError:
+            raise
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises
-            q.put_nowait((index, None, e))
+            await q.put((index, None, e))
             return
-        q.put_nowait((index, None, None))
+        await q.put((index, None, None))
 
     tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
     try:
