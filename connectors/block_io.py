@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from concurrent.futures import Future
+from typing import NamedTuple
 
 import torch
 
@@ -58,10 +59,17 @@ def scatter_blocks(buffer: torch.Tensor, kv_layer: torch.Tensor, block_ids: torc
     (scatter_kv_blocks if kv_layer.is_cuda else scatter_kv_blocks_torch)(buffer, kv_layer, block_ids)
 
 
-def contiguous_runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int, bool]]:
-    """Maximal runs of consecutive ids, ascending or descending: (index of the run's first
-    entry, length, lowest block id, descending)."""
-    runs: list[tuple[int, int, int, bool]] = []
+class BlockRun(NamedTuple):
+    """A maximal run of consecutive block ids within a request's block list."""
+    first: int  # index in the list of the run's first entry
+    count: int  # how many blocks
+    low: int  # the lowest block id of the run
+    descending: bool  # ids go down along the list (offsets count from the high end)
+
+
+def contiguous_runs(block_ids: tuple[int, ...]) -> list[BlockRun]:
+    """Maximal runs of consecutive ids, ascending or descending."""
+    runs: list[BlockRun] = []
     i = 0
     while i < len(block_ids):
         j = i + 1
@@ -71,6 +79,6 @@ def contiguous_runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int, boo
         while j < len(block_ids) and block_ids[j] - block_ids[j - 1] == step:
             j += 1
         low = min(block_ids[i], block_ids[j - 1])
-        runs.append((i, j - i, low, step == -1 and j - i > 1))
+        runs.append(BlockRun(i, j - i, low, step == -1 and j - i > 1))
         i = j
     return runs

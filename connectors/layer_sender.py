@@ -53,14 +53,14 @@ class LayerSender:
             # instead of joining frames with a copy.
             per_msg = max(1, self.pipe.config.max_frame_bytes // kv_layer[0, 0].nbytes)
             out = []
-            for start, count, low, descending in runs:
-                for off in range(0, count, per_msg):
-                    n = min(per_msg, count - off)
+            for run in runs:
+                for off in range(0, run.count, per_msg):
+                    n = min(per_msg, run.count - off)
                     # Offsets within a descending run count from its high end.
-                    lo = low + (count - off - n if descending else off)
+                    lo = run.low + (run.count - off - n if run.descending else off)
                     out += [LayerMessage(KVLayerHeader(spec.request_id, layer,
-                                                       spec.first_block + start + off, part,
-                                                       descending),
+                                                       spec.first_block + run.first + off, part,
+                                                       run.descending),
                                          kv_layer[part, lo:lo + n], False) for part in (0, 1)]
             return out
         payload = self.buffers.acquire((2, len(spec.block_ids), *kv_layer.shape[2:]),
