@@ -7,7 +7,7 @@ model. In one engine process both halves exist; they talk only through KVConnect
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,6 +36,14 @@ class KVConnectorBase_Scheduler(ABC):  # noqa: N801 (vLLM's name)
 
     def stats(self) -> dict[str, Any]:
         return {}
+
+
+class FinishedTransfers(NamedTuple):
+    """What get_finished() reports (a tuple: ``sent, received = ...`` reads it too)."""
+    sent: set[str]  # producer: sends done (or given up on): the blocks may be freed
+    # consumer: request id -> the first token that came with its KV, or None when the KV did
+    # not arrive (the request computes its prompt itself)
+    received: dict[str, int | None]
 
 
 class KVConnectorBase_Worker(ABC):  # noqa: N801
@@ -71,9 +79,8 @@ class KVConnectorBase_Worker(ABC):  # noqa: N801
         """Producer: bound how far sends lag the forward (called at the end of a step)."""
 
     @abstractmethod
-    def get_finished(self) -> tuple[set[str], dict[str, int | None]]:
-        """(requests whose send completed -> blocks may be freed,
-        requests whose receive completed -> first token, or None if the transfer failed)."""
+    def get_finished(self) -> "FinishedTransfers":
+        """The transfers that ended since the previous call (see FinishedTransfers)."""
 
     def endpoint(self) -> str | None:
         """Address producers connect to, for a consumer."""

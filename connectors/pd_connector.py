@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from connectors.base import KVConnectorBase_Worker
+from connectors.base import FinishedTransfers, KVConnectorBase_Worker
 from connectors.config import KVTransferConfig
 from connectors.factory import ConnectorPair, register_connector
 from connectors.kv_receiver import KVReceiver
@@ -225,10 +225,10 @@ class PDConnectorWorker(KVConnectorBase_Worker):
         if not ok:  # a failed transfer's FIN makes the consumer recompute: nothing reads ours
             self.leases.drop(fin.request_id)
 
-    def get_finished(self) -> tuple[set[str], dict[str, int | None]]:
+    def get_finished(self) -> FinishedTransfers:
         recving = self.receiver.take_finished()
         self._ack(self.receiver.take_nacks())  # gave up: the producers free at once
-        return self.leases.take_done(), recving
+        return FinishedTransfers(self.leases.take_done(), recving)
 
     # ---- receiver thread -----------------------------------------------------------------
     def _recv_loop(self) -> None:
