@@ -32,7 +32,7 @@ from ._corpus import CORPUS
 # Bump when anything that changes the generated files changes; cached presets are regenerated.
 GENERATOR_VERSION = 1
 MAKER_FILE = "pd_cluster_model.json"
-ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "phi3", "olmo2")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "deepseek_v3")
 # HF config class and architecture of each arch (Gemma 3: the text-only causal LM).
 _HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -41,7 +41,8 @@ _HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
                "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
                "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-               "olmo2": ("Olmo2Config", "Olmo2ForCausalLM")}
+               "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+               "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0, 1, 2, 3
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS) + 40  # byte alphabet + specials + some merges
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
@@ -61,6 +62,8 @@ LOGIT_STD = 6.0
 # Tied lm_head = embedding: logits contain <h, e_current>, so a large embedding share of the
 # residual makes the model echo its input token forever; boost the sublayer outputs instead.
 TIED_RESID_GAIN = 8.0
+# Projections whose output is a query or key (latent attention: q_b_proj, kv_b_proj's keys).
+_QK_PROJS = ("q_proj", "k_proj", "q_b_proj", "kv_b_proj")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The built-in default: trained (scripts/train_tiny_model.py) and shipped, not generated;
@@ -93,6 +96,26 @@ PRESETS: dict[str, dict[str, Any]] = {
             "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 2.0, 2.5, 3.0],
             "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 9.0]}}},
     "tiny-olmo2": {"arch": "olmo2"},
+    # DeepSeek-V3 in small (issue 20): latent attention with q LoRA (a latent of 64 + a rope
+    # key of 16 = 80 cached values per token and layer), yarn RoPE with mscale, a dense first
+    # layer then MoE layers (shared expert, sigmoid group-limited routing over 2 groups).
+    "tiny-deepseek-v3": {"arch": "deepseek_v3", "hidden_size": 256, "num_layers": 4,
+                         "num_heads": 8, "num_kv_heads": 8, "intermediate_size": 512,
+                         "max_position_embeddings": 4096, "config_overrides": {
+                             "kv_lora_rank": 64, "q_lora_rank": 96, "qk_rope_head_dim": 16,
+                             "qk_nope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 8,
+                             "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+                             "moe_intermediate_size": 128, "n_shared_experts": 1,
+                             "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+                             "rope_parameters": {
+                                 "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 1024, "beta_fast": 32,
+                                 "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}},
+    # The same size with grouped-query attention (8 heads of 32, 4 KV heads: 256 cached
+    # values per token and layer), the KV-bytes baseline beside tiny-deepseek-v3.
+    "tiny-gqa-like-deepseek": {"arch": "llama", "hidden_size": 256, "num_layers": 4,
+                               "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 512,
+                               "max_position_embeddings": 4096},
     # ~51M params; 12 layers (not 8) so per-layer KV streaming has realistic granularity.
     "bench-50m": {"arch": "llama", "vocab_size": 4096, "hidden_size": 512, "num_layers": 12,
                   "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 2048},
@@ -191,15 +214,18 @@ def _init_weights(model, n_real_tokens: int, seed: int) -> None:
             elif name.endswith(".bias"):
                 std = BIAS_STD
             else:
-                gain = QK_GAIN if (".q_proj." in name or ".k_proj." in name) else LINEAR_GAIN
+                gain = QK_GAIN if any(f".{n}." in name for n in _QK_PROJS) else LINEAR_GAIN
                 if tied and (".o_proj." in name or ".down_proj." in name):
                     gain *= TIED_RESID_GAIN
-                std = gain / math.sqrt(p.shape[1])
+                std = gain / math.sqrt(p.shape[-1])  # fan-in (stacked experts: [E, out, in])
             p.copy_(std * torch.randn(p.shape, generator=gen))
             if "embed_tokens" in name or name.startswith("lm_head."):
                 p[n_real_tokens:] = 0.0  # padded <unused_N> ids: never chosen by greedy decoding
             if name.startswith("lm_head."):
                 p[[0, 1, 3]] = 0.0  # <unk>, <s>, <pad> are never predicted (</s> may be)
+        for name, b in model.named_buffers():  # DeepSeek's router bias: non-zero, so it is checked
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(BIAS_STD * torch.randn(b.shape, generator=gen))
 
 
 def make_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, *, vocab_size: int = 512,
@@ -263,6 +289,9 @@ def build_config(tokenizer: Any, arch: str = "llama", *, vocab_size: int, hidden
                       query_pre_attn_scalar=common["head_dim"])
     elif arch == "phi3":
         common.update(original_max_position_embeddings=max_position_embeddings)
+    elif arch == "deepseek_v3":  # latent attention: every head reads the one latent
+        common.update(num_key_value_heads=num_heads, attention_bias=False)
+        common.pop("head_dim", None)  # HF derives it (qk_rope_head_dim)
     common.update(overrides or {})
     config_class, architecture = _HF_CLASSES[arch]
     config = getattr(transformers, config_class)(**common)
