@@ -154,6 +154,7 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
     request.state.tracked = True
     deadline = tracker.start + state.cfg.proxy.request_timeout  # queue time included
     jobs = choice_jobs(rid, per_prompt, req.n, deadline)
+    tracker.jobs = jobs
     echo = None if chat or not req.echo else [  # choices are prompt-major, n per prompt
         (texts[i // req.n], job.prompt_token_ids) for i, job in enumerate(jobs)]
     fmt = fmt_cls(rid, state.cfg.model_name, req.return_token_ids, per_prompt[0][1].logprobs,

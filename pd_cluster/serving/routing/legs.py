@@ -12,6 +12,7 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.routing.engine_pool import EngineState
@@ -49,6 +50,7 @@ class GenerateJob:
     params: SamplingParams
     deadline: float  # time.monotonic() bound for the whole request
     prefix: SharedPrefix | None = None  # shared with this prompt's other choices
+    route: str = ""  # where the planner sent it and why (the access log shows it)
 
     @property
     def leads_prefix(self) -> bool:
@@ -100,6 +102,8 @@ class Leg:
     last: EngineDelta | None = None
     next_seq: int = 0
     failure: Exception | None = None  # why this leg ended without finishing (see inbox.py)
+    # Told of the leg's first delta (the planner measures prefill rates and link latency).
+    on_first: Callable[[EngineDelta], None] | None = None
 
     def apply(self, delta: EngineDelta) -> None:
         """Append one incremental delta; a gap or repeat is the engine's failure."""
@@ -107,6 +111,8 @@ class Leg:
             raise EngineFailed(self.engine, f"delta {delta.seq} of {delta.request_id} arrived, "
                                             f"expected {self.next_seq}: lost or reordered",
                                dead=False)
+        if self.next_seq == 0 and self.on_first is not None:
+            self.on_first(delta)
         self.next_seq += 1
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text

@@ -28,6 +28,7 @@ class RequestTracker:
         self.closed = False
         self._admission: Admission | None = None  # holding a running slot of it
         self.queue_time = 0.0
+        self.jobs: list[Any] = []  # GenerateJobs: their routes go in the access log line
 
     async def admit(self, admission: Admission, deadline: float) -> None:
         """Wait for a running slot (see Admission.enter for what it raises)."""
@@ -65,7 +66,8 @@ class RequestTracker:
             self.m.vllm.e2e.observe(latency)
             self.m.vllm.success.labels(self.m.vllm.model_name, self.finish_reason or "stop").inc()
         ttft = f"{self.ttft * 1e3:.1f}ms" if self.ttft is not None else "-"
+        route = ",".join(job.route for job in self.jobs if job.route) or "-"
         access_log.info("%s %d %s prompt_tokens=%d output_tokens=%d ttft=%s latency=%.1fms "
-                        "queued=%.1fms", self.request_id, status or _STATUS.get(outcome, 500),
-                        outcome, self.n_prompt, self.n_output, ttft, latency * 1e3,
-                        self.queue_time * 1e3)
+                        "queued=%.1fms route=%s", self.request_id,
+                        status or _STATUS.get(outcome, 500), outcome, self.n_prompt,
+                        self.n_output, ttft, latency * 1e3, self.queue_time * 1e3, route)
