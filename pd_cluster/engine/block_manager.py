@@ -1,16 +1,21 @@
 """Paged KV block allocation: free pool, per-request block tables, ref counts, prefix cache.
 
-A full block is identified by the hash of its tokens chained with its parent's hash, so equal
-prefixes map to the same blocks. Freed blocks keep their hash and stay findable until the pool
-hands them out again; the pool is ordered by release time, so the least recently used cached
-block is evicted first.
+A full block is identified by the hash of its tokens chained with its parent's hash
+(block_hash.py: the same in every process), so equal prefixes map to the same blocks. Freed
+blocks keep their hash and stay findable until the pool hands them out again; the pool is
+ordered by release time, so the least recently used cached block is evicted first. Hashes that
+become findable or stop being findable are recorded as events (take_events) for the proxy's
+cache-aware routing.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pd_cluster.engine.block_hash import block_hash
 from pd_cluster.request import Request
+
+MAX_PENDING_EVENTS = 65536  # past this many unread events: drop them and report a reset
 
 
 class BlockTableError(RuntimeError):
@@ -32,12 +37,22 @@ class PrefixCacheStats:
     hit_blocks: int = 0
 
 
+@dataclass
+class CacheEvents:
+    """Prefix-cache changes since the previous take_events(). ``reset``: events were dropped
+    (too many unread): the reader must clear its view and take cached_hashes() afresh."""
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    reset: bool = False
+
+
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
+    return block_hash(parent_hash, token_ids)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 max_pending_events: int = MAX_PENDING_EVENTS):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -48,6 +63,8 @@ class BlockManager:
         # Per request: how many leading blocks are hashed, and the chain hash of the last one.
         self.hashed: dict[str, tuple[int, int | None]] = {}
         self.stats = PrefixCacheStats()
+        self._events = CacheEvents()
+        self._max_events = max_pending_events
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -136,6 +153,7 @@ class BlockManager:
             if block.block_hash is None and parent not in self.hash_to_block:
                 block.block_hash, block.token_ids = parent, chunk
                 self.hash_to_block[parent] = block.block_id
+                self._event(self._events.stored, parent)
         self.hashed[rid] = (full, parent)
 
     # ---- release -------------------------------------------------------------------------
@@ -166,6 +184,25 @@ class BlockManager:
                                  f"{sorted(self.tables)[:10]}, blocks with refs={leaked[:20]}, "
                                  f"free={len(self.free_queue)}/{self.num_blocks}")
 
+    # ---- cache events (for cache-aware routing) -------------------------------------------
+    def take_events(self) -> CacheEvents:
+        """Hashes that became findable / stopped being findable since the previous call."""
+        events, self._events = self._events, CacheEvents()
+        return events
+
+    def cached_hashes(self) -> list[int]:
+        """Every findable block hash now (a full snapshot, e.g. after a reset)."""
+        return list(self.hash_to_block)
+
+    def _event(self, into: list[int], h: int) -> None:
+        ev = self._events
+        if ev.reset:
+            return  # the reader resyncs from cached_hashes(): single events add nothing
+        if len(ev.stored) + len(ev.removed) >= self._max_events:
+            self._events = CacheEvents(reset=True)
+            return
+        into.append(h)
+
     # ---- internals -----------------------------------------------------------------------
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -179,6 +216,7 @@ class BlockManager:
         if block.block_hash is not None:  # evict: the block is about to hold other tokens
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
+                self._event(self._events.removed, block.block_hash)
             block.block_hash, block.token_ids = None, None
         block.ref_count = 1
         return block_id
