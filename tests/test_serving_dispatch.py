@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import ray.exceptions
 
+from connectors.transfer_params import RecvKV, SendKV
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.cluster.cluster_config import ProxyConfig
 from pd_cluster.serving.routing.dispatch import Dispatcher, GenerateJob
@@ -156,9 +157,8 @@ def test_first_token_from_p_rest_from_d() -> None:
     (preq,), (dreq,) = p.requests, d.requests
     assert preq.request_id == dreq.request_id == "cmpl-1"  # one id end to end
     assert preq.params.max_tokens == 1 and dreq.params.max_tokens == 3
-    assert preq.kv_transfer_params == {"do_remote_decode": True,
-                                       "remote_kv_addr": "tcp://decode-0"}
-    assert dreq.kv_transfer_params == {"do_remote_prefill": True}
+    assert preq.kv_transfer_params == SendKV(to="tcp://decode-0")
+    assert dreq.kv_transfer_params == RecvKV()
     assert p.aborted == d.aborted == []  # both finished: nothing to abort
     assert all(e.inflight == 0 and e.outstanding_work == 0 for e in pool.engines)
 

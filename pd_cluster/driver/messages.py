@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from connectors.transfer_params import KVTransferParams
 from pd_cluster.sampling_params import SamplingParams
 
 T = TypeVar("T", bound="Msg")
@@ -51,7 +52,7 @@ class EngineRequest(Msg, frozen=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None  # SendKV on P's leg, RecvKV on D's
     timeout: float = 120.0  # the engine ends the stream with an error after this long idle
     # Resuming a request another engine was generating (migration): its output so far, and
     # how many characters of that output's text the client already has.

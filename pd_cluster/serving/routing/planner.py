@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from connectors.transfer_params import RecvKV, SendKV
 from pd_cluster.driver.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, EngineRequest
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.engine_pool import EnginePool, EngineState, NoHealthyEngine
@@ -87,8 +88,7 @@ class Planner:
         # min_tokens stays <= 1 so P masks EOS for token 1 exactly when D would.
         p_params = dataclasses.replace(job.params, max_tokens=1,
                                        min_tokens=min(job.params.min_tokens, 1))
-        d_kv = {"do_remote_prefill": True}
-        p_kv = {"do_remote_decode": True, "remote_kv_addr": d.kv_endpoint}
+        d_kv, p_kv = RecvKV(), SendKV(to=d.kv_endpoint)
         return [Leg(d, EngineRequest(params=job.params, kv_transfer_params=d_kv, **base),
                     max_tokens + 1, LegKind.DECODE),
                 Leg(p, EngineRequest(params=p_params, kv_transfer_params=p_kv, **base),
