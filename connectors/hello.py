@@ -1,12 +1,13 @@
-"""What a producer and a consumer rank compare at handshake time (the KV layout, never the
-per-rank head count: P and D may differ in TP size, see tp_topology.py)."""
+"""What a producer and a consumer rank compare at handshake time: the model, block size and
+what every layer caches (its KV spec, see pd_cluster/engine/kv_spec.py), never the per-rank
+head count: P and D may differ in TP size, see tp_topology.py (the model's total is compared)."""
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 from typing import Any
 
-_COMPARED = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+_COMPARED = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "kv_specs")
 
 
 def model_fingerprint(model_dir: str) -> str:
@@ -18,18 +19,37 @@ def model_fingerprint(model_dir: str) -> str:
     return h.hexdigest()[:16]
 
 
+def _layer_specs(engine_info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each layer's spec without its per-rank head count; an engine_info without specs (a
+    bare connector in tests and benchmarks) is full attention in every layer."""
+    specs = engine_info.get("kv_specs") or [
+        {"kind": "full", "head_dim": engine_info["head_dim"],
+         "dtype": str(engine_info["dtype"]).removeprefix("torch.")}] * engine_info["num_layers"]
+    return [{k: v for k, v in s.items() if k != "num_kv_heads"} for s in specs]
+
+
 def make_hello(engine_info: dict[str, Any]) -> dict[str, Any]:
     """This rank's hello: the compared keys (num_kv_heads: the model's total) and its TP size."""
-    hello = {k: engine_info[k] for k in _COMPARED}
+    hello = {k: engine_info[k] for k in _COMPARED if k != "kv_specs"}
     hello["num_kv_heads"] = engine_info.get("total_kv_heads", engine_info["num_kv_heads"])
+    hello["kv_specs"] = _layer_specs(engine_info)
     hello["tp_size"] = engine_info.get("tp_size", 1)
     return hello
+
+
+def _spec_diffs(consumer: list[dict[str, Any]], producer: Any) -> list[str]:
+    if not isinstance(producer, list) or len(producer) != len(consumer):
+        return [f"kv_specs: ours={len(consumer)} layers theirs={producer!r:.200}"]
+    return [f"layer {i} KV spec: ours={c!r} theirs={p!r}"
+            for i, (c, p) in enumerate(zip(consumer, producer)) if c != p][:3]
 
 
 def hello_mismatch(consumer: dict[str, Any], producer: dict[str, Any]) -> str | None:
     """The reason a producer cannot feed this consumer, naming both engines, or None."""
     diffs = [f"{k}: ours={consumer[k]!r} theirs={producer.get(k)!r}" for k in _COMPARED
-             if producer.get(k) != consumer[k]]
+             if k != "kv_specs" and producer.get(k) != consumer[k]]
+    if producer.get("kv_specs") != consumer["kv_specs"]:
+        diffs += _spec_diffs(consumer["kv_specs"], producer.get("kv_specs"))
     if not diffs:
         return None
     return (f"KV layout mismatch between the prefill engine (TP{producer.get('tp_size', 1)}) "

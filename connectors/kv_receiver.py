@@ -67,10 +67,8 @@ class KVReceiver:
     def register(self, spec: RecvSpec) -> list[Ack]:
         """Start receiving; returns what to ACK if staged messages completed it."""
         blocks = -(-spec.num_prompt_tokens // self.block_size)
-        heads = self.kv_caches[0].shape[3] if self.kv_caches else 1
         state = _Receiving(spec, torch.tensor(spec.block_ids[:blocks], dtype=torch.long),
-                           time.monotonic() + self.timeout,
-                           np.zeros((self.num_layers, 2, blocks, heads), dtype=bool))
+                           time.monotonic() + self.timeout, self._unwritten(blocks))
         with self._lock:
             if spec.request_id in self._active:
                 logger.warning("duplicate receive registration for %s dropped", spec.request_id)
@@ -185,12 +183,14 @@ class KVReceiver:
         if not 0 <= header.layer < self.num_layers or tensor is None:
             raise ValueError("bad layer index or missing payload")
         cache = self.kv_caches[header.layer]
-        both = header.part == 2
+        both = header.part == 2  # every part of the layer (K and V, or the one latent)
         n = tensor.shape[1 if both else 0] if tensor.dim() == (5 if both else 4) else -1
         heads = tensor.shape[-2] if n > 0 else 0
         h0 = header.head_start
-        expected = ((2, n) if both else (n,)) + (cache.shape[2], heads, cache.shape[4])
+        expected = ((cache.shape[0], n) if both else (n,)) + (cache.shape[2], heads,
+                                                              cache.shape[4])
         if (n <= 0 or heads < 1 or h0 + heads > cache.shape[3]
+                or (not both and header.part >= cache.shape[0])
                 or tuple(tensor.shape) != expected or tensor.dtype != cache.dtype):
             raise ValueError(f"payload {tuple(tensor.shape)} {tensor.dtype} does not match "
                              f"the cache layout {expected} {cache.dtype}")
@@ -200,7 +200,7 @@ class KVReceiver:
         targets = state.block_index[header.first_block:end]
         if header.descending:
             targets = targets.flip(0)
-        parts = (0, 1) if both else (header.part,)
+        parts = range(cache.shape[0]) if both else (header.part,)
         if both and heads == cache.shape[3]:
             scatter_blocks(tensor, cache, targets)
         else:  # a slice of this rank's heads (a producer of another TP size)
@@ -216,6 +216,16 @@ class KVReceiver:
             self.first_layer_times[state.spec.request_id] = state.first_layer_time
             if len(self.first_layer_times) > 4096:
                 self.first_layer_times.popitem(last=False)
+
+    def _unwritten(self, blocks: int) -> np.ndarray:
+        """bool [layers, parts, blocks, heads], False where a layer's cache has something to
+        receive (layers may differ in parts and heads: what they lack counts as written)."""
+        caches = self.kv_caches or [torch.empty(2, 0, 0, 1, 0)] * self.num_layers
+        parts, heads = max(c.shape[0] for c in caches), max(c.shape[3] for c in caches)
+        written = np.ones((self.num_layers, parts, blocks, heads), dtype=bool)
+        for layer, cache in enumerate(caches):
+            written[layer, :cache.shape[0], :, :cache.shape[3]] = False
+        return written
 
     def _drop_staged(self, request_id: str) -> None:
         staged = self._staged.pop(request_id, None)

@@ -61,10 +61,11 @@ class LayerSender:
                     out += [LayerMessage(KVLayerHeader(spec.request_id, layer,
                                                        spec.first_block + run.first + off, part,
                                                        run.descending),
-                                         kv_layer[part, lo:lo + n], False) for part in (0, 1)]
+                                         kv_layer[part, lo:lo + n], False)
+                            for part in range(kv_layer.shape[0])]
             return out
-        payload = self.buffers.acquire((2, len(spec.block_ids), *kv_layer.shape[2:]),
-                                       kv_layer.dtype, kv_layer.device)
+        shape = (kv_layer.shape[0], len(spec.block_ids), *kv_layer.shape[2:])  # every part
+        payload = self.buffers.acquire(shape, kv_layer.dtype, kv_layer.device)
         gather_blocks(kv_layer, spec.block_ids, payload)
         header = KVLayerHeader(spec.request_id, layer, spec.first_block)
         if self._staging is not None:

@@ -1,7 +1,7 @@
 """Gather a request's blocks of one layer into a contiguous buffer, and scatter one back.
 
-Buffer layout: ``[2, n, block_size, num_kv_heads, head_dim]`` (K then V), i.e. exactly the
-cache layout restricted to the listed blocks, so the KV connector can send it as one message
+Buffer layout: ``[parts, n, block_size, heads, width]`` (K then V; latent attention's one
+part), i.e. exactly the cache layout restricted to the listed blocks, so the KV connector can send it as one message
 and the receiver can scatter it into its own (different) block ids.
 
 A cache block (block_size * Hkv * D elements) is contiguous in memory for a contiguous cache,
@@ -62,7 +62,7 @@ def _blocks_contiguous(t: torch.Tensor) -> bool:
 
 def _launch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather: bool) -> None:
     block_elems = src.shape[2] * src.shape[3] * src.shape[4]
-    grid = (ids.numel(), 2, triton.cdiv(block_elems, _CHUNK))
+    grid = (ids.numel(), src.shape[0], triton.cdiv(block_elems, _CHUNK))
     _block_copy_kernel[grid](
         src, dst, ids, block_elems,
         src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
@@ -72,10 +72,10 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather: boo
 
 def gather_kv_blocks(kv_cache: torch.Tensor, block_ids: BlockIds,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """kv_cache [2, N, bs, Hkv, D], n block ids -> buffer [2, n, bs, Hkv, D] (new or ``out``)."""
+    """kv_cache [P, N, bs, H, D], n block ids -> buffer [P, n, bs, H, D] (new or ``out``)."""
     ids = _as_ids(block_ids, kv_cache.device)
     if out is None:
-        out = torch.empty((2, ids.numel()) + tuple(kv_cache.shape[2:]),
+        out = torch.empty((kv_cache.shape[0], ids.numel()) + tuple(kv_cache.shape[2:]),
                           dtype=kv_cache.dtype, device=kv_cache.device)
     if ids.numel() == 0:
         return out
@@ -88,7 +88,7 @@ def gather_kv_blocks(kv_cache: torch.Tensor, block_ids: BlockIds,
 
 def scatter_kv_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor,
                       block_ids: BlockIds) -> None:
-    """buffer [2, n, bs, Hkv, D] -> kv_cache blocks ``block_ids`` (in place)."""
+    """buffer [P, n, bs, H, D] -> kv_cache blocks ``block_ids`` (in place)."""
     ids = _as_ids(block_ids, kv_cache.device)
     assert buffer.shape[1] == ids.numel() and buffer.shape[2:] == kv_cache.shape[2:]
     if ids.numel() == 0:
@@ -107,7 +107,7 @@ def gather_kv_blocks_torch(kv_cache: torch.Tensor, block_ids: BlockIds,
     """Fast torch path (any device, never Triton): K and V separately along their leading
     block dim, so whole blocks are memcpy'd (~4x faster on CPU than index_select on dim 1)."""
     ids = _as_ids(block_ids, kv_cache.device)
-    for kv in range(2):
+    for kv in range(kv_cache.shape[0]):
         torch.index_select(kv_cache[kv], 0, ids, out=out[kv])
     return out
 
@@ -115,5 +115,5 @@ def gather_kv_blocks_torch(kv_cache: torch.Tensor, block_ids: BlockIds,
 def scatter_kv_blocks_torch(buffer: torch.Tensor, kv_cache: torch.Tensor,
                             block_ids: BlockIds) -> None:
     ids = _as_ids(block_ids, kv_cache.device)
-    for kv in range(2):
+    for kv in range(kv_cache.shape[0]):
         kv_cache[kv].index_copy_(0, ids, buffer[kv].to(kv_cache.device, kv_cache.dtype))

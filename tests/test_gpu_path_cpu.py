@@ -39,7 +39,7 @@ def test_profile_forward_with_a_budget_above_max_model_len(tiny_model) -> None:
 def test_two_engines_sharing_a_gpu_get_equal_budgets() -> None:
     """Each engine's budget counts its own weights, not the process's allocations: the second
     engine on a GPU is not charged for the first one's cache."""
-    spec = KVCacheSpec(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128,
+    spec = KVCacheSpec.uniform(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128,
                        dtype=torch.bfloat16)
     total, weights, peak, reserve = 80 * GiB, 16 * GiB, 2 * GiB, 1 * GiB
     first = DeviceMemory(total, free=total - weights, own_bytes=weights,
@@ -54,7 +54,7 @@ def test_two_engines_sharing_a_gpu_get_equal_budgets() -> None:
 
 
 def test_budget_is_capped_by_free_memory_and_errors_name_the_figures() -> None:
-    spec = KVCacheSpec(2, 16, 2, 64, torch.float16)
+    spec = KVCacheSpec.uniform(2, 16, 2, 64, torch.float16)
     tight = DeviceMemory(total=10 * GiB, free=1 * GiB, own_bytes=0)
     assert determine_num_blocks(spec, torch.device("cuda"), None, 0, 0.9, tight) == \
         GiB // spec.block_bytes

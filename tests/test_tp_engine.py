@@ -45,7 +45,7 @@ def test_tp2_greedy_matches_hf(tiny_model, spec: str) -> None:
     llm = tp_llm(model_dir, max_num_batched_tokens=32, block_size=8)
     kv = llm.engine.runner.kv_spec
     want_heads = 1 if SPECS[spec]["num_kv_heads"] == 1 else SPECS[spec]["num_kv_heads"] // 2
-    assert kv.num_kv_heads == want_heads  # each rank caches its own heads only
+    assert kv.layers[0].num_kv_heads == want_heads  # each rank caches its own heads only
     try:
         outs = llm.generate(prompts, GREEDY)
         for prompt, out in zip(prompts, outs):

@@ -3,25 +3,44 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from pd_cluster.engine.kv_spec import FullAttentionSpec, LayerKVSpec
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    num_layers: int
+    """The whole paged cache: ``block_size`` tokens per block, one spec per layer (what each
+    layer's attention caches, see kv_spec.py). A block id means the same tokens in every
+    layer; only its bytes differ by layer."""
     block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
+    layers: tuple[LayerKVSpec, ...]
+
+    @classmethod
+    def uniform(cls, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype) -> "KVCacheSpec":
+        """Every layer full attention with the same heads."""
+        return cls(block_size, (FullAttentionSpec(num_kv_heads, head_dim, dtype),) * num_layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].dtype
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block occupies across all layers, K and V."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        """Bytes one block occupies across all layers (the sum of their pages)."""
+        return sum(layer.page_bytes(self.block_size) for layer in self.layers)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [layer.describe() for layer in self.layers]
 
 
 @dataclass(frozen=True)
@@ -74,5 +93,6 @@ def determine_num_blocks(spec: KVCacheSpec, device: torch.device, num_kv_blocks:
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device
                        ) -> list[torch.Tensor]:
-    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    """One tensor per layer, shaped by its own spec."""
+    return [torch.zeros(layer.cache_shape(num_blocks, spec.block_size), dtype=layer.dtype,
+                        device=device) for layer in spec.layers]

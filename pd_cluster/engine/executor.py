@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pd_cluster.config import EngineConfig, read_hf_config
+from pd_cluster.config import EngineConfig
 from pd_cluster.engine.model_runner import ModelRunner
 from pd_cluster.engine.sampler import Sampler
 from pd_cluster.engine.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -49,15 +49,15 @@ def check_tensor_parallel(hf_config: dict[str, Any], size: int) -> None:
 
 
 def engine_info(config: EngineConfig, runner: ModelRunner, tp: Any = None) -> dict[str, Any]:
-    """What a connector's handshake compares (this rank's KV layout, its place in the TP
-    group, and the model's total KV heads)."""
+    """What a connector's handshake compares (this rank's per-layer KV specs, its place in
+    the TP group, and the model's total KV heads: 1 for latent attention, on every rank)."""
     from connectors.hello import model_fingerprint
     spec = runner.kv_spec
-    hf = read_hf_config(config.model)
+    first = spec.layers[0]
     return {"model_id": model_fingerprint(config.model), "dtype": str(spec.dtype),
             "block_size": spec.block_size, "num_layers": spec.num_layers,
-            "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-            "total_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            "num_kv_heads": first.heads, "head_dim": first.width, "kv_specs": spec.describe(),
+            "total_kv_heads": runner.model.args.total_kv_heads,
             "tp_rank": tp.rank if tp else 0, "tp_size": tp.size if tp else 1}
 
 

@@ -45,9 +45,7 @@ class ModelRunner:
         before = self._allocated()
         self.model = load_model(config.model, hf_config, self.dtype, self.device, tp=tp)
         self.weights_bytes = self._allocated() - before  # this engine's, not the process's
-        args = self.model.args
-        self.kv_spec = KVCacheSpec(args.num_layers, config.block_size, args.num_kv_heads,
-                                   args.head_dim, self.dtype)
+        self.kv_spec = KVCacheSpec(config.block_size, tuple(self.model.kv_cache_specs(self.dtype)))
         self.backend = create_backend(config.attention_backend, self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.connector: Any = None  # worker-side KV connector

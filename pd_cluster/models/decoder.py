@@ -6,6 +6,7 @@ name; q/k/v and gate/up are fused per rank (see layers/linear.py for how they lo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,8 +24,11 @@ from pd_cluster.models.spec import ModelSpec
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What the model runner reads to size and allocate the paged KV cache (``model.args``):
-    every layer caches K and V of ``num_kv_heads`` (this rank's) x ``head_dim``.
+    """What the engine reads about the model's KV (``model.args``); the cache itself is sized
+    and allocated from ``CausalLM.kv_cache_specs()`` (one spec per layer, kv_spec.py).
+    ``num_kv_heads`` x ``head_dim``: layer 0's cached heads on this rank and their width
+    (latent attention: 1 x the latent). ``total_kv_heads``: the model's, over all ranks (the
+    connector's routing between TP sizes; latent: 1, every rank holds it).
     ``sliding_windows`` per layer is informational: window layers keep the full history.
     ``prefix_cacheable``: a block's KV depends only on the tokens up to it (False for
     longrope, whose factors depend on the whole sequence's length: no prefix sharing)."""
@@ -35,6 +39,7 @@ class KVLayout:
     vocab_size: int
     sliding_windows: tuple[int | None, ...]
     prefix_cacheable: bool = True
+    total_kv_heads: int = 0
 
 
 class DecoderLayer(nn.Module):
@@ -93,7 +98,12 @@ class CausalLM(nn.Module):
         self.args = KVLayout(spec.num_layers, attn.num_kv_heads, attn.head_dim, spec.vocab_size,
                              tuple(layer.attention.sliding_window for layer in spec.layers),
                              all(layer.attention.rope.rope_type != "longrope"
-                                 for layer in spec.layers))
+                                 for layer in spec.layers), attn.total_kv_heads)
+
+    def kv_cache_specs(self, dtype: torch.dtype) -> list[Any]:
+        """What each layer caches on this rank (its attention's ``kv_cache_spec``) in a cache
+        of ``dtype``."""
+        return [layer.self_attn.kv_cache_spec(dtype) for layer in self.model.layers]
 
     def materialize(self, dtype: torch.dtype, device: torch.device) -> "CausalLM":
         """A meta-built model's parameters as uninitialised ``dtype`` tensors on ``device``."""

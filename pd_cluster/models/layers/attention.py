@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pd_cluster.attention.options import AttentionOptions
+from pd_cluster.engine.kv_spec import FullAttentionSpec, attention_spec
 from pd_cluster.models.context import ForwardContext
 from pd_cluster.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from pd_cluster.models.layers.norm import RMSNorm, ShardedRMSNorm
@@ -82,7 +83,13 @@ class Attention(nn.Module):
             self.sinks = None
         self.rope_key = a.rope.key
         self.scale, self.window, self.softcap = a.scale, a.sliding_window, a.logit_softcap
+        self.total_kv_heads = a.num_kv_heads
         self.tp = tp
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> FullAttentionSpec:
+        """This rank's KV heads in the cache's ``dtype`` (sliding layers keep the whole
+        history too)."""
+        return attention_spec(self.num_kv_heads, self.head_dim, dtype, self.window)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         param.data.copy_(loaded.narrow(0, self.tp.rank * self.num_heads, self.num_heads))

@@ -1,0 +1,105 @@
+"""What one attention layer caches per token (the design's ``get_kv_cache_spec``).
+
+Every layer's cache is one tensor ``[parts, num_blocks, block_size, heads, width]``: standard
+attention caches K and V (parts 2, this rank's KV heads x head_dim), latent attention one
+vector per token (parts 1, one "head" of kv_lora_rank + qk_rope_head_dim). The cache engine
+sizes blocks from the sum of the layers' page bytes; the block manager and the scheduler never
+see shapes, and the connector moves ``[parts, n, block_size, heads, width]`` slices whatever
+they hold. ``describe()`` is the msgpack-able form P and D compare at handshake time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """K and V of ``num_kv_heads`` (this rank's) x ``head_dim`` per token."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    kind = "full"
+    parts = 2
+
+    @property
+    def heads(self) -> int:
+        return self.num_kv_heads
+
+    @property
+    def width(self) -> int:
+        return self.head_dim
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (self.parts, num_blocks, block_size, self.heads, self.width)
+
+    def page_bytes(self, block_size: int) -> int:
+        """Bytes one block of this layer occupies."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.parts * block_size * self.heads * self.width * elem
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "dtype": dtype_name(self.dtype)}
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """Full attention's cache (the whole history is kept) for a layer that attends to the
+    last ``window`` tokens only: same bytes, described apart so P and D agree on it."""
+
+    window: int = 0
+
+    kind = "sliding"
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "window": self.window}
+
+
+@dataclass(frozen=True)
+class LatentAttentionSpec:
+    """Multi-head latent attention: one ``latent_dim`` vector per token, the same on every
+    tensor-parallel rank (the normed latent then the roped key: kv_lora_rank +
+    qk_rope_head_dim)."""
+
+    latent_dim: int
+    dtype: torch.dtype
+
+    kind = "latent"
+    parts = 1
+    heads = 1
+    num_kv_heads = 1  # the connector's routing sees one head, held by every rank
+
+    @property
+    def width(self) -> int:
+        return self.latent_dim
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (self.parts, num_blocks, block_size, self.heads, self.width)
+
+    def page_bytes(self, block_size: int) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return block_size * self.latent_dim * elem
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "latent_dim": self.latent_dim,
+                "dtype": dtype_name(self.dtype)}
+
+
+LayerKVSpec = Union[FullAttentionSpec, SlidingWindowSpec, LatentAttentionSpec]
+
+
+def attention_spec(num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   window: int | None = None) -> FullAttentionSpec:
+    """A standard attention layer's spec: sliding when it has a window."""
+    if window is None:
+        return FullAttentionSpec(num_kv_heads, head_dim, dtype)
+    return SlidingWindowSpec(num_kv_heads, head_dim, dtype, window)
