@@ -4,6 +4,10 @@ Weights stream in: one shard file open at a time (``safe_open``), one tensor rea
 straight onto the target device, handed to its parameter's ``weight_loader``, which copies
 this rank's slice (converting the dtype in the copy). Host memory therefore peaks near one
 tensor (plus the mapped pages of the open shard), never the whole checkpoint.
+
+Quantised checkpoints (``quantization_config``, see models/quant/) dequantise tensor by
+tensor in the same stream: a quantised tensor is read with its scales (looked up in whichever
+shard holds them) and handed on in the model's dtype; scales are never loaded on their own.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from pd_cluster.models.decoder import CausalLM
 from pd_cluster.models.families import spec_from_config
 from pd_cluster.models.layers import moe
 from pd_cluster.models.layers.tp import TPGroup
+from pd_cluster.models.quant import QuantFormat, quant_format
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +53,58 @@ def checkpoint_files(model_dir: str) -> list[Path]:
     return files
 
 
-def iter_checkpoint(model_dir: str, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) one at a time, each read straight onto ``device``."""
+def _tensor_files(files: list[Path], model_dir: str) -> dict[str, Path]:
+    """Tensor name -> the shard holding it (the index's weight_map, else the shards' headers)."""
+    index = Path(model_dir) / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        return {name: Path(model_dir) / file for name, file in weight_map.items()}
+    where: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            where.update((name, path) for name in f.keys())
+    return where
+
+
+def iter_checkpoint(model_dir: str, device: torch.device, fmt: QuantFormat | None = None,
+                    dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) one at a time, each read straight onto ``device``; with a quantisation
+    ``fmt``, quantised tensors come dequantised to ``dtype`` and their scales do not come."""
     dev = str(device) if device.type != "cuda" or device.index is not None else "cuda:0"
-    for path in checkpoint_files(model_dir):
+    files = checkpoint_files(model_dir)
+    where = _tensor_files(files, model_dir) if fmt is not None else {}
+    used: set[str] = set()
+    for path in files:
         with safe_open(str(path), framework="pt", device=dev) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if fmt is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                if fmt.is_companion(name):
+                    continue
+                tensor = f.get_tensor(name)
+                needed = fmt.companions(name, tensor)
+                if needed:
+                    extra = {n: _companion(n, name, path, f, where, dev) for n in needed}
+                    used.update(needed)
+                    name, tensor = fmt.dequantize(name, tensor, extra, dtype)
+                    del extra
+                yield name, tensor
+    orphans = sorted(n for n in where if fmt is not None and fmt.is_companion(n) and n not in used)
+    if orphans:
+        raise ValueError(f"checkpoint {model_dir!r} has scales whose tensors are missing or "
+                         f"not quantised: {orphans[:3]}")
+
+
+def _companion(name: str, owner: str, path: Path, f: Any, where: dict[str, Path],
+               dev: str) -> torch.Tensor:
+    """A scale tensor, from the open shard when it is there (the usual case), else from its own."""
+    if name not in where:
+        raise ValueError(f"checkpoint tensor {owner} is quantised but {name} is missing")
+    if where[name] == path:
+        return f.get_tensor(name)
+    with safe_open(str(where[name]), framework="pt", device=dev) as other:
+        return other.get_tensor(name)
 
 
 def _target(name: str, params: dict[str, nn.Parameter]) -> tuple[str, Any] | None:
@@ -68,12 +118,14 @@ def _target(name: str, params: dict[str, nn.Parameter]) -> tuple[str, Any] | Non
     return moe.checkpoint_target(name, params)  # per-expert tensors, Mixtral's names
 
 
-def load_weights(model: CausalLM, model_dir: str, device: torch.device) -> None:
+def load_weights(model: CausalLM, model_dir: str, device: torch.device,
+                 fmt: QuantFormat | None = None) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = model.spec.tie_word_embeddings
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for name, tensor in iter_checkpoint(model_dir, device):
+    dtype = next(iter(params.values())).dtype
+    for name, tensor in iter_checkpoint(model_dir, device, fmt, dtype):
         if any(s in name for s in _IGNORED) or (tied and name == "lm_head.weight"):
             continue
         target = _target(name, params)
@@ -116,7 +168,7 @@ def load_model(model_dir: str, cfg: dict[str, Any], dtype: torch.dtype, device: 
     with torch.device("meta"):
         model = CausalLM(spec, tp)
     model.materialize(dtype, device)
-    load_weights(model, model_dir, device)
+    load_weights(model, model_dir, device, quant_format(cfg))
     args = model.args
     logger.info("loaded %s: %d layers, hidden %d, kv heads %d x %d per rank (tp %d/%d), "
                 "%.1fM params, %s on %s", spec.architecture, args.num_layers, spec.hidden_size,
