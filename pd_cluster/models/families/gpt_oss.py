@@ -3,7 +3,8 @@ sliding and full layers, yarn RoPE; every MLP a sparse MoE routed on the top-k o
 biased router logits (softmax over those k), experts with biases and the clamped SwiGLU
 ``(clamp(up) + 1) * g * sigmoid(alpha * g)``, g = gate clamped above at ``swiglu_limit``.
 Checkpoints hold the experts fused: ``gate_up_proj`` [E, H, 2I] with gate and up interleaved.
-MXFP4 checkpoints (``quantization_config``) are refused by ``dense_spec``, not dequantised."""
+Released MXFP4 checkpoints (``quantization_config``) dequantise on load (models/quant/
+mxfp4.py) into these fused expert tensors."""
 from __future__ import annotations
 
 from dataclasses import replace
