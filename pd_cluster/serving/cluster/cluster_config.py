@@ -25,6 +25,7 @@ __all__ = ["ClusterConfig", "ConfigError", "KVTransferConfig", "ProxyConfig", "R
            "RoleConfig", "load_config", "parse_config", "parse_overrides", "resolve_model"]
 
 _KV_ROLE = {ROLE_PREFILL: "producer", ROLE_DECODE: "consumer"}
+DECODE_PREFILL_CAP = 256  # tokens: see RoleConfig.max_prefill_tokens_per_step
 
 
 class _Section(BaseModel):
@@ -46,6 +47,10 @@ class RoleConfig(_Section):
     resources: dict[str, float] = Field(default_factory=dict)
     node_labels: dict[str, str] = Field(default_factory=dict)
     strategy: Literal["spread", "pack", "strict_spread", "strict_pack"] | None = None
+    # Prompt tokens an engine of this role computes per step while it has decodes running
+    # (protects their inter-token latency). Unset: the engine section's value, else for decode
+    # engines DECODE_PREFILL_CAP (they prefill only when the proxy finds that cheaper than P).
+    max_prefill_tokens_per_step: int | None = Field(None, ge=1)
 
     @field_validator("resources")
     @classmethod
@@ -89,7 +94,21 @@ class ProxyConfig(_Section):
     # How tokens reach the proxy: "zmq", one message per engine step from each engine's
     # output thread; "ray", one Ray streaming call per request (the previous path).
     token_transport: Literal["zmq", "ray"] = "zmq"
-    routing: str = "least_loaded"
+    # Which engine of a role gets a request: cache_aware (the longest cached prefix weighed
+    # against load, from the engines' prefix-cache reports), least_loaded or round_robin.
+    routing: str = "cache_aware"
+    # Per request in a disaggregated cluster: auto, remote prefill on P or prefill on D alone,
+    # whichever is expected to give the first token sooner (routing/ttft_model.py); always:
+    # every request with max_tokens > 1 goes through P.
+    disaggregation: Literal["auto", "always"] = "auto"
+    # auto: D prefills alone only when that is expected to give the first token this much
+    # sooner than P would (P's queue or missing cache); below it, prefill stays off D.
+    local_prefill_margin_ms: float = Field(20.0, ge=0)
+    # Decode engines match the prompt against their own prefix cache and receive only the KV
+    # blocks they lack (false: every prompt's KV is shipped whole, as before).
+    decode_prefix_reuse: bool = True
+    cache_events_interval: float = Field(0.25, gt=0)  # s between prefix-cache reports pulled
+    cache_index_max_blocks: int = Field(65536, ge=1)  # block hashes remembered per engine
     request_timeout: float = Field(120.0, gt=0)  # bound on every wait for one request
     health_check_interval: float = Field(2.0, gt=0)
     health_check_timeout: float = Field(10.0, gt=0)
@@ -194,6 +213,9 @@ class ClusterConfig(_Section):
                 args["kv_transfer"] = kv_for_role(self.kv_transfer, role)
             if rc.tensor_parallel_size > 1:
                 args["tensor_parallel_size"] = rc.tensor_parallel_size
+            cap = prefill_cap(role, rc, self.engine)
+            if cap is not None:
+                args["max_prefill_tokens_per_step"] = cap
             for i in range(rc.replicas):
                 specs.append(EngineSpec(name=f"{role}-{i}", role=role, model=self.model,
                                         engine_args=args, num_cpus=rc.num_cpus,
@@ -217,6 +239,17 @@ class ClusterConfig(_Section):
             return cls.model_validate(data)
         except ValidationError as e:
             raise config_error(e, cls) from None
+
+
+def prefill_cap(role: str, rc: RoleConfig, engine: dict[str, Any]) -> int | None:
+    """The role's max_prefill_tokens_per_step (None: the engine's own default, no cap)."""
+    if rc.max_prefill_tokens_per_step is not None:
+        return rc.max_prefill_tokens_per_step
+    if "max_prefill_tokens_per_step" in engine:
+        return engine["max_prefill_tokens_per_step"]
+    if role == ROLE_DECODE and "max_prefill_tokens_per_step" in EngineArgs.model_fields:
+        return DECODE_PREFILL_CAP
+    return None
 
 
 def kv_for_role(kv: KVTransferConfig, role: str) -> dict[str, Any]:

@@ -94,6 +94,22 @@ class EngineActor:
     async def stats(self) -> dict[str, Any]:
         return {**self.loop.snapshot, **self.output.counters}
 
+    async def cache_events(self, full: bool = False, timeout: float = 10.0) -> dict[str, Any]:
+        """The prefix cache's changes since the previous call (block hashes stored, removed),
+        for the proxy's cache-aware routing; ``full`` (or a reset in the engine) sends every
+        hash held, with ``reset`` set. Taken between engine steps, on the engine thread."""
+        def take(engine: Any) -> dict[str, Any]:
+            bm = engine.block_manager
+            events = bm.take_events()
+            if full or events.reset:
+                return {"reset": True, "stored": list(bm.cached_hashes()), "removed": []}
+            return {"reset": False, "stored": list(events.stored),
+                    "removed": list(events.removed)}
+        out = await asyncio.wait_for(asyncio.wrap_future(self.loop.call(take)), timeout)
+        spec = self.engine.runner.kv_spec
+        return {**out, "incarnation": self.incarnation, "block_size": spec.block_size,
+                "kv_bytes_per_token": spec.block_bytes / spec.block_size}
+
     async def check_no_leaks(self, timeout: float = 10.0) -> str | None:
         """None when no request and no KV block is held; otherwise what is left."""
         fut = self.loop.call(lambda engine: engine.check_no_leaks())

@@ -82,6 +82,16 @@ class ProxyMetrics:
         self.shared_prefills = Counter(
             "pd_shared_prefills", "Choices (n > 1) run on the engine holding their prompt's KV "
             "from a sibling choice's prefill", registry=r)
+        self.disagg_decisions = Counter(
+            "pd_disaggregation_decisions", "Disaggregated cluster, per request: remote prefill "
+            "on P or prefill on D alone, and why (remote_cheaper, local_cheaper: the TTFT "
+            "estimates; always: proxy.disaggregation)", ["path", "reason"], registry=r)
+        self.route_cached_tokens = Counter(
+            "pd_route_cached_prompt_tokens", "Prompt tokens the chosen engine was expected to "
+            "hold in its prefix cache when routed, by role", ["role"], registry=r)
+        self.route_prompt_tokens = Counter(
+            "pd_route_prompt_tokens", "Prompt tokens routed, by role (the denominator of "
+            "pd_route_cached_prompt_tokens)", ["role"], registry=r)
         r.register(_EngineCollector(engines_snapshot))
 
     def render(self) -> bytes:

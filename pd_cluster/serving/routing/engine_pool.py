@@ -17,6 +17,9 @@ from typing import Any
 
 from pd_cluster.serving.cluster.cluster_config import ProxyConfig
 from pd_cluster.driver.messages import EngineInfo, EngineStatus
+from pd_cluster.serving.routing.cache_feed import CacheFeed
+from pd_cluster.serving.routing.cache_index import CacheIndex
+from pd_cluster.serving.routing.engine_load import EngineLoad, LinkStats
 from pd_cluster.serving.routing.peer_linker import PeerLinker
 from pd_cluster.serving.routing.router import Router, create_router
 from pd_cluster.serving.observability.stats_log import StatsLog
@@ -47,6 +50,7 @@ class EngineState:
     outstanding_work: int = 0
     last_error: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    load: EngineLoad = field(default_factory=EngineLoad)  # queued prefill work, its rate
 
 
 class EnginePool:
@@ -60,15 +64,22 @@ class EnginePool:
         self.token_channel: Any = None  # TokenChannel: set by the proxy that reads tokens
         self.peers = PeerLinker(self.engines, config.health_check_timeout)
         self.stats_log = StatsLog(config.log_stats_interval)
+        self.cache = CacheIndex(config.cache_index_max_blocks)
+        self.link = LinkStats()
+        self.cache_feed = CacheFeed(self.cache, self.link, config.cache_events_interval,
+                                    config.health_check_timeout)
 
     async def start(self) -> None:
         await self.check_all()
         self._task = asyncio.create_task(self._loop())
+        if self.config.routing == "cache_aware" or self.config.disaggregation == "auto":
+            self.cache_feed.start(self.engines)  # else nothing reads the index
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await self.cache_feed.close()
         await self.peers.close()
         if self.token_channel is not None:
             await self.token_channel.close()
@@ -99,6 +110,7 @@ class EnginePool:
             return
         if e.incarnation is not None and info.incarnation != e.incarnation:
             e.restarts += 1
+            self.cache_feed.forget(e)  # a restarted engine's prefix cache starts empty
             logger.warning("%s restarted (pid %d -> %d)", e.name, e.pid, info.pid)
         channel = self.token_channel
         if channel is not None and not channel.linked(e, info.incarnation):
@@ -113,6 +125,7 @@ class EnginePool:
         e.incarnation, e.kv_endpoint, e.pid = info.incarnation, info.kv_endpoint, info.pid
         e.node_ip, e.node_id, e.kv_peers = info.node_ip, info.node_id, dict(info.kv_peers)
         e.max_model_len, e.stats = info.max_model_len, info.stats
+        self.link.engine_stats(e.name, info.stats)
         e.healthy, e.failures = True, 0
 
     def mark_failed(self, e: EngineState, error: str, dead: bool) -> None:
@@ -130,12 +143,20 @@ class EnginePool:
         return [e for e in self.engines if e.role == role and e.healthy and e.name not in excluded]
 
     def pick(self, role: str, excluded: set[str] | frozenset[str] = frozenset(),
-             candidates: list[EngineState] | None = None) -> EngineState:
+             candidates: list[EngineState] | None = None,
+             cached: dict[str, int] | None = None) -> EngineState:
+        """An engine of ``role`` by the routing policy; ``cached``: prompt tokens each
+        engine's prefix cache is believed to hold (cache_aware routing weighs them)."""
         if candidates is None:
             candidates = self.available(role, excluded)
         if not candidates:
             raise NoHealthyEngine(f"no healthy {role} engine available")
-        return self.routers[role].pick(candidates)  # type: ignore[return-value]
+        return self.routers[role].pick(candidates, cached)  # type: ignore[return-value]
+
+    def cached_tokens(self, hashes: list[int], engines: list[EngineState]) -> dict[str, int]:
+        """Per engine: the prompt tokens (whole blocks) of ``hashes`` its cache holds."""
+        bs = self.cache.block_size or 0
+        return {e.name: self.cache.prefix_blocks(e.name, hashes) * bs for e in engines}
 
     def acquire(self, e: EngineState, work: int) -> None:
         e.inflight += 1

@@ -4,6 +4,12 @@ A fresh request runs on P and D in parallel (or one colocated engine, or one eng
 role that is left when the other is down); a request the client already has output of resumes
 on one engine from that output (migration); a choice whose prompt a sibling already prefilled
 runs where that prompt's KV is.
+
+Engines are picked by the routing policy, with each candidate's cached prefix of the prompt
+from the proxy's CacheIndex (cache_aware weighs it against load). In a disaggregated cluster
+each request then goes through P (remote prefill, KV shipped to D) or to D alone, whichever
+the TTFT model (ttft_model.py) expects to answer first, from the rates measured online
+(engine_load.py). The choice and its reason go into metrics and the access log.
 """
 from __future__ import annotations
 
@@ -11,11 +17,14 @@ import dataclasses
 import time
 
 from connectors.transfer_params import RecvKV, SendKV
-from pd_cluster.driver.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, EngineRequest
+from pd_cluster.driver.messages import (ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, EngineDelta,
+                                        EngineRequest)
+from pd_cluster.engine.block_hash import hash_blocks
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.engine_pool import EnginePool, EngineState, NoHealthyEngine
 from pd_cluster.serving.routing.legs import GenerateJob, Leg, LegKind, Sent
 from pd_cluster.serving.routing.peer_linker import PeerLinker
+from pd_cluster.serving.routing.ttft_model import LOCAL, REMOTE, Decision, Link, Side, decide
 
 
 class Planner:
@@ -53,10 +62,15 @@ class Planner:
         max_tokens = job.params.max_tokens or 1
         base = dict(request_id=rid, prompt_token_ids=job.prompt_token_ids,
                     timeout=max(1.0, job.deadline - time.monotonic()))
+        hashes = self._hashes(job)
 
-        def whole(e: EngineState) -> list[Leg]:  # one engine computes the whole answer
-            return [Leg(e, EngineRequest(params=job.params, **base), n_prompt + max_tokens,
-                        LegKind.WHOLE)]
+        def whole(e: EngineState, why: str) -> list[Leg]:  # one engine computes the answer
+            cached = self.pool.cached_tokens(hashes, [e])[e.name]
+            leg = Leg(e, EngineRequest(params=job.params, **base), n_prompt + max_tokens,
+                      LegKind.WHOLE)
+            self._computes(leg, n_prompt - cached)
+            self._routed(job, e, hashes, cached, f"{e.name} {why}".strip())
+            return [leg]
 
         if pinned is not None:
             engine = next((e for role in (ROLE_DECODE, ROLE_PREFILL, ROLE_COLOCATED)
@@ -64,32 +78,110 @@ class Planner:
                           None)
             if engine is not None:  # its prefix cache holds the prompt's full blocks
                 self.metrics.shared_prefills.inc()
-                return whole(engine)
+                return whole(engine, "shared_prefill")
         if self.mode == "colocated":
-            return whole(self.pool.pick(ROLE_COLOCATED, excluded))
+            return whole(self._pick(ROLE_COLOCATED, self.pool.available(ROLE_COLOCATED,
+                                                                        excluded), hashes), "")
         prefills = self.pool.available(ROLE_PREFILL, excluded)
         decodes = self.pool.available(ROLE_DECODE, excluded)
         if not prefills and not decodes:
             raise NoHealthyEngine("no healthy prefill or decode engine available")
         if not decodes:  # degraded: prefill engines serve whole requests
             self.metrics.degraded.labels("no_decode").inc()
-            return whole(self.pool.pick(ROLE_PREFILL, candidates=prefills))
+            return whole(self._pick(ROLE_PREFILL, prefills, hashes), "degraded(no_decode)")
         if not prefills:  # degraded: decode engines prefill by themselves, no KV to wait for
             self.metrics.degraded.labels("no_prefill").inc()
-            return whole(self.pool.pick(ROLE_DECODE, candidates=decodes))
+            return whole(self._pick(ROLE_DECODE, decodes, hashes), "degraded(no_prefill)")
         if max_tokens == 1:  # P alone computes the whole answer: no KV to ship
-            return whole(self.pool.pick(ROLE_PREFILL, candidates=prefills))
-        d = self.pool.pick(ROLE_DECODE, candidates=decodes)
+            return whole(self._pick(ROLE_PREFILL, prefills, hashes), "prefill_only")
+        d = self._pick(ROLE_DECODE, decodes, hashes)
         linked = [p for p in prefills if PeerLinker.linked(p, d)]
         if not linked:  # no P holds a handshake with this D yet (it is being linked)
             self.metrics.degraded.labels("no_kv_link").inc()
-            return whole(d)
-        p = self.pool.pick(ROLE_PREFILL, candidates=linked)
+            return whole(d, "degraded(no_kv_link)")
+        p = self._pick(ROLE_PREFILL, linked, hashes)
+        cached = self.pool.cached_tokens(hashes, [p, d])
+        decision = self._decide(n_prompt, p, d, cached[p.name], cached[d.name])
+        self.metrics.disagg_decisions.labels(decision.path, decision.reason).inc()
+        if decision.path == LOCAL:
+            return whole(d, decision.describe())
         # min_tokens stays <= 1 so P masks EOS for token 1 exactly when D would.
         p_params = dataclasses.replace(job.params, max_tokens=1,
                                        min_tokens=min(job.params.min_tokens, 1))
-        d_kv, p_kv = RecvKV(), SendKV(to=d.kv_endpoint)
-        return [Leg(d, EngineRequest(params=job.params, kv_transfer_params=d_kv, **base),
-                    max_tokens + 1, LegKind.DECODE),
-                Leg(p, EngineRequest(params=p_params, kv_transfer_params=p_kv, **base),
-                    n_prompt, LegKind.PREFILL)]
+        d_kv = RecvKV(reuse_prefix=self.pool.config.decode_prefix_reuse)
+        p_kv = SendKV(to=d.kv_endpoint)
+        d_leg = Leg(d, EngineRequest(params=job.params, kv_transfer_params=d_kv, **base),
+                    max_tokens + 1, LegKind.DECODE)
+        p_leg = Leg(p, EngineRequest(params=p_params, kv_transfer_params=p_kv, **base),
+                    n_prompt, LegKind.PREFILL)
+        self._computes(p_leg, n_prompt - cached[p.name])
+        self._time_link(p_leg, d_leg, n_prompt - cached[d.name])
+        self._routed(job, p, hashes, cached[p.name], "")
+        self._routed(job, d, hashes, cached[d.name], f"{p.name}->{d.name} {decision.describe()}")
+        return [d_leg, p_leg]
+
+    # ---- cache-aware routing and the TTFT model ---------------------------------------------
+    def _hashes(self, job: GenerateJob) -> list[int]:
+        """The prompt's block hashes, as the engines report theirs (none before a report)."""
+        bs = self.pool.cache.block_size
+        return hash_blocks(job.prompt_token_ids, bs) if bs else []
+
+    def _pick(self, role: str, candidates: list[EngineState], hashes: list[int]) -> EngineState:
+        if not candidates:
+            raise NoHealthyEngine(f"no healthy {role} engine available")
+        cached = self.pool.cached_tokens(hashes, candidates) if hashes else None
+        return self.pool.pick(role, candidates=candidates, cached=cached)
+
+    def _decide(self, n_prompt: int, p: EngineState, d: EngineState, p_cached: int,
+                d_cached: int) -> Decision:
+        if self.pool.config.disaggregation == "always":
+            return Decision(REMOTE, "always")
+        link = self.pool.link
+        ship = n_prompt - d_cached if self.pool.config.decode_prefix_reuse else n_prompt
+        return decide(Side(n_prompt - p_cached, p.load.backlog(), self._rate(p)),
+                      Side(n_prompt - d_cached, d.load.backlog(), self._rate(d)),
+                      Link(ship, link.bytes_per_token or 0.0, link.bandwidth.get(),
+                           link.latency.get()), self.pool.config.local_prefill_margin_ms / 1e3)
+
+    def _rate(self, e: EngineState) -> float:
+        """``e``'s measured prefill rate; before its first sample, the mean of the engines
+        measured so far (same model), else the default."""
+        if e.load.prefill_rate.value is not None:
+            return e.load.prefill_rate.get()
+        known = [x.load.prefill_rate.value for x in self.pool.engines
+                 if x.load.prefill_rate.value is not None]
+        return sum(known) / len(known) if known else e.load.prefill_rate.get()
+
+    def _computes(self, leg: Leg, tokens: int) -> None:
+        """``leg`` queues ``tokens`` of prefill on its engine until its first output."""
+        load, n_prompt, key = leg.engine.load, len(leg.request.prompt_token_ids), id(leg)
+        load.add(leg, max(tokens, 1))
+        # The callback holds the leg's id, not the leg: no cycle keeps a finished leg alive.
+        leg.on_first = lambda delta: load.first_output(key, n_prompt, delta.num_cached_tokens)
+
+    def _time_link(self, p_leg: Leg, d_leg: Leg, ship_tokens: int) -> None:
+        """D's first output after P's: the link's latency beyond the bytes it carried."""
+        link, p_first = self.pool.link, p_leg.on_first
+        marks: list[float] = []
+
+        def on_p(delta: EngineDelta) -> None:
+            marks.append(time.monotonic())
+            if p_first is not None:
+                p_first(delta)
+
+        def on_d(_delta: EngineDelta) -> None:
+            if marks:
+                nbytes = ship_tokens * (link.bytes_per_token or 0.0)
+                link.latency.add(max(time.monotonic() - marks[0]
+                                     - nbytes / link.bandwidth.get(), 0.0))
+        p_leg.on_first, d_leg.on_first = on_p, on_d
+
+    def _routed(self, job: GenerateJob, e: EngineState, hashes: list[int], cached: int,
+                route: str) -> None:
+        """Count the expected prefix hit; ``e`` holds the prompt's blocks from now on."""
+        self.metrics.route_cached_tokens.labels(e.role).inc(cached)
+        self.metrics.route_prompt_tokens.labels(e.role).inc(len(job.prompt_token_ids))
+        if hashes:
+            self.pool.cache.record(e.name, hashes)
+        if route:
+            job.route = route

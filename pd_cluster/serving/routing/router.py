@@ -1,13 +1,15 @@
 """Routing policies: pick one engine of a role for a request. New policies register by name.
 
 Load is the proxy's own view (outstanding work it dispatched and not yet seen finish),
-which is exact and immediate, unlike engine stats polled every few seconds.
+which is exact and immediate, unlike engine stats polled every few seconds. ``cached`` is,
+per engine name, how many of the prompt's tokens its prefix cache is believed to hold (the
+proxy's CacheIndex); policies other than cache_aware ignore it.
 """
 from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 
 class Routable(Protocol):
@@ -18,7 +20,8 @@ class Routable(Protocol):
 
 class Router(ABC):
     @abstractmethod
-    def pick(self, candidates: Sequence[Routable]) -> Routable:
+    def pick(self, candidates: Sequence[Routable],
+             cached: Mapping[str, int] | None = None) -> Routable:
         """One of ``candidates`` (non-empty, all healthy)."""
 
 
@@ -48,7 +51,8 @@ class RoundRobinRouter(Router):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, candidates: Sequence[Routable]) -> Routable:
+    def pick(self, candidates: Sequence[Routable],
+             cached: Mapping[str, int] | None = None) -> Routable:
         return candidates[next(self._counter) % len(candidates)]
 
 
@@ -59,7 +63,23 @@ class LeastLoadedRouter(Router):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, candidates: Sequence[Routable]) -> Routable:
+    def pick(self, candidates: Sequence[Routable],
+             cached: Mapping[str, int] | None = None) -> Routable:
+        return min(self._rotated(candidates), key=lambda e: (e.outstanding_work, e.inflight))
+
+    def _rotated(self, candidates: Sequence[Routable]) -> list[Routable]:
         start = next(self._counter) % len(candidates)
-        rotated = list(candidates[start:]) + list(candidates[:start])
-        return min(rotated, key=lambda e: (e.outstanding_work, e.inflight))
+        return list(candidates[start:]) + list(candidates[:start])
+
+
+@register_router("cache_aware")
+class CacheAwareRouter(LeastLoadedRouter):
+    """Least (work to compute the prompt's uncached tokens + outstanding work), both in tokens:
+    a cached prefix is worth as many tokens of load as it saves. Nothing cached anywhere (or
+    nothing known) reduces to least_loaded."""
+
+    def pick(self, candidates: Sequence[Routable],
+             cached: Mapping[str, int] | None = None) -> Routable:
+        held = cached or {}
+        return min(self._rotated(candidates),
+                   key=lambda e: (e.outstanding_work - held.get(e.name, 0), e.inflight))

@@ -1,0 +1,96 @@
+"""What the proxy measures online about each engine and the KV link, for the TTFT model.
+
+Per engine: the prefill work queued on it (prompt tokens of legs it has not answered yet; the
+legs are held weakly, so a leg that ends in any way, e.g. cancelled, stops counting without a
+release call) and its prefill rate, an EWMA of (work ahead + the leg's own computed tokens) /
+(time to the leg's first output), i.e. what a newcomer actually waits, decode steps and all.
+Per cluster: the link's bandwidth (from P's kv_bytes_sent / kv_send_seconds, its engine stats)
+and latency (D's first output after P's, for remote prefills shipping few tokens).
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+DEFAULT_PREFILL_RATE = 4000.0  # tokens/s before the first measurement (a small model on CPU)
+DEFAULT_BANDWIDTH = 1e9  # bytes/s
+DEFAULT_LINK_LATENCY = 0.002  # s
+_MIN_SAMPLE_TOKENS = 32  # shorter prefills measure the step overhead, not the rate
+_ALPHA = 0.2
+
+
+class Ewma:
+    def __init__(self, default: float, alpha: float = _ALPHA):
+        self.default, self.alpha = default, alpha
+        self.value: float | None = None
+        self.samples = 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+        self.samples += 1
+
+    def get(self) -> float:
+        return self.default if self.value is None else self.value
+
+
+class EngineLoad:
+    def __init__(self, default_rate: float = DEFAULT_PREFILL_RATE):
+        self.prefill_rate = Ewma(default_rate)
+        # id(leg) -> (weak ref to it, tokens it computes, work ahead of it, submitted at)
+        self._pending: dict[int, tuple[Any, int, int, float]] = {}
+
+    def backlog(self) -> int:
+        """Prompt tokens queued here: legs started and not answered yet."""
+        total = 0
+        for ref, tokens, _, _ in list(self._pending.values()):
+            leg = ref()
+            if leg is not None and _waiting(leg):
+                total += tokens
+        return total
+
+    def add(self, leg: Any, tokens: int) -> None:
+        """``leg`` (its engine is this one) will compute ``tokens`` prompt tokens."""
+        key = id(leg)
+        ahead = self.backlog()
+        self._pending[key] = (weakref.ref(leg, lambda _r: self._pending.pop(key, None)),
+                              tokens, ahead, time.monotonic())
+
+    def first_output(self, leg_id: int, n_prompt: int, num_cached: int) -> None:
+        """The first output of the leg ``id(leg) == leg_id`` arrived: it no longer queues;
+        a long enough prefill is a rate sample."""
+        entry = self._pending.pop(leg_id, None)
+        if entry is None:
+            return
+        _, _, ahead, t0 = entry
+        computed = max(n_prompt - num_cached, 1)
+        elapsed = time.monotonic() - t0
+        if computed + ahead >= _MIN_SAMPLE_TOKENS and elapsed > 0:
+            self.prefill_rate.add((computed + ahead) / elapsed)
+
+
+class LinkStats:
+    """The KV link, measured from P's send counters and from remote prefills' timings."""
+
+    def __init__(self) -> None:
+        self.bandwidth = Ewma(DEFAULT_BANDWIDTH)
+        self.latency = Ewma(DEFAULT_LINK_LATENCY)
+        self.bytes_per_token: float | None = None  # reported by the engines
+        self._last: dict[str, tuple[float, float]] = {}  # engine -> (bytes sent, send seconds)
+
+    def engine_stats(self, engine: str, stats: dict[str, Any]) -> None:
+        """A producer's latest stats (health check): the bytes/seconds since the last ones."""
+        sent, secs = stats.get("kv_bytes_sent"), stats.get("kv_send_seconds")
+        if not isinstance(sent, (int, float)) or not isinstance(secs, (int, float)):
+            return
+        prev = self._last.get(engine)
+        self._last[engine] = (float(sent), float(secs))
+        if prev is None:
+            return
+        d_bytes, d_secs = sent - prev[0], secs - prev[1]
+        if d_bytes > 0 and d_secs > 0:  # a restart resets the counters: negative, skipped
+            self.bandwidth.add(d_bytes / d_secs)
+
+
+def _waiting(leg: Any) -> bool:
+    return leg.next_seq == 0 and leg.failure is None and not leg.finished

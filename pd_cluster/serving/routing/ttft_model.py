@@ -1,0 +1,65 @@
+"""Conditional disaggregation: per request, is remote prefill (P, then ship the KV to D) or a
+prefill on D alone expected to give the first token sooner?
+
+(a) remote: P's queued prefill work and the prompt tokens P's cache lacks, at P's measured
+    prefill rate, plus shipping the tokens D lacks over the link (measured latency + bytes at
+    the measured bandwidth);
+(b) local: D's queued prefill work and the tokens D's cache lacks, at D's measured rate (which
+    includes the slowdown of prefilling between decode steps under max_prefill_tokens_per_step).
+Local wins only when it is cheaper by more than ``margin`` seconds: remote keeps prefill work
+off the decode engine, whose running requests wait out every local prefill step (bounded by its
+max_prefill_tokens_per_step), so an idle cluster disaggregates as before and D prefills when
+P's queue (or P's missing cache) costs more than the margin.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REMOTE, LOCAL = "remote", "local"
+
+
+@dataclass(frozen=True)
+class Side:
+    """One engine's part in the estimate (tokens and tokens/s)."""
+    uncached_tokens: int  # prompt tokens this engine would compute
+    backlog_tokens: int  # prefill work queued ahead of the request on it
+    prefill_rate: float  # tokens/s, measured (or the default before any measurement)
+
+    def seconds(self) -> float:
+        return (self.backlog_tokens + self.uncached_tokens) / max(self.prefill_rate, 1e-9)
+
+
+@dataclass(frozen=True)
+class Link:
+    ship_tokens: int  # prompt tokens whose KV D lacks (what P sends)
+    bytes_per_token: float
+    bandwidth: float  # bytes/s
+    latency: float  # s: P's first token -> D running, beyond the bytes themselves
+
+    def seconds(self) -> float:
+        if self.ship_tokens <= 0:
+            return self.latency
+        return self.latency + self.ship_tokens * self.bytes_per_token / max(self.bandwidth, 1e-9)
+
+
+@dataclass(frozen=True)
+class Decision:
+    path: str  # REMOTE or LOCAL
+    reason: str  # why (a Prometheus label: a short fixed vocabulary)
+    remote_s: float = 0.0  # the estimates (0 when not estimated)
+    local_s: float = 0.0
+
+    def describe(self) -> str:
+        if not (self.remote_s or self.local_s):
+            return f"{self.path}({self.reason})"
+        return (f"{self.path}({self.reason} remote={self.remote_s * 1e3:.1f}ms "
+                f"local={self.local_s * 1e3:.1f}ms)")
+
+
+def decide(prefill: Side, decode: Side, link: Link, margin: float = 0.0) -> Decision:
+    """Remote unless D prefilling alone is expected to answer more than ``margin`` s sooner."""
+    remote = prefill.seconds() + link.seconds()
+    local = decode.seconds()
+    if local + margin >= remote:
+        return Decision(REMOTE, "remote_cheaper", remote, local)
+    return Decision(LOCAL, "local_cheaper", remote, local)
