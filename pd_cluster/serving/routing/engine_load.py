@@ -43,10 +43,12 @@ class EngineLoad:
     def backlog(self) -> int:
         """Prompt tokens queued here: legs started and not answered yet."""
         total = 0
-        for ref, tokens, _, _ in list(self._pending.values()):
+        for key, (ref, tokens, _, _) in list(self._pending.items()):
             leg = ref()
             if leg is not None and _waiting(leg):
                 total += tokens
+            else:  # failed, finished or gone: it queues no more
+                self._pending.pop(key, None)
         return total
 
     def add(self, leg: Any, tokens: int) -> None:

@@ -1,0 +1,206 @@
+"""Cache-aware routing: the proxy's index of engines' cached block hashes (bounded, reset on a
+restart, fed by the engines' reports) and the planner picking the engine that holds a prompt's
+prefix, falling back to load when none does. Fake engines: no Ray, no model."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from pd_cluster.engine.block_hash import hash_blocks
+from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.serving.cluster.cluster_config import ProxyConfig
+from pd_cluster.serving.observability.metrics import ProxyMetrics
+from pd_cluster.serving.routing.cache_feed import CacheFeed
+from pd_cluster.serving.routing.cache_index import CacheIndex
+from pd_cluster.serving.routing.engine_load import LinkStats
+from pd_cluster.serving.routing.engine_pool import EnginePool
+from pd_cluster.serving.routing.legs import GenerateJob, LegKind
+from pd_cluster.serving.routing.planner import Planner
+from pd_cluster.serving.routing.router import create_router
+
+BS = 4
+
+
+def test_index_prefix_stops_at_the_first_missing_block() -> None:
+    idx = CacheIndex()
+    h = hash_blocks(list(range(40)), BS)
+    idx.apply("d0", stored=h[:6])
+    assert idx.prefix_blocks("d0", h) == 6
+    idx.apply("d0", removed=[h[2]])  # a middle block evicted: the prefix ends before it
+    assert idx.prefix_blocks("d0", h) == 2
+    assert idx.prefix_blocks("d1", h) == 0  # an engine never reported
+
+
+def test_index_is_bounded_per_engine_and_evicts_the_oldest() -> None:
+    idx = CacheIndex(max_blocks_per_engine=8)
+    old, new = hash_blocks(list(range(32)), BS), hash_blocks(list(range(100, 132)), BS)
+    idx.record("d0", old)
+    idx.record("d0", new)
+    assert idx.size("d0") == 8
+    assert idx.prefix_blocks("d0", new) == 8 and idx.prefix_blocks("d0", old) == 0
+
+
+def test_index_reset_and_forget_clear_an_engine() -> None:
+    idx = CacheIndex()
+    a, b = hash_blocks(list(range(16)), BS), hash_blocks(list(range(50, 66)), BS)
+    idx.apply("d0", stored=a)
+    idx.apply("d0", stored=b, reset=True)  # a reset report: only what it lists
+    assert idx.prefix_blocks("d0", a) == 0 and idx.prefix_blocks("d0", b) == 4
+    idx.forget("d0")
+    assert idx.size("d0") == 0
+    with pytest.raises(ValueError, match="max_blocks_per_engine"):
+        CacheIndex(0)
+
+
+class _E:
+    def __init__(self, name: str, work: int = 0):
+        self.name, self.outstanding_work, self.inflight = name, work, 0
+
+
+def test_cache_aware_router_weighs_cached_tokens_against_load() -> None:
+    r = create_router("cache_aware")
+    a, b = _E("a", work=100), _E("b", work=0)
+    assert r.pick([a, b], {"a": 160}).name == "a"  # 160 cached tokens outweigh 100 of load
+    assert r.pick([a, b], {"a": 64}).name == "b"  # a short hit does not
+    assert r.pick([a, b], None).name == "b"  # nothing known: least loaded
+    seen = {r.pick([_E("x"), _E("y")], {}).name for _ in range(4)}
+    assert seen == {"x", "y"}  # equally idle: both used
+
+
+# ---- the planner on a fake pool ------------------------------------------------------------
+def _pool(**cfg: Any) -> tuple[EnginePool, Planner]:
+    names = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+    pool = EnginePool([(n, n.split("-")[0], None) for n in names], ProxyConfig(**cfg))
+    for st in pool.engines:
+        st.healthy, st.incarnation = True, "i0"
+        st.kv_endpoint = f"tcp://{st.name}" if st.role == "decode" else None
+    for st in pool.engines:
+        if st.role == "prefill":
+            st.kv_peers = {d.kv_endpoint: d.incarnation for d in pool.engines if d.kv_endpoint}
+    pool.cache.block_size = BS
+    return pool, Planner(pool, "disaggregated", ProxyMetrics(lambda: pool.engines))
+
+
+def _job(prompt: list[int], max_tokens: int = 8) -> GenerateJob:
+    return GenerateJob("r", prompt, SamplingParams(temperature=0, max_tokens=max_tokens), 1e18)
+
+
+def test_planner_routes_to_the_engines_that_hold_the_prefix() -> None:
+    pool, planner = _pool()
+    prompt = list(range(64))
+    h = hash_blocks(prompt, BS)
+    pool.cache.apply("decode-1", stored=h)
+    pool.cache.apply("prefill-1", stored=h[:10])
+    for _ in range(3):  # every time, not by rotation
+        legs = planner.plan(_job(prompt + [7, 8]), set(), "r")
+        assert {lg.kind: lg.engine.name for lg in legs} == {
+            LegKind.DECODE: "decode-1", LegKind.PREFILL: "prefill-1"}
+
+
+def test_planner_falls_back_to_load_when_no_engine_holds_the_prefix() -> None:
+    pool, planner = _pool()
+    pool.cache.apply("decode-0", stored=hash_blocks(list(range(500, 564)), BS))  # other prompt
+    by_name = {e.name: e for e in pool.engines}
+    by_name["decode-0"].outstanding_work = 50
+    by_name["prefill-0"].outstanding_work = 50
+    legs = planner.plan(_job(list(range(64))), set(), "r")
+    assert {lg.engine.name for lg in legs} == {"decode-1", "prefill-1"}
+
+
+def test_planner_records_what_it_routed_for_the_next_turn() -> None:
+    pool, planner = _pool()
+    turn1 = list(range(40))
+    legs = planner.plan(_job(turn1), set(), "r")
+    p, d = (next(lg.engine.name for lg in legs if lg.kind is k)
+            for k in (LegKind.PREFILL, LegKind.DECODE))
+    for e in pool.engines:  # the other engines now carry more load: still the same pair
+        if e.name not in (p, d):
+            e.outstanding_work = 0
+        else:
+            e.outstanding_work = 20
+    legs2 = planner.plan(_job(turn1 + list(range(900, 940))), set(), "r2")
+    assert {lg.engine.name for lg in legs2} == {p, d}
+
+
+# ---- the engines' reports --------------------------------------------------------------------
+class _Reporting:
+    """A fake engine handle answering cache_events like EngineActor."""
+
+    def __init__(self, incarnation: str = "i0"):
+        self.incarnation, self.held, self.pending = incarnation, [], []
+        self.calls: list[bool] = []
+        outer = self
+
+        class _M:
+            def remote(self, full: bool) -> Any:
+                outer.calls.append(full)
+                stored = list(outer.held) if full else outer.pending
+                outer.pending = []
+                return _done({"reset": full, "stored": stored, "removed": [],
+                              "incarnation": outer.incarnation, "block_size": BS,
+                              "kv_bytes_per_token": 128.0})
+        self.cache_events = _M()
+
+
+def _done(value: Any) -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(value)
+    return fut
+
+
+def test_feed_syncs_fully_then_follows_events_and_resyncs_after_a_restart() -> None:
+    pool = EnginePool([("decode-0", "decode", _Reporting())], ProxyConfig())
+    e = pool.engines[0]
+    e.healthy, e.incarnation = True, "i0"
+    feed = CacheFeed(pool.cache, LinkStats(), 0.01, 1.0)
+    a, b = hash_blocks(list(range(32)), BS), hash_blocks(list(range(32, 64)), BS)
+
+    async def go() -> None:
+        e.handle.held = list(a)
+        await feed.poll(pool.engines)  # first contact: a full report
+        assert e.handle.calls == [True] and pool.cache.prefix_blocks("decode-0", a) == 8
+        assert pool.cache.block_size == BS and feed.link.bytes_per_token == 128.0
+        e.handle.pending = list(b)
+        await feed.poll(pool.engines)  # then only what changed
+        assert e.handle.calls == [True, False] and pool.cache.size("decode-0") == 16
+        # A restart: the health check sees a new incarnation; the index forgets the engine
+        # and the next report is full (the restarted engine holds nothing yet).
+        e.handle.incarnation, e.handle.held = "i1", []
+        e.incarnation = "i1"
+        feed.forget(e)
+        assert pool.cache.size("decode-0") == 0
+        await feed.poll(pool.engines)
+        assert e.handle.calls[-1] is True and pool.cache.size("decode-0") == 0
+    asyncio.run(go())
+
+
+def test_a_failed_report_forgets_the_engine_until_a_full_one() -> None:
+    class _Failing(_Reporting):
+        fail = False
+
+    h = _Failing()
+    pool = EnginePool([("prefill-0", "prefill", h)], ProxyConfig())
+    e = pool.engines[0]
+    e.healthy, e.incarnation = True, "i0"
+    feed = CacheFeed(pool.cache, LinkStats(), 0.01, 1.0)
+    orig = h.cache_events.remote
+
+    def remote(full: bool) -> Any:
+        if h.fail:
+            raise RuntimeError("actor busy")
+        return orig(full)
+    h.cache_events.remote = remote  # type: ignore[method-assign]
+
+    async def go() -> None:
+        h.held = hash_blocks(list(range(16)), BS)
+        await feed.poll(pool.engines)
+        assert pool.cache.size("prefill-0") == 4
+        h.fail = True
+        await feed.poll(pool.engines)  # events may be lost: stale knowledge dropped
+        assert pool.cache.size("prefill-0") == 0
+        h.fail = False
+        await feed.poll(pool.engines)
+        assert h.calls[-1] is True and pool.cache.size("prefill-0") == 4
+    asyncio.run(go())

@@ -1,0 +1,194 @@
+"""Cost-based conditional disaggregation: the TTFT model on given rates and queues, the online
+measurements it reads (engine_load.py), the planner's choice with its metrics and access-log
+route, and the proxy/role config knobs. Fake engines: no Ray, no model."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from pd_cluster.driver.messages import EngineDelta
+from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.serving.cluster.cluster_config import ConfigError, ProxyConfig, parse_config
+from pd_cluster.serving.observability.metrics import ProxyMetrics
+from pd_cluster.serving.routing.engine_load import EngineLoad, LinkStats
+from pd_cluster.serving.routing.engine_pool import EnginePool
+from pd_cluster.serving.routing.legs import GenerateJob, LegKind
+from pd_cluster.serving.routing.planner import Planner
+from pd_cluster.serving.routing.ttft_model import LOCAL, REMOTE, Link, Side, decide
+
+NO_LINK = Link(0, 0.0, 1e9, 0.0)
+
+
+def test_remote_when_p_is_idle_and_holds_as_much() -> None:
+    d = decide(Side(500, 0, 1000.0), Side(500, 0, 1000.0), Link(500, 1e3, 1e9, 0.002), 0.02)
+    assert d.path == REMOTE and d.reason == "remote_cheaper"
+    assert d.remote_s == pytest.approx(0.5 + 0.002 + 500e3 / 1e9)
+    assert d.local_s == pytest.approx(0.5)
+
+
+def test_local_when_p_queue_costs_more_than_the_margin() -> None:
+    p_busy = Side(500, 4000, 1000.0)  # 4.5 s of work on P
+    d = decide(p_busy, Side(500, 0, 500.0), NO_LINK, 0.02)  # D is slower, yet 1 s
+    assert d.path == LOCAL and d.reason == "local_cheaper"
+    assert "remote=4500.0ms" in d.describe() and "local=1000.0ms" in d.describe()
+
+
+def test_margin_keeps_small_gains_remote() -> None:
+    # D would answer 10 ms sooner: not worth prefilling between its decodes (margin 20 ms)
+    p, dd = Side(100, 10, 1000.0), Side(100, 0, 1000.0)
+    assert decide(p, dd, NO_LINK, 0.02).path == REMOTE
+    assert decide(p, dd, NO_LINK, 0.0).path == LOCAL
+
+
+def test_cached_prefix_on_d_and_shipping_cost_count() -> None:
+    # Multi-turn: D holds the history, P does not; P must compute and ship it all.
+    p, dd = Side(600, 0, 2000.0), Side(40, 0, 1000.0)
+    assert decide(p, dd, Link(600, 2e4, 1e8, 0.002), 0.02).path == LOCAL
+    # Both hold it: remote again (P computes the same 40 tokens, D stays free).
+    assert decide(Side(40, 0, 2000.0), dd, Link(40, 2e4, 1e8, 0.002), 0.02).path == REMOTE
+    # A slow link alone can tip it: 10 MB at 10 MB/s is a second.
+    assert decide(Side(100, 0, 2000.0), Side(100, 0, 1000.0),
+                  Link(100, 1e5, 1e7, 0.0), 0.02).path == LOCAL
+
+
+# ---- online measurements -------------------------------------------------------------------
+class _Leg:
+    def __init__(self) -> None:
+        self.next_seq, self.failure, self.finished = 0, None, False
+
+
+def test_backlog_counts_legs_until_first_output_or_gone() -> None:
+    load = EngineLoad()
+    a, b, c = _Leg(), _Leg(), _Leg()
+    load.add(a, 100)
+    load.add(b, 200)
+    load.add(c, 50)
+    assert load.backlog() == 350
+    load.first_output(id(a), 100, 0)  # answered: no longer queued
+    b.failure = RuntimeError("engine died")  # failed legs do not count
+    assert load.backlog() == 50
+    del c
+    gc.collect()
+    assert load.backlog() == 0 and not load._pending
+
+
+def test_prefill_rate_is_measured_from_first_outputs() -> None:
+    load = EngineLoad(default_rate=1234.0)
+    assert load.prefill_rate.get() == 1234.0
+    leg = _Leg()
+    load.add(leg, 400)
+    load.first_output(id(leg), 400, 0)
+    assert load.prefill_rate.samples == 1 and load.prefill_rate.get() > 1234.0  # instant
+    short = _Leg()
+    load.add(short, 4)
+    load.first_output(id(short), 4, 0)  # too short to measure a rate: no sample
+    assert load.prefill_rate.samples == 1
+
+
+def test_link_bandwidth_from_producer_counters() -> None:
+    link = LinkStats()
+    link.engine_stats("prefill-0", {"kv_bytes_sent": 0, "kv_send_seconds": 0.0})
+    link.engine_stats("prefill-0", {"kv_bytes_sent": 5e6, "kv_send_seconds": 0.5})
+    assert link.bandwidth.get() == pytest.approx(1e7)
+    link.engine_stats("prefill-0", {"kv_bytes_sent": 0, "kv_send_seconds": 0.0})  # restart
+    assert link.bandwidth.samples == 1
+
+
+# ---- the planner's choice --------------------------------------------------------------------
+def _planner(**cfg: object) -> tuple[EnginePool, Planner, ProxyMetrics]:
+    pool = EnginePool([("prefill-0", "prefill", None), ("decode-0", "decode", None)],
+                      ProxyConfig(**cfg))
+    p, d = pool.engines
+    for e in pool.engines:
+        e.healthy, e.incarnation = True, "i0"
+    d.kv_endpoint = "tcp://d"
+    p.kv_peers = {"tcp://d": "i0"}
+    metrics = ProxyMetrics(lambda: pool.engines)
+    return pool, Planner(pool, "disaggregated", metrics), metrics
+
+
+def _job(n: int) -> GenerateJob:
+    return GenerateJob("r", list(range(n)), SamplingParams(temperature=0, max_tokens=8), 1e18)
+
+
+def _count(metrics: ProxyMetrics, path: str, reason: str) -> float:
+    return metrics.registry.get_sample_value("pd_disaggregation_decisions_total",
+                                             {"path": path, "reason": reason}) or 0.0
+
+
+def test_planner_goes_remote_on_an_idle_cluster() -> None:
+    _, planner, metrics = _planner()
+    job = _job(300)
+    legs = planner.plan(job, set(), "r")
+    assert [lg.kind for lg in legs] == [LegKind.DECODE, LegKind.PREFILL]
+    assert _count(metrics, REMOTE, "remote_cheaper") == 1
+    assert job.route.startswith("prefill-0->decode-0 remote(remote_cheaper")
+
+
+def test_planner_prefills_on_d_when_p_is_backed_up() -> None:
+    pool, planner, metrics = _planner()
+    busy = [_Leg() for _ in range(4)]
+    for leg in busy:  # P has 4k prompt tokens queued
+        pool.engines[0].load.add(leg, 1000)
+    job = _job(300)
+    legs = planner.plan(job, set(), "r9")
+    assert len(legs) == 1 and legs[0].kind is LegKind.WHOLE
+    assert legs[0].engine.name == "decode-0" and legs[0].request.kv_transfer_params is None
+    assert _count(metrics, LOCAL, "local_cheaper") == 1
+    assert job.route.startswith("decode-0 local(local_cheaper")
+    assert pool.engines[1].load.backlog() == 300  # D's own queue now counts its prefill
+    del busy, leg, legs  # every leg ends: both queues empty, remote again
+    gc.collect()
+    assert len(planner.plan(_job(300), set(), "r10")) == 2
+
+
+def test_planner_always_disaggregates_when_configured() -> None:
+    pool, planner, metrics = _planner(disaggregation="always")
+    busy = [_Leg() for _ in range(4)]
+    for leg in busy:
+        pool.engines[0].load.add(leg, 1000)
+    legs = planner.plan(_job(300), set(), "r9")
+    assert len(legs) == 2 and _count(metrics, REMOTE, "always") == 1
+
+
+def test_planner_balances_prefills_between_p_and_d_under_load() -> None:
+    _, planner, metrics = _planner()
+    plans = [planner.plan(_job(1000), set(), f"r{i}") for i in range(4)]  # none answered yet
+    assert [len(legs) for legs in plans] == [2, 1, 2, 1]  # each goes where the queue is shorter
+    assert _count(metrics, LOCAL, "local_cheaper") == 2
+
+
+def test_first_output_of_a_planned_leg_feeds_the_rate() -> None:
+    pool, planner, _ = _planner()
+    legs = planner.plan(_job(300), set(), "r")
+    p_leg = next(lg for lg in legs if lg.kind is LegKind.PREFILL)
+    p_leg.apply(EngineDelta("r", 0, [5], "a", True, "length", None, 300, 0, 0.0))
+    assert pool.engines[0].load.prefill_rate.samples == 1
+    assert pool.engines[0].load.backlog() == 0
+
+
+# ---- config -----------------------------------------------------------------------------------
+def test_proxy_knobs_validate_with_their_key() -> None:
+    cfg = parse_config({})
+    assert cfg.proxy.routing == "cache_aware" and cfg.proxy.disaggregation == "auto"
+    with pytest.raises(ConfigError, match=r"proxy\.disaggregation: must be one of"):
+        parse_config({"proxy": {"disaggregation": "sometimes"}})
+    with pytest.raises(ConfigError, match=r"proxy\.local_prefill_margin_ms: must be >= 0"):
+        parse_config({"proxy": {"local_prefill_margin_ms": -1.0}})
+    with pytest.raises(ConfigError, match=r"proxy\.routing: must be one of"):
+        parse_config({"proxy": {"routing": "random"}})
+    with pytest.raises(ConfigError, match=r"decode\.max_prefill_tokens_per_step: must be >= 1"):
+        parse_config({"decode": {"max_prefill_tokens_per_step": 0}})
+
+
+def test_decode_engines_get_a_prefill_cap_by_default() -> None:
+    from pd_cluster.config import EngineArgs
+    if "max_prefill_tokens_per_step" not in EngineArgs.model_fields:
+        pytest.skip("the engine has no max_prefill_tokens_per_step yet")
+    specs = {s.role: s.engine_args for s in parse_config({}).engine_specs()}
+    assert specs["decode"]["max_prefill_tokens_per_step"] == 256
+    assert "max_prefill_tokens_per_step" not in specs["prefill"]
+    over = parse_config({"decode": {"max_prefill_tokens_per_step": 64}}).engine_specs()
+    assert {s.role: s.engine_args.get("max_prefill_tokens_per_step") for s in over} == {
+        "prefill": None, "decode": 64}
