@@ -104,12 +104,17 @@ async def _sse(first: tuple[int, StreamEvent] | None,
                 r.token_ids.extend(ev.token_ids)
                 r.finish_reason = ev.finish_reason
                 r.num_cached_tokens = ev.num_cached_tokens or r.num_cached_tokens
-                chunk = fmt.chunk(ev.text, ev.token_ids, ev.finish_reason, index, ev.logprobs,
-                                  ev.prompt_logprobs)
-                if chunk is not None:
-                    if continuous_usage:
+                if continuous_usage:
+                    chunk = fmt.chunk(ev.text, ev.token_ids, ev.finish_reason, index,
+                                      ev.logprobs, ev.prompt_logprobs)
+                    if chunk is not None:
                         chunk["usage"] = usage(results).model_dump()
-                    yield sse(chunk)
+                        yield sse(chunk)
+                else:
+                    data = fmt.chunk_sse(ev.text, ev.token_ids, ev.finish_reason, index,
+                                         ev.logprobs, ev.prompt_logprobs)
+                    if data is not None:
+                        yield data
                 item = await anext(events, None)
             if include_usage:
                 yield sse(fmt.usage_chunk(results))
