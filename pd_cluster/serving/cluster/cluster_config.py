@@ -94,6 +94,9 @@ class ProxyConfig(_Section):
     # How tokens reach the proxy: "zmq", one message per engine step from each engine's
     # output thread; "ray", one Ray streaming call per request (the previous path).
     token_transport: Literal["zmq", "ray"] = "zmq"
+    # Tokens per streamed chunk at least (as vLLM's stream_interval): the first token and the
+    # last chunk go at once; fewer, larger chunks cost the proxy and the client less per token.
+    stream_interval: int = Field(1, ge=1)
     # Which engine of a role gets a request: cache_aware (the longest cached prefix weighed
     # against load, from the engines' prefix-cache reports), least_loaded or round_robin.
     routing: str = "cache_aware"
