@@ -192,14 +192,16 @@ def test_a_gap_or_a_repeat_fails_that_leg_only() -> None:
     asyncio.run(go())
 
 
-def _pool_and_dispatcher(engines: list[FakeEngineActor], channel: TokenChannel
+def _pool_and_dispatcher(engines: list[FakeEngineActor], channel: TokenChannel,
+                         stream_interval: int = 1
                          ) -> tuple[EnginePool, Dispatcher, ProxyMetrics]:
     pool = EnginePool([(e.name, e.role, e.handle) for e in engines], ProxyConfig())
     for st in pool.engines:
         st.healthy, st.incarnation = True, "i0"
     pool.token_channel = channel
     metrics = ProxyMetrics(lambda: pool.engines)
-    return pool, Dispatcher(pool, "colocated", metrics, 0, 2, channel), metrics
+    return pool, Dispatcher(pool, "colocated", metrics, 0, 2, channel,
+                            stream_interval), metrics
 
 
 def test_a_slow_client_gets_everything_new_in_one_event() -> None:
@@ -287,7 +289,7 @@ def test_an_engine_dying_mid_stream_migrates_its_requests_exactly() -> None:
         pool, disp, metrics = _pool_and_dispatcher([a, b], channel)
         for st in pool.engines:
             await channel.attach(st, "i0")
-        pool.routers["colocated"].pick = lambda candidates: candidates[0]  # a first
+        pool.routers["colocated"].pick = lambda candidates, *_: candidates[0]  # a first
         job = GenerateJob("m", [1], SamplingParams(max_tokens=60, ignore_eos=True), 1e18)
         tokens: list[int] = []
         async for ev in disp.stream(job):
@@ -298,6 +300,35 @@ def test_an_engine_dying_mid_stream_migrates_its_requests_exactly() -> None:
         assert metrics.migrations._value.get() == 1
         assert lost == [("colocated-0", True)] and not pool.engines[0].healthy
         assert b.sender._routes == {}  # finished: nothing held for it on the new engine
+        await channel.close()
+        a.sender.stop()
+        b.sender.stop()
+    asyncio.run(go())
+
+
+def test_stream_interval_chunks_and_a_migration_stay_exact() -> None:
+    """proxy.stream_interval 4: the first token goes at once, every later event but the last
+    carries at least 4 tokens; tokens held in a leg whose engine dies are not lost (the
+    request resumes from what the client has) and none is sent twice."""
+    async def go() -> None:
+        a, b = FakeEngineActor("colocated-0"), FakeEngineActor("colocated-1")
+        a.step_seconds = b.step_seconds = 0.001
+        channel = TokenChannel(5.0, node_id="here")
+        pool, disp, metrics = _pool_and_dispatcher([a, b], channel, stream_interval=4)
+        for st in pool.engines:
+            await channel.attach(st, "i0")
+        pool.routers["colocated"].pick = lambda candidates, *_: candidates[0]  # a first
+        job = GenerateJob("si", [1], SamplingParams(max_tokens=61, ignore_eos=True), 1e18)
+        sizes: list[int] = []
+        tokens: list[int] = []
+        async for ev in disp.stream(job):
+            sizes.append(len(ev.token_ids))
+            tokens += ev.token_ids
+            if len(tokens) >= 9 and a.dead is None:
+                a.die()
+        assert tokens == [token_id(i) for i in range(61)]
+        assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]), sizes
+        assert metrics.migrations._value.get() == 1
         await channel.close()
         a.sender.stop()
         b.sender.stop()

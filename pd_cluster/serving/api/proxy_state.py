@@ -37,7 +37,8 @@ class ProxyState:
             channel = TokenChannel(cfg.proxy.health_check_timeout, self.pool.mark_failed)
             self.pool.token_channel = channel
         self.dispatcher = Dispatcher(self.pool, cfg.mode, self.metrics, cfg.proxy.max_retries,
-                                     cfg.proxy.max_migrations, channel)
+                                     cfg.proxy.max_migrations, channel,
+                                     cfg.proxy.stream_interval)
         self.admission = Admission(cfg.proxy.max_inflight, cfg.proxy.max_queue, self.metrics)
         self.inflight = 0  # requests in the proxy, queued ones included
         self.node_ip = _node_ip()

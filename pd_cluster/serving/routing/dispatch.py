@@ -37,8 +37,10 @@ __all__ = ["Dispatcher", "GenerateJob", "StreamEvent"]
 
 class Dispatcher:
     def __init__(self, pool: EnginePool, mode: str, metrics: ProxyMetrics, max_retries: int,
-                 max_migrations: int = 0, channel: TokenChannel | None = None):
+                 max_migrations: int = 0, channel: TokenChannel | None = None,
+                 stream_interval: int = 1):
         self.pool, self.metrics, self.channel = pool, metrics, channel
+        self.stream_interval = stream_interval  # tokens per event at least (after the first)
         self.planner = Planner(pool, mode, metrics)
         self.max_retries, self.max_migrations = max_retries, max_migrations
 
@@ -149,7 +151,8 @@ class Dispatcher:
         for lg in order:
             waiting, prompt_logprobs = waiting_prompt_logprobs(job, legs, sent)
             try:
-                out = next_output(lg, job, sent, prompt_logprobs, waiting)
+                out = next_output(lg, job, sent, prompt_logprobs, waiting,
+                                  self.stream_interval)
             except EngineFailed:
                 self.metrics.first_token_mismatch.inc()
                 raise

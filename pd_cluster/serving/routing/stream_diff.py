@@ -23,10 +23,12 @@ def waiting_prompt_logprobs(job: GenerateJob, legs: list[Leg], sent: Sent
 
 
 def next_output(leg: Leg, job: GenerateJob, sent: Sent,
-                prompt_logprobs: PromptLogprobs | None, waiting: bool) -> Output | None:
+                prompt_logprobs: PromptLogprobs | None, waiting: bool,
+                stream_interval: int = 1) -> Output | None:
     """What the client gets next from ``leg``, given everything it produced so far; None
-    when nothing changes. Raises EngineFailed when D's first token contradicts the one the
-    client already has from P."""
+    when nothing changes. Once the client has its first token, output waits for
+    ``stream_interval`` new tokens (or the finish). Raises EngineFailed when D's first token
+    contradicts the one the client already has from P."""
     last = leg.last
     if last is None:
         return None
@@ -54,6 +56,10 @@ def next_output(leg: Leg, job: GenerateJob, sent: Sent,
                                                f"from the prefill engine's {sent.token_ids[0]}",
                                    dead=False)
     new_tokens = leg.token_ids[len(sent.token_ids):]
+    if stream_interval > 1 and not done and sent.any and len(new_tokens) < stream_interval:
+        # Held in the leg until there are enough (or it finishes): nothing is lost if the
+        # engine fails meanwhile, the request resumes from what the client has.
+        return Output(None, first_from_prefill) if first_from_prefill is False else None
     end = len(leg.text)
     if not done and job.params.stop:
         # Hold back what could be the start of a stop string: once sent, text cannot be
