@@ -204,3 +204,81 @@ def test_a_failed_report_forgets_the_engine_until_a_full_one() -> None:
         await feed.poll(pool.engines)
         assert h.calls[-1] is True and pool.cache.size("prefill-0") == 4
     asyncio.run(go())
+
+
+# ---- on a cluster ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    import os
+
+    from pd_cluster.serving.cluster.launcher import launch
+    from pd_cluster.serving.cluster.testing import ensure_ray, local_config
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PD_CLUSTER_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+    ensure_ray()
+    # 1P2D; margin 0: on an idle cluster D prefilling alone is usually the cheaper path (no
+    # link to cross), so turns run on a decode engine picked by its cached prefix.
+    cfg = local_config("local", f"test-cache-routing-{os.getpid()}",
+                       decode={"replicas": 2},
+                       engine={"num_kv_blocks": 256, "max_model_len": 512},
+                       proxy={"local_prefill_margin_ms": 0.0, "cache_events_interval": 0.1})
+    c = launch(cfg, progress=False)
+    yield c
+    c.shutdown()
+    mp.undo()
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    import re
+    lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    m = re.search(rf"^{name}{{{lab}}} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_conversations_stay_on_their_decode_engine_exactly(cluster) -> None:
+    import random
+    import time
+
+    import httpx
+
+    from pd_cluster import LLM
+    from pd_cluster import SamplingParams as SP
+    from pd_cluster.serving.cluster.cluster_config import resolve_model
+    from pd_cluster.serving.cluster.testing import cluster_status, leak_reports, wait_idle
+
+    rng = random.Random(3)
+    offline = LLM(model=resolve_model("tiny-llama"), num_kv_blocks=256, max_model_len=512)
+    # Three conversations on two decode engines: rotation (least_loaded on an idle cluster)
+    # would move some to the other engine at their next turn; cache_aware keeps them.
+    convs = [[rng.randrange(4, 500) for _ in range(40)] for _ in range(3)]
+    expected_cached = 0
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:
+        for turn in range(3):
+            for c, prompt in enumerate(convs):
+                body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 12,
+                        "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+                r = http.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                got = r.json()["choices"][0]["token_ids"]
+                ref = offline.generate([prompt], SP(temperature=0, max_tokens=12,
+                                                    ignore_eos=True))[0].outputs[0].token_ids
+                assert got == list(ref), f"conversation {c} turn {turn}"
+                if turn:
+                    expected_cached += len(prompt) // 16 * 16 - 16  # at least: all but new
+                convs[c] = prompt + got + [rng.randrange(4, 500) for _ in range(20)]
+            time.sleep(0.3)  # the engines' reports reach the proxy
+        text = http.get("/metrics").text
+    # Mostly local (the margin is 0); a turn may still go remote where the measured rates
+    # say so (P has none measured: it borrows the decode engines' mean). Exact either way.
+    local = _metric(text, "pd_disaggregation_decisions_total", path="local",
+                    reason="local_cheaper")
+    remote = _metric(text, "pd_disaggregation_decisions_total", path="remote",
+                     reason="remote_cheaper")
+    assert local + remote == 9 and local >= 1
+    cached = _metric(text, "pd_route_cached_prompt_tokens_total", role="decode")
+    assert cached >= expected_cached > 0
+    hits = {e["name"]: e["stats"].get("prefix_cache_hit_blocks", 0)
+            for e in cluster_status(cluster.url)["engines"] if e["role"] == "decode"}
+    assert sum(hits.values()) >= expected_cached // 16
+    wait_idle(cluster.url)
+    assert leak_reports(cluster) == {}
