@@ -38,7 +38,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _REF_LEVEL = 1  # streams at which the overhead percentiles are reported (no backlog)
 _STEP_MS = 5.0  # the paced engine's step
-TRANSPORTS = ("ray", "zmq")
+_PUBLISHED = 24_713  # tok/s through one proxy, published before the token path moved off Ray
+
+
+def paths(stream_interval: int) -> dict[str, tuple[str, int]]:
+    """Proxy paths compared: name -> (token transport, stream interval)."""
+    out = {"ray": ("ray", 1), "zmq": ("zmq", 1)}
+    if stream_interval > 1:
+        out[f"zmq/{stream_interval}"] = ("zmq", stream_interval)
+    return out
 
 
 def cpu_seconds(pid: int) -> float:
@@ -52,20 +60,22 @@ def pid_of(actor: Any) -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
 
 
-def start(namespace: str) -> tuple[dict[str, str], list[Any]]:
-    """One NullEngine actor and one proxy per token transport: {transport: url}, actors."""
+def start(namespace: str, compared: dict[str, tuple[str, int]]
+          ) -> tuple[dict[str, str], list[Any]]:
+    """One NullEngine actor and one proxy per path: {path: url}, actors."""
     import ray
 
     from pd_cluster.serving.cluster.cluster_config import parse_config
     from pd_cluster.serving.cluster.proxy_actor import proxy_actor_class
     from pd_cluster.serving.engine.null_engine import null_engine_actor_class
 
-    def config(transport: str) -> Any:
+    def config(transport: str, stream_interval: int = 1) -> Any:
         return parse_config({"mode": "colocated", "colocated": {"replicas": 1, "num_cpus": 1},
                              "engine": {"device": "cpu", "num_kv_blocks": 16},
                              "proxy": {"port": 0, "max_inflight": 1024,
                                        "request_timeout": 300.0,
-                                       "token_transport": transport},
+                                       "token_transport": transport,
+                                       "stream_interval": stream_interval},
                              "ray": {"namespace": namespace}})
 
     ray.init(address="local", num_cpus=4, namespace=namespace, include_dashboard=False,
@@ -74,10 +84,11 @@ def start(namespace: str) -> tuple[dict[str, str], list[Any]]:
     engines = [null_engine_actor_class().options(name=s.name, namespace=namespace, num_cpus=1)
                .remote(s.to_dict()) for s in specs]
     ray.get([e.ready.remote() for e in engines], timeout=300)
-    proxies = {t: proxy_actor_class().options(name=f"proxy-{t}", namespace=namespace,
-                                              num_cpus=0, max_concurrency=4).remote(
-        config(t).to_dict(), [{"name": s.name, "role": s.role} for s in specs], namespace)
-        for t in TRANSPORTS}
+    proxies = {t: proxy_actor_class().options(name=f"proxy-{t.replace('/', '-')}",
+                                              namespace=namespace, num_cpus=0,
+                                              max_concurrency=4).remote(
+        config(*how).to_dict(), [{"name": s.name, "role": s.role} for s in specs], namespace)
+        for t, how in compared.items()}
     urls = {t: ray.get(p.url.remote(), timeout=300) for t, p in proxies.items()}
     return urls, [*proxies.values(), *engines]
 
@@ -127,7 +138,7 @@ def run(urls: dict[str, str], engines: list[Any], pids: dict[str, int], levels: 
     process of each transport, and the engine's ("engine")."""
     import ray
     header = f"{'path':>5} {'streams':>8} {'tokens/s':>10} {'p50 ms':>8} {'p99 ms':>8} " \
-             f"{'mean ms':>8} {'proxy us/tok':>12} {'engine us/tok':>13}"
+             f"{'mean ms':>8} {'proxy us/tok':>12} {'engine us/tok':>13} {'client us/tok':>13}"
     out: dict[str, dict[str, list[dict[str, float]]]] = {t: {"paced": [], "unpaced": []}
                                                           for t in urls}
     for title, step, key in ((f"paced engine ({_STEP_MS:.0f} ms steps): latency", _STEP_MS,
@@ -136,15 +147,16 @@ def run(urls: dict[str, str], engines: list[Any], pids: dict[str, int], levels: 
         print(f"{title}\n{header}", flush=True)
         for n in levels:
             for t, url in urls.items():  # the paths alternate: same machine load for both
-                cpu0 = {k: cpu_seconds(pids[k]) for k in (t, "engine")}
+                cpu0 = {k: cpu_seconds(pids[k]) for k in (t, "engine", "client")}
                 row = asyncio.run(level(url, n, tokens))
                 total = n * tokens
-                for k, name in ((t, "proxy"), ("engine", "engine")):
+                for k, name in ((t, "proxy"), ("engine", "engine"), ("client", "client")):
                     row[f"{name}_cpu_us"] = (cpu_seconds(pids[k]) - cpu0[k]) * 1e6 / total
                 out[t][key].append(row)
                 print(f"{t:>5} {n:>8} {row['tokens_per_s']:>10.0f} {row['p50_ms']:>8.2f} "
                       f"{row['p99_ms']:>8.2f} {row['mean_ms']:>8.2f} "
-                      f"{row['proxy_cpu_us']:>12.1f} {row['engine_cpu_us']:>13.1f}", flush=True)
+                      f"{row['proxy_cpu_us']:>12.1f} {row['engine_cpu_us']:>13.1f} "
+                      f"{row['client_cpu_us']:>13.1f}", flush=True)
     return out
 
 
@@ -154,26 +166,30 @@ def main() -> None:
     mode.add_argument("--quick", action="store_true", help="levels 1 and 16, 64 tokens")
     mode.add_argument("--smoke", action="store_true", help="levels 1 and 4, 16 tokens (CI)")
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--stream-interval", type=int, default=4,
+                    help="a third proxy, zmq with this proxy.stream_interval (1: none)")
     args = ap.parse_args()
     levels, tokens = ([1, 4], 16) if args.smoke else ([1, 16], 64) if args.quick else \
         ([1, 4, 16, 64, 256], args.tokens)
     import ray
     print("starting Ray, one engine actor (no model) and a proxy per token path ...",
           flush=True)
-    urls, actors = start(f"bench-proxy-{os.getpid()}")
+    compared = paths(args.stream_interval)
+    urls, actors = start(f"bench-proxy-{os.getpid()}", compared)
     engines = actors[len(urls):]
     try:
         for url in urls.values():
             asyncio.run(level(url, 4, 16))  # warm-up
         pids = {t: pid_of(a) for t, a in zip(urls, actors)}
         pids["engine"] = pid_of(engines[0])
+        pids["client"] = os.getpid()
         rows = run(urls, engines, pids, levels, tokens)
     finally:
         for a in actors:
             ray.kill(a)
         ray.shutdown()
     best, cpu = {}, {}
-    for t in TRANSPORTS:
+    for t in compared:
         ref = next((r for r in rows[t]["paced"] if r["streams"] == _REF_LEVEL),
                    rows[t]["paced"][-1])
         top = max(rows[t]["unpaced"], key=lambda r: r["tokens_per_s"])
@@ -181,10 +197,14 @@ def main() -> None:
         print(f"proxy_overhead_ms_p50_{t}={ref['p50_ms']:.2f}  proxy_overhead_ms_p99_{t}="
               f"{ref['p99_ms']:.2f}  proxy_max_stream_tokens_per_s_{t}={best[t]:.0f}  "
               f"proxy_cpu_us_per_token_{t}={cpu[t]:.1f}  "
-              f"engine_cpu_us_per_token_{t}={top['engine_cpu_us']:.1f}")
+              f"engine_cpu_us_per_token_{t}={top['engine_cpu_us']:.1f}  "
+              f"client_cpu_us_per_token_{t}={top['client_cpu_us']:.1f}")
     print(f"proxy_cpu_per_token_ratio_ray_over_zmq={cpu['ray'] / max(cpu['zmq'], 1e-9):.2f}  "
           f"(at each path's best unpaced level: one proxy core streams "
           f"{1e6 / max(cpu['zmq'], 1e-9):.0f} vs {1e6 / max(cpu['ray'], 1e-9):.0f} tokens/s)")
+    print(f"stream_tokens_per_s_over_published=" + "  ".join(
+        f"{t}:{best[t] / _PUBLISHED:.2f}" for t in compared) +
+        f"  (best tokens/s per path over the {_PUBLISHED} tok/s published before)")
     ref = next((r for r in rows["zmq"]["paced"] if r["streams"] == _REF_LEVEL),
                rows["zmq"]["paced"][-1])
     print(f"proxy_overhead_ms_p50={ref['p50_ms']:.2f}  (zmq path, per token, emit -> client, "

@@ -192,6 +192,23 @@ def test_a_gap_or_a_repeat_fails_that_leg_only() -> None:
     asyncio.run(go())
 
 
+def test_an_inbox_wakes_for_deltas_and_times_out_at_its_deadline() -> None:
+    async def go() -> None:
+        inbox = AttemptInbox()
+        leg = _leg(SimpleNamespace(name="e"), "r")
+        deadline = time.monotonic() + 0.3
+        asyncio.get_running_loop().call_later(0.02, inbox.delta, leg,
+                                              EngineDelta("r", 0, [7], "a"))
+        assert await inbox.changed(deadline) == [leg] and leg.token_ids == [7]
+        with pytest.raises(asyncio.TimeoutError):
+            await inbox.changed(deadline)  # nothing more: the one deadline timer ends it
+        assert time.monotonic() >= deadline - 0.01
+        with pytest.raises(asyncio.TimeoutError):
+            await inbox.changed(deadline)  # still past it
+        inbox.close()
+    asyncio.run(go())
+
+
 def _pool_and_dispatcher(engines: list[FakeEngineActor], channel: TokenChannel,
                          stream_interval: int = 1
                          ) -> tuple[EnginePool, Dispatcher, ProxyMetrics]:

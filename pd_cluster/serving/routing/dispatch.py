@@ -129,6 +129,7 @@ class Dispatcher:
                             raise failure
                         # P failed after its token went out: D prefills by itself
         finally:
+            inbox.close()
             for t in tasks:
                 t.cancel()
             for leg in legs:

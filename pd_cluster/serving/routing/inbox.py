@@ -20,22 +20,28 @@ class AttemptInbox:
     def __init__(self) -> None:
         self._event = asyncio.Event()
         self._changed: dict[int, Leg] = {}  # id(leg) -> leg, in the order they changed
+        # One timer for the attempt's deadline, not one per wait (a wait per streamed chunk).
+        self._timer: asyncio.TimerHandle | None = None
+        self._expired = False
 
     def deltas(self, leg: Leg, deltas: list[EngineDelta]) -> None:
-        """Apply ``deltas`` (one engine's, in order) to ``leg``; a leg that failed or
-        finished takes nothing more."""
+        """Apply ``deltas`` (one engine's, in order) to ``leg``."""
+        for d in deltas:
+            self.delta(leg, d)
+
+    def delta(self, leg: Leg, d: EngineDelta) -> None:
+        """Apply one delta to ``leg``; a leg that failed or finished takes nothing more."""
         if leg.failure is not None or leg.finished:
             return
-        for d in deltas:
-            if d.error:
-                leg.failure = _error(leg, d)
-                break
+        if d.error:
+            leg.failure = _error(leg, d)
+        else:
             try:
                 leg.apply(d)
             except EngineFailed as e:
                 leg.failure = e
-                break
-        self._mark(leg)
+        self._changed.setdefault(id(leg), leg)
+        self._event.set()
 
     def fail(self, leg: Leg, error: Exception) -> None:
         """The leg's engine or stream failed (not a delta: a dead actor, a closed session)."""
@@ -47,23 +53,31 @@ class AttemptInbox:
         """The legs that changed since the last call, oldest change first; waits until one
         does, up to ``deadline`` (time.monotonic()), then raises asyncio.TimeoutError."""
         if not self._changed:
+            if self._timer is None:
+                self._timer = asyncio.get_running_loop().call_later(
+                    max(deadline - time.monotonic(), 0.0), self._expire)
+            if self._expired:
+                raise asyncio.TimeoutError
             self._event.clear()
-            if _timeout_at is not None:  # Python 3.11+: a deadline without a task per wait
-                async with _timeout_at(deadline):  # loop.time() is time.monotonic()
-                    await self._event.wait()
-            else:
-                await asyncio.wait_for(self._event.wait(),
-                                       max(deadline - time.monotonic(), 0.001))
+            await self._event.wait()
+            if not self._changed:  # woken by the deadline
+                raise asyncio.TimeoutError
         legs = list(self._changed.values())
         self._changed.clear()
         return legs
 
+    def close(self) -> None:
+        """The attempt ended: drop its deadline timer (it would hold the legs until then)."""
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _expire(self) -> None:
+        self._expired = True
+        self._event.set()
+
     def _mark(self, leg: Leg) -> None:
         self._changed.setdefault(id(leg), leg)
         self._event.set()
-
-
-_timeout_at = getattr(asyncio, "timeout_at", None)
 
 
 def _error(leg: Leg, d: EngineDelta) -> Exception:

@@ -154,7 +154,7 @@ class TokenChannel:
                 counters["unrouted"] += 1
                 continue
             leg, inbox = entry
-            inbox.deltas(leg, [d])
+            inbox.delta(leg, d)
             if d.finished or leg.failure is not None:
                 legs.pop(d.request_id, None)
 
