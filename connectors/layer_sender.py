@@ -16,11 +16,17 @@ from connectors.pipes.base import KVPipe
 _MAX_ZERO_COPY_RUNS = 4
 
 
+class Staged(NamedTuple):
+    """A message's host buffer was copied from a device buffer (host_staging.py)."""
+    copied: Any  # the copy's CUDA event: the host buffer is ready once it completes
+    device_buf: torch.Tensor  # copied from; kept alive until the copy is done
+
+
 class LayerMessage(NamedTuple):
     header: KVLayerHeader
     tensor: torch.Tensor  # what goes on the wire
     pooled: bool  # a pool buffer, returned once the pipe let go of it
-    staged: tuple[Any, torch.Tensor] | None = None  # (copy event, device buffer copied from)
+    staged: Staged | None = None  # set when ``tensor`` is a host copy of a device buffer
 
 
 class LayerSender:
@@ -70,7 +76,7 @@ class LayerSender:
         header = KVLayerHeader(spec.request_id, layer, spec.first_block)
         if self._staging is not None:
             host, copied = self._staging.stage(payload)
-            return [LayerMessage(header, host, True, (copied, payload))]
+            return [LayerMessage(header, host, True, Staged(copied, payload))]
         return [LayerMessage(header, payload, True)]
 
     def _head_slice_messages(self, spec: Any, layer: int, kv_layer: torch.Tensor,
@@ -81,7 +87,7 @@ class LayerSender:
         header = KVLayerHeader(spec.request_id, layer, spec.first_block, head_start=dst)
         if self._staging is not None:
             host, copied = self._staging.stage(payload)
-            return [LayerMessage(header, host, True, (copied, payload))]
+            return [LayerMessage(header, host, True, Staged(copied, payload))]
         return [LayerMessage(header, payload, False)]
 
     def send_layer(self, peer: str, msg: LayerMessage) -> Future:
@@ -91,12 +97,13 @@ class LayerSender:
         return future
 
     def send(self, peer: str, header: dict, payload: torch.Tensor | None,
-             staged: tuple[Any, torch.Tensor] | None = None) -> Future:
+             staged: Staged | None = None) -> Future:
         """Every producer send: through the staging thread when it is on (keeps order)."""
         if self._staging is None:
             return self.pipe.send_tensor(peer, header, payload)
-        copied, device_buf = staged or (None, None)
-        return self._staging.send(peer, header, payload, copied, device_buf)
+        if staged is None:
+            return self._staging.send(peer, header, payload, None, None)
+        return self._staging.send(peer, header, payload, staged.copied, staged.device_buf)
 
     def close(self) -> None:
         if self._staging is not None:
