@@ -40,6 +40,7 @@ class Result:
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the reply's, when asked for
 
     @property
     def tpot(self) -> float:
@@ -57,9 +58,11 @@ def make_workload(args: argparse.Namespace) -> list[tuple[float, list[int], int]
     return work
 
 
-async def send(session: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
+async def send(session: Any, url: str, model: str, prompt: list[int], max_tokens: int,
+               token_ids: bool = False) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": token_ids}
     start = last = time.perf_counter()
     res = Result(ok=False)
     try:
@@ -75,6 +78,8 @@ async def send(session: Any, url: str, model: str, prompt: list[int], max_tokens
                     return Result(ok=False, error=data["error"]["message"])
                 if data.get("usage"):
                     res.output_tokens = data["usage"]["completion_tokens"]
+                if token_ids and data.get("choices"):
+                    res.token_ids.extend(data["choices"][0].get("token_ids") or [])
                 if data.get("choices") and data["choices"][0]["text"]:
                     now = time.perf_counter()
                     if res.ttft == 0.0:
