@@ -6,8 +6,10 @@ fixed output lengths (ignore_eos). Per mode it reports TTFT, TPOT, ITL and end-t
 (p50/p90/p99), throughput and goodput under --slo-ttft-ms/--slo-tpot-ms, plus the proxy's own
 overhead per token: the proxy's engine->client forwarding histogram, and client ITL minus the
 decode engines' step time. The default load is prefill-heavy (long prompts, short outputs),
-where a colocated engine's decodes stall behind prefills. The last line printed is
-``p99_tpot_ratio_colocated_over_pd=X`` (measured in this run; > 1: disaggregation helps).
+where a colocated engine's decodes stall behind prefills. The last lines printed are
+``goodput_ratio_colocated_over_pd=G`` (<= 1: P/D serves at least as many requests within the
+SLOs) and ``p99_tpot_ratio_colocated_over_pd=X`` (measured in this run; > 1: disaggregation
+helps). P/D runs configs/local.yaml as shipped (cache_aware routing, disaggregation auto).
 
   python scripts/bench_serving.py                      # both modes, a few minutes on 2 CPUs
   python scripts/bench_serving.py --url http://host:8000 --modes pd   # an already running server
@@ -292,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         good = colo["goodput_req_per_s"] / max(pd_["goodput_req_per_s"], 1e-9)
         print(f"\np99 TTFT colocated/pd = {colo['p99_ttft_ms'] / pd_['p99_ttft_ms']:.2f}, "
               f"goodput colocated/pd = {good:.2f}")
+        print(f"goodput_ratio_colocated_over_pd={good:.3f}")
         print(f"p99_tpot_ratio_colocated_over_pd={colo['p99_tpot_ms'] / pd_['p99_tpot_ms']:.3f}")
     failed = sum(s["failed"] for s in summaries.values())
     if failed:  # figures from a run with failed requests are not figures
