@@ -21,7 +21,7 @@ from pd_cluster.driver.messages import EngineDelta, EngineInfo, EngineRequest, d
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.cluster.cluster_config import ProxyConfig
 from pd_cluster.serving.engine.null_engine import token_id
-from pd_cluster.serving.engine.output_sender import OutputSender
+from pd_cluster.serving.engine.output_sender import OutputSender, sweep_stale_ipc
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.dispatch import Dispatcher
 from pd_cluster.serving.routing.engine_pool import EnginePool
@@ -435,3 +435,33 @@ def test_a_client_that_stops_reading_gets_the_rest_in_one_chunk() -> None:
 
 def channel_deltas(state: Any) -> int:
     return state.pool.token_channel.counters["deltas"]
+
+
+def test_ipc_files_of_dead_engines_are_swept_and_a_stopped_sender_leaves_none(tmp_path) -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    paths = {k: str(tmp_path / f"pd-out-{pid}-{k}")
+             for k, pid in (("dead", dead.pid), ("live", os.getpid()))}
+    socks = []
+    for path in paths.values():
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(path)
+        socks.append(sock)
+    (tmp_path / f"pd-out-{dead.pid}-notasocket").write_text("")
+    assert sweep_stale_ipc(str(tmp_path)) == [paths["dead"]]
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [f"pd-out-{os.getpid()}-live", f"pd-out-{dead.pid}-notasocket"])
+    for sock in socks:
+        sock.close()
+
+    sender = OutputSender("127.0.0.1", lambda ids: None, lambda d: None)
+    endpoint = sender.open("s", ipc=True).result(10)
+    path = endpoint.removeprefix("ipc://")
+    assert os.path.exists(path)
+    sender.stop()
+    assert not os.path.exists(path)

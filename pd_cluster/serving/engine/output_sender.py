@@ -17,6 +17,7 @@ import collections
 import logging
 import os
 import queue
+import stat
 import tempfile
 import threading
 import time
@@ -34,6 +35,7 @@ _MAX_SESSIONS = 16  # proxies that may stream from one engine at once (restarts 
 _BACKLOG_MESSAGES = 4096  # per session, beyond ZMQ's own high-water mark
 _BACKLOG_SECONDS = 10.0  # a session that accepts nothing for this long is closed
 _RETRY_WAIT = 0.002  # s: output thread's wait while a backlog waits for its peer
+_IPC_PREFIX = "pd-out-"  # ipc socket files: pd-out-<pid>-<random>
 
 
 class _Session:
@@ -56,6 +58,8 @@ class OutputSender:
         (those streamed over a Ray call); ``closed(session, why)``: a session closed;
         ``backlog_*``: how much a session that accepts nothing may hold, and how long."""
         self._host, self._abort, self._local, self._closed = host, abort, local, closed
+        self._ipc_dir = tempfile.gettempdir()
+        sweep_stale_ipc(self._ipc_dir)  # left by engines that crashed (no shutdown ran)
         self._backlog_messages, self._backlog_seconds = backlog_messages, backlog_seconds
         self._ctx = zmq.Context.instance()
         self._q: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -143,8 +147,8 @@ class OutputSender:
             sock.setsockopt(zmq.LINGER, 0)
             path = None
             if ipc:
-                path = os.path.join(tempfile.gettempdir(),
-                                    f"pd-out-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+                path = os.path.join(self._ipc_dir,
+                                    f"{_IPC_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
                 endpoint = f"ipc://{path}"
                 sock.bind(endpoint)
             else:
@@ -210,3 +214,37 @@ class OutputSender:
         if orphans and abort:
             self._abort(orphans)
         self._closed(session, why)
+
+
+def sweep_stale_ipc(directory: str) -> list[str]:
+    """Remove the output sessions' ipc socket files in ``directory`` whose process is gone
+    (an engine that crashed or was killed closes nothing); returns the paths removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(_IPC_PREFIX):
+            continue
+        pid = name[len(_IPC_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:  # another engine swept it first
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
