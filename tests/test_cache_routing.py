@@ -206,6 +206,35 @@ def test_a_failed_report_forgets_the_engine_until_a_full_one() -> None:
     asyncio.run(go())
 
 
+def test_health_check_that_sees_a_restart_forgets_the_engines_cache() -> None:
+    from pd_cluster.driver.messages import EngineInfo
+
+    class _Health:
+        incarnation = "i0"
+
+        def remote(self) -> Any:
+            return _done(EngineInfo(name="decode-0", role="decode", incarnation=self.incarnation,
+                                    pid=1, node_ip="x", kv_endpoint=None,
+                                    max_model_len=64).to_dict())
+
+    class _Handle:
+        health = _Health()
+
+    pool = EnginePool([("decode-0", "decode", _Handle())], ProxyConfig())
+    e = pool.engines[0]
+    h = hash_blocks(list(range(32)), BS)
+
+    async def go() -> None:
+        await pool.check(e)
+        pool.cache.record("decode-0", h)
+        await pool.check(e)  # the same incarnation: kept
+        assert pool.cache.size("decode-0") == 8
+        e.handle.health.incarnation = "i1"
+        await pool.check(e)  # restarted: its prefix cache is empty now
+        assert e.restarts == 1 and pool.cache.size("decode-0") == 0
+    asyncio.run(go())
+
+
 # ---- on a cluster ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
