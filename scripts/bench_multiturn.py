@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from bench_serving import Result, pct, send  # noqa: E402
+from bench_serving import Result, comma_list, pct, send  # noqa: E402
 
 MODES = {"baseline": {"routing": "least_loaded", "disaggregation": "always",
                       "decode_prefix_reuse": False},
@@ -184,9 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tops = [t.strip() for t in args.topologies.split(",") if t.strip()]
-    if unknown := [t for t in tops if t not in TOPOLOGIES]:
-        print(f"unknown topology {unknown}; choose from {list(TOPOLOGIES)}", file=sys.stderr)
+    tops = comma_list(args.topologies, TOPOLOGIES, "topology")
+    if tops is None:
         return 2
     convs = conversations(args)
     print(f"workload: {args.conversations} conversations x {args.turns} turns, first prompt "

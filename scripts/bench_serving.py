@@ -270,11 +270,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def comma_list(value: str, known: Any, what: str) -> list[str] | None:
+    """``value``'s comma-separated names; None (after saying so) when one is not ``known``."""
+    names = [m.strip() for m in value.split(",") if m.strip()]
+    if unknown := [m for m in names if m not in known]:
+        print(f"unknown {what} {unknown}; choose from {list(known)}", file=sys.stderr)
+        return None
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if unknown := [m for m in modes if m not in MODES]:
-        print(f"unknown mode(s) {unknown}; choose from {list(MODES)}", file=sys.stderr)
+    modes = comma_list(args.modes, MODES, "mode(s)")
+    if modes is None:
         return 2
     work = make_workload(args)
     print(f"workload: {len(work)} requests at {args.request_rate} req/s (Poisson, seed "
