@@ -14,6 +14,30 @@ from pd_cluster.models.layers.rotary import RopeSpec
 
 
 @dataclass(frozen=True)
+class LatentSpec:
+    """Multi-head latent attention's sizes (DeepSeek-V2/V3): queries through a LoRA of
+    ``q_lora_rank`` (None: one q_proj), keys and values from one ``kv_lora_rank`` latent per
+    token plus a shared ``qk_rope_head_dim`` rope key; ``rope_interleave``: the rope dims are
+    rotated in interleaved pairs (HF's ``apply_rotary_pos_emb_interleave``)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """Values cached per token: the normed latent, then the roped key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     num_heads: int
     num_kv_heads: int
@@ -27,6 +51,7 @@ class AttentionSpec:
     sinks: bool = False  # a learned per-head sink logit (``self_attn.sinks``)
     qk_norm: str | None = None  # None | "head" (per head, Qwen3/Gemma 3) | "proj" (OLMo 2)
     kind: str = "standard"  # the attention builder (layers/attention.py registry)
+    latent: LatentSpec | None = None  # kind "latent" (layers/mla.py); head_dim: q/k's
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
 

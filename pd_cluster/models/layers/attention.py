@@ -38,19 +38,28 @@ def build_attention(model: ModelSpec, layer_idx: int, tp: TPGroup) -> nn.Module:
     return _ATTENTIONS[kind](model, layer_idx, tp)
 
 
-def run_paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        opts: AttentionOptions, ctx: ForwardContext) -> torch.Tensor:
-    """Write this step's K/V into the layer's paged cache and attend; the connector loads
-    (consumer) before and ships (producer) after, layer by layer."""
+def paged_layer(layer_idx: int, ctx: ForwardContext, write: Callable[[torch.Tensor], None],
+                compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Write this step's KV into the layer's paged cache (``write(cache)``) and attend
+    (``compute(cache)``); the connector loads (consumer) before and ships (producer) after,
+    layer by layer, whatever the layer caches."""
     kv_cache = ctx.kv_caches[layer_idx]
     if ctx.connector is not None and ctx.connector.loads_layerwise:
         ctx.connector.wait_for_layer_load(layer_idx)
-    ctx.backend.write_kv(k, v, kv_cache, ctx.attn_metadata)
-    out = ctx.backend.forward(q, kv_cache, ctx.attn_metadata, opts)
+    write(kv_cache)
+    out = compute(kv_cache)
     if ctx.connector is not None:
         # This layer's KV is final in the cache: hand it to the pipe while the next computes.
         ctx.connector.save_kv_layer(layer_idx, kv_cache, ctx.attn_metadata)
     return out
+
+
+def run_paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        opts: AttentionOptions, ctx: ForwardContext) -> torch.Tensor:
+    """Standard attention through the step's backend (K and V in the cache)."""
+    meta = ctx.attn_metadata
+    return paged_layer(layer_idx, ctx, lambda cache: ctx.backend.write_kv(k, v, cache, meta),
+                       lambda cache: ctx.backend.forward(q, cache, meta, opts))
 
 
 class Attention(nn.Module):
