@@ -39,7 +39,9 @@ def check_tensor_parallel(hf_config: dict[str, Any], size: int) -> None:
     heads = hf_config.get("num_attention_heads", 0)
     kv_heads = hf_config.get("num_key_value_heads") or heads
     checks = [("num_attention_heads", heads), ("vocab_size", hf_config.get("vocab_size", 0)),
-              ("intermediate_size", hf_config.get("intermediate_size", 0))]
+              ("intermediate_size", hf_config.get("intermediate_size", 0)),
+              # experts (Qwen3-MoE, DeepSeek-V3) split by their own intermediate dimension
+              ("moe_intermediate_size", hf_config.get("moe_intermediate_size") or 0)]
     for name, value in checks:
         if value % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide {name}={value}")
