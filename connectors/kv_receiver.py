@@ -4,6 +4,9 @@ Messages may arrive before the scheduler has registered the request (the produce
 faster than the consumer's next step); those wait in a bounded staging area. With tensor
 parallelism several producer ranks may feed this rank, each a slice of its heads: a request
 is in when every (layer, K/V, block, head) was written and every feeder's FIN arrived.
+Blocks this engine's prefix cache already holds (RecvSpec.num_cached_tokens) count as written
+from the start and are never written over: producers are told to skip them (a HoldHeader
+answering their OfferHeader), and any that arrive anyway are dropped.
 """
 from __future__ import annotations
 
@@ -13,14 +16,16 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import torch
 
-from connectors.metadata import FinHeader, KVLayerHeader, RecvSpec
+from connectors.metadata import FinHeader, KVLayerHeader, OfferHeader, RecvSpec
 from connectors.block_io import scatter_blocks
 
 logger = logging.getLogger(__name__)
 Ack = tuple[str, str, bool]  # (producer peer, request id, ok)
+Hold = tuple[str, str, int]  # (producer peer, request id, prompt tokens held here)
 
 
 @dataclass
@@ -55,11 +60,14 @@ class KVReceiver:
         self._done: dict[str, int | None] = {}
         self._cancelled: OrderedDict[str, float] = OrderedDict()  # ended here, bounded
         self._nacks: list[tuple[str, str, bool]] = []  # gave up: tell those producers
+        self._holds: list[Hold] = []  # answers to producers' offers, not yet sent
         # Wall-clock arrival of each request's first layer, for overlap measurements (bounded;
         # only with record_timings).
         self.record_timings = record_timings
         self.first_layer_times: OrderedDict[str, float] = OrderedDict()
         self.bytes_received = 0
+        self.prefix_hit_tokens = 0  # prompt tokens served by this engine's own prefix cache
+        self.bytes_skipped = 0  # payload bytes that arrived for blocks held here (dropped)
         self.recv_seconds = 0.0  # first message to complete, summed over requests
         self.num_dropped = 0
 
@@ -69,11 +77,13 @@ class KVReceiver:
         blocks = -(-spec.num_prompt_tokens // self.block_size)
         state = _Receiving(spec, torch.tensor(spec.block_ids[:blocks], dtype=torch.long),
                            time.monotonic() + self.timeout, self._unwritten(blocks))
+        state.written[:, :, :spec.num_cached_tokens // self.block_size] = True
         with self._lock:
             if spec.request_id in self._active:
                 logger.warning("duplicate receive registration for %s dropped", spec.request_id)
                 return []
             self._active[spec.request_id] = state
+            self.prefix_hit_tokens += spec.num_cached_tokens
             staged = self._staged.pop(spec.request_id, None)
             acks: list[Ack] = []
             for header, tensor, peer in (staged.items if staged else []):
@@ -114,6 +124,12 @@ class KVReceiver:
             done, self._done = self._done, {}
             return done
 
+    def take_holds(self) -> list[Hold]:
+        """Answers to producers' offers (what to skip), since the last call."""
+        with self._lock:
+            holds, self._holds = self._holds, []
+            return holds
+
     def take_nacks(self) -> list[tuple[str, str, bool]]:
         """(peer, request id, False) for receives given up since the last call."""
         with self._lock:
@@ -138,7 +154,9 @@ class KVReceiver:
             if state is not None:
                 return self._apply(state, header, tensor, peer)
             if header.request_id in self._cancelled:
-                return [(peer, header.request_id, False)] if isinstance(header, FinHeader) else []
+                # NACK a FIN, and an offer too: the producer then sends nothing for it.
+                return [(peer, header.request_id, False)] \
+                    if isinstance(header, (FinHeader, OfferHeader)) else []
             size = tensor.nbytes if tensor is not None else 0
             if self._staged_bytes + size > self.max_staging_bytes:
                 self.num_dropped += 1
@@ -151,10 +169,13 @@ class KVReceiver:
             return []
 
     # ---- internals (lock held) -----------------------------------------------------------
-    def _apply(self, state: _Receiving, header: KVLayerHeader | FinHeader,
+    def _apply(self, state: _Receiving, header: KVLayerHeader | FinHeader | OfferHeader,
                tensor: torch.Tensor | None, peer: str) -> list[Ack]:
         rid = state.spec.request_id
         state.peers.add(peer)
+        if isinstance(header, OfferHeader):
+            self._holds.append((peer, rid, state.spec.num_cached_tokens))
+            return []
         state.first_arrival = state.first_arrival or time.monotonic()
         if isinstance(header, FinHeader):
             state.fins.append(header)
@@ -165,7 +186,9 @@ class KVReceiver:
                 return [(p, rid, False) for p in sorted(state.peers - {peer})]
         else:
             try:
-                self._write_layer(state, header, tensor)
+                header, tensor = self._skip_held(state, header, tensor)
+                if header is not None:
+                    self._write_layer(state, header, tensor)
             except ValueError as e:
                 self.num_dropped += 1
                 logger.warning("dropped KV for %s layer %s: %s", rid, header.layer, e)
@@ -216,6 +239,25 @@ class KVReceiver:
             self.first_layer_times[state.spec.request_id] = state.first_layer_time
             if len(self.first_layer_times) > 4096:
                 self.first_layer_times.popitem(last=False)
+
+    def _skip_held(self, state: _Receiving, header: KVLayerHeader, tensor: torch.Tensor | None
+                   ) -> tuple[KVLayerHeader | None, torch.Tensor | None]:
+        """The part of a layer message past the blocks this engine's cache holds (a producer
+        sent before it learnt what we hold): (None, None) when nothing is left."""
+        held = state.spec.num_cached_tokens // self.block_size
+        if header.first_block >= held or tensor is None:
+            return header, tensor
+        dim = 1 if header.part == 2 else 0  # the block dimension
+        n = tensor.shape[dim] if tensor.dim() > dim else 0
+        keep = header.first_block + n - held
+        self.bytes_skipped += tensor.nbytes * (n - max(keep, 0)) // max(n, 1)
+        if keep <= 0:
+            return None, None
+        # Ascending rows are blocks first_block.. (drop the leading ones); descending rows
+        # run from the top block down (drop the trailing ones).
+        rows = slice(0, keep) if header.descending else slice(n - keep, n)
+        return (msgspec.structs.replace(header, first_block=held),
+                tensor[:, rows] if dim == 1 else tensor[rows])
 
     def _unwritten(self, blocks: int) -> np.ndarray:
         """bool [layers, parts, blocks, heads], False where a layer's cache has something to

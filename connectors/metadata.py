@@ -27,10 +27,13 @@ class FinishSpec:
 
 @dataclass(frozen=True)
 class RecvSpec:
-    """Consumer: write the request's incoming prompt KV into these blocks."""
+    """Consumer: write the request's incoming prompt KV into these blocks; the first
+    ``num_cached_tokens`` (whole blocks) are this engine's own prefix-cache hits: they are
+    never written, and producers are told not to send them (HoldHeader)."""
     request_id: str
     block_ids: tuple[int, ...]
     num_prompt_tokens: int
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -79,7 +82,21 @@ class RenewHeader(msgspec.Struct, frozen=True, tag="renew", tag_field="kind"):
     request_ids: tuple[str, ...]
 
 
-Header = KVLayerHeader | FinHeader | AckHeader | RenewHeader
+class OfferHeader(msgspec.Struct, frozen=True, tag="offer", tag_field="kind"):
+    """Producer -> consumer, when it starts computing a request: I will send its KV; which
+    prompt tokens do you hold already? (The consumer answers with a HoldHeader as soon as it
+    admitted the request.)"""
+    request_id: str
+
+
+class HoldHeader(msgspec.Struct, frozen=True, tag="hold", tag_field="kind"):
+    """Consumer -> producer: the first ``num_tokens`` prompt tokens (whole blocks) are in my
+    prefix cache; send only the blocks after them."""
+    request_id: str
+    num_tokens: _Count
+
+
+Header = KVLayerHeader | FinHeader | AckHeader | RenewHeader | OfferHeader | HoldHeader
 
 
 def encode_header(header: Header) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Scheduler half of the P/D connector: turns request state into per-step transfer plans.
 
-kv_transfer_params on a request (set by the proxy, same request id on both engines):
-- producer (P): {"do_remote_decode": True, "remote_kv_addr": <consumer endpoint>}
-- consumer (D): {"do_remote_prefill": True}
+kv_transfer_params on a request (set by the proxy, same request id on both engines;
+connectors/transfer_params.py): SendKV(to=<consumer endpoint>) on the producer's (P) request,
+RecvKV() on the consumer's (D). D's own prefix-cache hits (whole blocks) count as computed
+tokens; only the rest is external and comes from P.
 """
 from __future__ import annotations
 
@@ -10,10 +11,7 @@ from typing import Any
 
 from connectors.base import KVConnectorBase_Scheduler
 from connectors.metadata import FinishSpec, KVConnectorMetadata, RecvSpec, SendSpec
-
-
-def _params(request: Any) -> dict[str, Any]:
-    return request.kv_transfer_params or {}
+from connectors.transfer_params import RecvKV, SendKV
 
 
 class PDConnectorScheduler(KVConnectorBase_Scheduler):
@@ -26,22 +24,24 @@ class PDConnectorScheduler(KVConnectorBase_Scheduler):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
-        if _params(request).get("do_remote_prefill"):
-            return request.num_prompt_tokens - num_computed_tokens, True
+        # Asynchronous even with nothing external (a full hit): token 1 comes in P's FIN.
+        if isinstance(request.kv_transfer_params, RecvKV):
+            return max(request.num_prompt_tokens - num_computed_tokens, 0), True
         return 0, False
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:
-        if num_external_tokens:
-            self._recvs.append(RecvSpec(request.request_id, tuple(block_ids),
-                                        request.num_prompt_tokens))
+        if isinstance(request.kv_transfer_params, RecvKV):
+            self._recvs.append(RecvSpec(
+                request.request_id, tuple(block_ids), request.num_prompt_tokens,
+                request.num_prompt_tokens - num_external_tokens))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         sends = []
         for item in scheduler_output.scheduled:
             request = item.request
-            params = _params(request)
-            if not params.get("do_remote_decode"):
+            params = request.kv_transfer_params
+            if not isinstance(params, SendKV):
                 continue
             # From what was already planned (prefix-cache hits included) to this step's end.
             start = self._sent_upto.get(request.request_id, 0)
@@ -50,23 +50,23 @@ class PDConnectorScheduler(KVConnectorBase_Scheduler):
                 continue
             self._sent_upto[request.request_id] = end
             first, last = start // self.block_size, -(-end // self.block_size)
-            sends.append(SendSpec(request.request_id, params["remote_kv_addr"],
+            sends.append(SendSpec(request.request_id, params.to,
                                   tuple(request.block_ids[first:last]), first))
         meta = KVConnectorMetadata(sends, self._finishes, self._recvs, self._cancels)
         self._finishes, self._recvs, self._cancels = [], [], []
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
-        params = _params(request)
-        if params.get("do_remote_prefill"):
+        params = request.kv_transfer_params
+        if isinstance(params, RecvKV):
             self._cancels.append(request.request_id)  # no-op for the worker if already done
             return False
-        if not params.get("do_remote_decode"):
+        if not isinstance(params, SendKV):
             return False
         sent = self._sent_upto.pop(request.request_id, 0)
         complete = sent >= request.num_prompt_tokens and request.output_token_ids
         first = request.output_token_ids[0] if complete and request.finish_reason != "abort" \
             else None
-        self._finishes.append(FinishSpec(request.request_id, params["remote_kv_addr"], first,
+        self._finishes.append(FinishSpec(request.request_id, params.to, first,
                                          request.num_prompt_tokens))
         return bool(block_ids)

@@ -26,6 +26,10 @@ class EngineArgs(BaseModel):
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # While any request decodes, at most this many prompt tokens per step (chunked prefill
+    # does the rest), so a long local prefill does not stall running decodes' inter-token
+    # latency. None: no cap beyond max_num_batched_tokens.
+    max_prefill_tokens_per_step: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 256 * 1024 * 1024  # CPU budget in bytes when num_kv_blocks is unset
@@ -46,7 +50,7 @@ class EngineArgs(BaseModel):
         return value
 
     @field_validator("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len",
-                     "tensor_parallel_size")
+                     "tensor_parallel_size", "max_prefill_tokens_per_step")
     @classmethod
     def _positive(cls, value: int | None) -> int | None:
         if value is not None and value < 1:

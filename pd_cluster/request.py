@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from connectors.transfer_params import KVTransferParams, RecvKV
 from pd_cluster.sampling_params import SamplingParams
 
 
@@ -33,8 +34,8 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | tuple[int, ...] | None = None  # several: any of them ends the request
     arrival_time: float = field(default_factory=time.monotonic)
-    # Connector instructions from the proxy (e.g. "send KV to D", "KV comes from P").
-    kv_transfer_params: dict[str, Any] | None = None
+    # Connector instructions from the proxy: SendKV / RecvKV (connectors/transfer_params.py).
+    kv_transfer_params: KVTransferParams | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -92,3 +93,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def kv_from_remote(self) -> bool:
+        """The prompt's KV (beyond this engine's prefix-cache hits) comes from a producer."""
+        return isinstance(self.kv_transfer_params, RecvKV) and not self.prefill_locally
+
+    @property
+    def is_decoding(self) -> bool:
+        """Past its prompt (and any resumed output): each step computes one new token."""
+        return bool(self.output_token_ids) and self.num_computed_tokens >= self.num_tokens - 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from connectors.transfer_params import RecvKV, SendKV
 from pd_cluster import LLM, SamplingParams
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import LLMEngine
@@ -28,9 +29,8 @@ def submit_pair(p: Any, d: Any, rid: str, prompt: list[int], params: SamplingPar
     """Same request id on both sides, as the proxy does (after the handshake, as the cluster
     does at launch: a producer never handshakes on its forward path)."""
     p.connect_kv_peer(endpoint)
-    d.add_request(rid, prompt, params, {"do_remote_prefill": True})
-    p.add_request(rid, prompt, producer_params(params),
-                  {"do_remote_decode": True, "remote_kv_addr": endpoint})
+    d.add_request(rid, prompt, params, RecvKV())
+    p.add_request(rid, prompt, producer_params(params), SendKV(to=endpoint))
 
 
 def run_in_process(p: LLMEngine, d: LLMEngine, timeout: float = 60.0) -> dict[str, list[int]]:

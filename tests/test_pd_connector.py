@@ -10,6 +10,7 @@ import torch
 import zmq
 
 from connectors.pipes.base import HandshakeError
+from connectors.transfer_params import RecvKV, SendKV
 from pd_cluster import SamplingParams
 from pd_cluster.request import RequestStatus
 from tests.pd_helpers import (colocated_tokens, engine, prompts_of_lengths, run_in_process,
@@ -64,7 +65,7 @@ def test_consumer_blocks_bitwise_equal_to_producer(model):
 def test_consumer_timeout_falls_back_to_local_prefill(model):
     d = engine(model, "consumer", timeout=0.5, block_size=16)
     prompt = prompts_of_lengths([37])[0]
-    d.add_request("lonely", prompt, GREEDY, {"do_remote_prefill": True})
+    d.add_request("lonely", prompt, GREEDY, RecvKV())
     d.step()
     assert d.scheduler.remote_waiting["lonely"].status is RequestStatus.WAITING_FOR_REMOTE_KV
     done, deadline = {}, time.monotonic() + 20
@@ -104,7 +105,7 @@ def test_handshake_rejects_mismatched_layout(model):
         p.runner.connector.connect_peer(d.kv_endpoint())
     # In the request flow the producer logs, frees its blocks and keeps serving.
     p.add_request("m", prompts_of_lengths([20])[0], SamplingParams(temperature=0, max_tokens=1),
-                  {"do_remote_decode": True, "remote_kv_addr": d.kv_endpoint()})
+                  SendKV(to=d.kv_endpoint()))
     deadline = time.monotonic() + 10
     while p.has_unfinished_requests() and time.monotonic() < deadline:
         p.step()
@@ -241,6 +242,7 @@ def test_worker_pair_moves_blocks_exactly(src_blocks):
     deadline, received = time.monotonic() + 10, {}
     while "w" not in received:
         assert time.monotonic() < deadline
+        prod.bind_connector_metadata(KVConnectorMetadata())  # steps send deferred layers
         received.update(cons.get_finished()[1])
         time.sleep(0.005)
     assert received["w"] == 7
@@ -274,6 +276,7 @@ def test_long_runs_are_split_into_single_frame_messages():
     deadline, got = time.monotonic() + 10, {}
     while "s" not in got:
         assert time.monotonic() < deadline
+        worker.bind_connector_metadata(KVConnectorMetadata())  # steps send deferred layers
         got.update(worker.get_finished()[1])
         time.sleep(0.005)
     assert torch.equal(dst[:, list(dst_blocks)], src[:, list(src_blocks)])

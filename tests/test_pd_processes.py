@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from connectors.transfer_params import SendKV
 from pd_cluster import SamplingParams
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.engine_process import EngineProcess
@@ -108,7 +109,7 @@ def test_consumer_gone_producer_frees_after_timeout(model):
         _step_until_idle(p)
         d.kill()
         p.add_request("orphan", prompt, SamplingParams(temperature=0, max_tokens=1),
-                      {"do_remote_decode": True, "remote_kv_addr": d.kv_endpoint})
+                      SendKV(to=d.kv_endpoint))
         _step_until_idle(p)
         assert p.stats()["kv_send_timeouts"] >= 1
         p.check_no_leaks()

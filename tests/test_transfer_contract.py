@@ -35,6 +35,9 @@ def _pair(consumer_timeout: float = 30.0, lease: float = 30.0) -> tuple[Any, Any
 
 def _send(prod: Any, peer: str, layers: range, fin: bool = True) -> None:
     prod.bind_connector_metadata(KVConnectorMetadata(sends=[SendSpec("r", peer, (1, 2), 0)]))
+    # The consumer (registered) answers the producer's offer: the layers then go out in
+    # this step, deferred until its answer (decode-side reuse: what it holds is skipped).
+    _until(lambda: prod._held_tokens("r") is not None, 5.0, "the consumer's HOLD")
     for layer in layers:
         prod.save_kv_layer(layer, prod.kv_caches[layer], None)
     prod.wait_for_save()

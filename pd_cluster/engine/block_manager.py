@@ -78,16 +78,16 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _prefix_hits(self, request: Request) -> list[int]:
-        """Cached blocks matching the request's leading full blocks. The last token is never
-        served from cache: the model must run on at least one token to produce logits."""
+    def _prefix_hits(self, request: Request, needs_logits: bool = True) -> list[int]:
+        """Cached blocks matching the request's leading full blocks. With ``needs_logits`` the
+        last token is never served from cache: the model must run on at least one token to
+        produce logits (without: a decode engine whose first token comes from a producer)."""
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
         parent: int | None = None
         tokens = request.all_token_ids
-        for start in range(0, (len(tokens) - 1) // self.block_size * self.block_size,
-                           self.block_size):
+        for start in range(0, self._matchable(request, needs_logits), self.block_size):
             chunk = tuple(tokens[start:start + self.block_size])
             parent = chain_hash(parent, chunk)
             block_id = self.hash_to_block.get(parent)
@@ -96,21 +96,33 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def _matchable(self, request: Request, needs_logits: bool) -> int:
+        """Tokens a prefix hit may cover: whole blocks, short of the last token if needed."""
+        return (request.num_tokens - needs_logits) // self.block_size * self.block_size
+
     # ---- admission -----------------------------------------------------------------------
-    def can_allocate(self, request: Request, use_prefix_cache: bool = True) -> bool:
-        hits = self._prefix_hits(request) if use_prefix_cache else []
+    def num_cached_tokens(self, request: Request, needs_logits: bool = True) -> int:
+        """Leading tokens allocate() would serve from the prefix cache now (pure)."""
+        return len(self._prefix_hits(request, needs_logits)) * self.block_size
+
+    def can_allocate(self, request: Request, use_prefix_cache: bool = True,
+                     needs_logits: bool = True) -> bool:
+        hits = self._prefix_hits(request, needs_logits) if use_prefix_cache else []
         free_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         needed = self.blocks_needed(request.num_tokens) - len(hits)
         return needed <= self.num_free_blocks - free_hits
 
-    def allocate(self, request: Request, use_prefix_cache: bool = True) -> int:
-        """Give the request blocks for all its current tokens; returns prefix-cached tokens."""
+    def allocate(self, request: Request, use_prefix_cache: bool = True,
+                 needs_logits: bool = True) -> int:
+        """Give the request blocks for all its current tokens; returns prefix-cached tokens.
+        The hit blocks are pinned (ref counted) until the request frees them: no eviction
+        can take them between this match and their use."""
         if request.request_id in self.tables:
             raise BlockTableError(f"{request.request_id} already holds blocks "
                                   f"{self.tables[request.request_id][:8]}: allocated twice")
-        hits = self._prefix_hits(request) if use_prefix_cache else []
+        hits = self._prefix_hits(request, needs_logits) if use_prefix_cache else []
         if self.enable_prefix_caching and use_prefix_cache:
-            self.stats.queried_blocks += (request.num_tokens - 1) // self.block_size
+            self.stats.queried_blocks += self._matchable(request, needs_logits) // self.block_size
             self.stats.hit_blocks += len(hits)
         for block_id in hits:
             self._take(block_id)

@@ -67,7 +67,8 @@ class EngineProcess:
 
     # ---- commands ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                    kv_transfer_params: dict[str, Any] | None = None) -> None:
+                    kv_transfer_params: Any = None) -> None:
+        """``kv_transfer_params``: SendKV / RecvKV (connectors/transfer_params.py)."""
         from pd_cluster.driver.messages import EngineRequest, encode
         req = EngineRequest(request_id, list(prompt_token_ids), params, kv_transfer_params,
                             timeout=3600.0)

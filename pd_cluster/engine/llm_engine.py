@@ -7,6 +7,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from connectors.transfer_params import KVTransferParams, check_transfer_params
 from pd_cluster.config import EngineConfig, read_hf_config
 from pd_cluster.engine.block_manager import BlockManager
 from pd_cluster.engine.executor import Executor, max_model_len_of
@@ -85,7 +86,7 @@ class LLMEngine:
                          f"{type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    kv_transfer_params: dict[str, Any] | None = None,
+                    kv_transfer_params: KVTransferParams | None = None,
                     resume_token_ids: list[int] | None = None,
                     resume_text_len: int = 0) -> Request:
         """``resume_token_ids``: continue a request another engine was generating (its output
@@ -94,6 +95,7 @@ class LLMEngine:
         exactly where it stopped (seeded sampling included: token i is drawn from (seed, i))."""
         text, token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
+        check_transfer_params(kv_transfer_params)
         resume = list(resume_token_ids or [])
         if resume and (len(resume) >= (params.max_tokens or self.max_model_len)
                        or len(token_ids) + len(resume) >= self.max_model_len):

@@ -104,11 +104,21 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # Prompt tokens this step may still take (the cap applies while decodes run).
+        cap = self.config.max_prefill_tokens_per_step
+        prefill_budget = budget if cap is None or not any(
+            r.is_decoding for r in self.running) else cap
         scheduled_ids: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not request.is_decoding:
+                num_new = min(num_new, prefill_budget)
+                if num_new == 0:  # the cap is spent: this prefill goes on next step
+                    i += 1
+                    continue
+                prefill_budget -= num_new
             while not self.block_manager.can_append(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -126,30 +136,43 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted_ids
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            # Remote KV: the producer samples token 1, so every full prompt block may hit
+            # this engine's cache; only the rest is asked for (external tokens).
+            remote = self.connector is not None and request.kv_from_remote
+            if prefill_budget <= 0 and not remote:
+                break  # the prefill cap is spent; remote ones compute nothing here
+            # Cached prompt tokens have no logits to score them with.
+            use_cache = (request.sampling_params.prompt_logprobs is None
+                         and (not remote or request.kv_transfer_params.reuse_prefix))
             num_external, load_async = 0, False
             if self.connector is not None and not request.prefill_locally:
+                local = self.block_manager.num_cached_tokens(request, not remote) \
+                    if use_cache and remote else 0
                 num_external, load_async = self.connector.get_num_new_matched_tokens(
-                    request, request.num_computed_tokens)
-            # Cached prompt tokens have no logits to score them with.
-            use_cache = num_external == 0 and request.sampling_params.prompt_logprobs is None
-            if not self.block_manager.can_allocate(request, use_prefix_cache=use_cache):
+                    request, local)
+            if not self.block_manager.can_allocate(request, use_cache, not remote):
                 break
             self.waiting.popleft()
-            cached = self.block_manager.allocate(request, use_prefix_cache=use_cache)
+            cached = self.block_manager.allocate(request, use_cache, not remote)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = cached
             request.num_computed_tokens = cached
-            if self.connector is not None and num_external:
-                self.connector.update_state_after_alloc(request, request.block_ids, num_external)
+            if self.connector is not None and (num_external or load_async):
+                # The split as allocated (a hit can only grow between the two lookups).
+                self.connector.update_state_after_alloc(
+                    request, request.block_ids,
+                    request.num_prompt_tokens - cached if remote else num_external)
             if load_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.remote_waiting[request.request_id] = request
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                          prefill_budget)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+            prefill_budget -= num_new
 
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)

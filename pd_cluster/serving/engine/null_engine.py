@@ -28,7 +28,7 @@ class NullEngine:
         self.step_seconds = step_seconds
 
     def add_request(self, request_id: str, prompt: Any, params: Any,
-                    kv_transfer_params: dict[str, Any] | None = None,
+                    kv_transfer_params: Any = None,
                     resume_token_ids: list[int] | None = None,
                     resume_text_len: int = 0) -> None:
         if request_id in self.requests:
