@@ -25,6 +25,7 @@ from pd_cluster.model_maker import build_tokenizer, make_model, save_checkpoint
 from pd_cluster.models.loader import load_model
 from pd_cluster.sampling_params import SamplingParams
 from tests.conftest import assert_greedy_matches, edit_config, hf_greedy, random_prompt
+from tests.test_moe_families import _init as init_moe_weights
 
 BLOCK = (16, 16)  # small blocks so a tiny model has many, and partial edge ones
 FP8_MAX = 448.0
@@ -134,15 +135,19 @@ def test_fp8_weights_equal_the_reference_dequantisation(fp8_dirs: tuple[str, str
     assert torch.equal(half, ref["model.layers.0.mlp.down_proj.weight"].to(torch.bfloat16))
 
 
-def test_fp8_generation_equals_hf_on_the_dequantised_weights(fp8_dirs: tuple[str, str]) -> None:
-    quant_dir, ref_dir = fp8_dirs
-    prompts = [random_prompt(n, seed=n) for n in (4, 19)]
+def _check_greedy(quant_dir: str, ref_dir: str, lengths: tuple[int, ...]) -> None:
+    """Our engine on the quantised checkpoint vs HF fp32 on the reference dequantisation."""
+    prompts = [random_prompt(n, seed=n) for n in lengths]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(model=quant_dir, block_size=8) as llm:
         for prompt, out in zip(prompts, llm.generate(prompts, greedy)):
             assert_greedy_matches(ref_dir, prompt, out.outputs[0].token_ids,
                                   hf_greedy(ref_dir, prompt, MAX_TOKENS))
         llm.engine.check_no_leaks()
+
+
+def test_fp8_generation_equals_hf_on_the_dequantised_weights(fp8_dirs: tuple[str, str]) -> None:
+    _check_greedy(*fp8_dirs, lengths=(4, 19))
 
 
 # ---------------------------------------------------------------- gpt-oss MXFP4
@@ -175,7 +180,7 @@ def _dequantise_mxfp4_ref(blocks: torch.Tensor, scales: torch.Tensor) -> torch.T
 
 def _gpt_oss_source(root: Path) -> Path:
     """A tiny gpt-oss by transformers (experts 64 wide so down_proj's rows split in groups
-    of 32), weights at unit-RMS scales for decisive logits."""
+    of 32), weights initialised as the MoE family tests do (decisive logits)."""
     import transformers
 
     tokenizer, n_real = build_tokenizer(512)
@@ -187,18 +192,7 @@ def _gpt_oss_source(root: Path) -> Path:
         pad_token_id=3)
     cfg.architectures = ["GptOssForCausalLM"]
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-                continue
-            std = (1.0 if "embed_tokens" in name else 6.0 / 8 if name.startswith("lm_head.")
-                   else 0.3 if name.endswith("sinks") else 0.1 if p.dim() == 1
-                   else 1.0 / math.sqrt(p.shape[-2] if p.dim() == 3 else p.shape[1]))
-            p.copy_(std * torch.randn(p.shape, generator=gen))
-            if "embed_tokens" in name or name.startswith("lm_head."):
-                p[n_real:] = 0.0
+    init_moe_weights(model, n_real, gpt_oss=True)
     return save_checkpoint(model, tokenizer, root / "src", {"arch": "gpt_oss"})
 
 
@@ -246,14 +240,7 @@ def test_mxfp4_weights_equal_the_reference_dequantisation(mxfp4_dirs: tuple[str,
 
 def test_mxfp4_generation_equals_hf_on_the_dequantised_weights(
         mxfp4_dirs: tuple[str, str]) -> None:
-    quant_dir, ref_dir = mxfp4_dirs
-    prompts = [random_prompt(n, seed=n) for n in (5, 30)]  # shorter and longer than the window
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(model=quant_dir, block_size=8) as llm:
-        for prompt, out in zip(prompts, llm.generate(prompts, greedy)):
-            assert_greedy_matches(ref_dir, prompt, out.outputs[0].token_ids,
-                                  hf_greedy(ref_dir, prompt, MAX_TOKENS))
-        llm.engine.check_no_leaks()
+    _check_greedy(*mxfp4_dirs, lengths=(5, 30))  # shorter and longer than the window (16)
 
 
 # ---------------------------------------------------------------- refusals
