@@ -1,0 +1,188 @@
+"""Producer methods of the P/D connector's worker (PDConnectorWorker mixes them in; split from
+pd_connector.py like the ZMQ pipe's peer side): ship each layer's new blocks as it is
+computed, skip what the consumer's own prefix cache holds, and send the FIN after them.
+
+Decode-side prefix reuse: when the producer first schedules a request it sends an OFFER; the
+consumer answers (as soon as it admitted the request) with a HOLD naming the prompt tokens its
+own prefix cache covers, and the producer ships only the blocks after them. Layers computed
+before the answer came are deferred (the producer's blocks stay pinned until the consumer's
+ACK, so their KV is still there) and sent when it comes, or in full after ``OFFER_WAIT`` of
+the transfer timeout; the consumer drops any block it holds, so a late answer costs bytes,
+never correctness. A FIN goes after its request's deferred layers and once their sends
+settled. Only the engine thread calls these, except _record_hold (the receiver thread).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from concurrent.futures import wait
+from typing import Any
+
+import torch
+
+from connectors.metadata import FinHeader, OfferHeader, SendSpec, encode_header
+from connectors.pipes.base import PipeError
+from connectors.tp_topology import num_feeders, split_endpoint
+
+logger = logging.getLogger("connectors.pd_connector")
+OFFER_WAIT = 0.5  # of kv_transfer_timeout: how long layers wait for the consumer's HOLD
+
+
+class PDProducer:
+    """Producer half of PDConnectorWorker (its __init__ sets the attributes used here)."""
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        if self._meta is None or not self._meta.sends:
+            return
+        if self._deferred:
+            self._flush_deferred()
+        for spec in self._meta.sends:
+            if spec.request_id in self._failed_sends or not self._usable(spec.peer):
+                self._failed_sends.add(spec.request_id)
+                continue
+            held = self._held_tokens(spec.request_id)
+            if held is None:  # no answer yet: send once the consumer said what it holds
+                self._deferred.setdefault(spec.request_id, []).append((layer, spec))
+                continue
+            self._send_unheld(spec, layer, kv_layer, held)
+        if layer == len(self.kv_caches) - 1 and self.config.record_timings:
+            now = time.time()
+            for spec in self._meta.sends:
+                self.last_layer_times[spec.request_id] = now
+            while len(self.last_layer_times) > 4096:
+                self.last_layer_times.popitem(last=False)
+
+    def _send_unheld(self, spec: SendSpec, layer: int, kv_layer: torch.Tensor,
+                     held: int) -> None:
+        """Send ``layer`` of the spec's blocks the consumer's cache does not hold."""
+        skip = max(0, held // self.block_size - spec.first_block)
+        if skip >= len(spec.block_ids):
+            return
+        if skip:
+            spec = dataclasses.replace(spec, block_ids=spec.block_ids[skip:],
+                                       first_block=spec.first_block + skip)
+        for endpoint, r in self._routes.get(spec.peer, []):
+            if not self._send_layer(spec, layer, endpoint,
+                                    self.sender.layer_messages(spec, layer, kv_layer,
+                                                               (r.src, r.count, r.dst))):
+                break
+
+    # ---- producer: what the consumer holds (decode-side prefix reuse) --------------------
+    def _offer(self, spec: SendSpec) -> None:
+        """Ask the consumer which prompt tokens it holds (answered by a HoldHeader)."""
+        self._offered[spec.request_id] = (time.monotonic()
+                                          + OFFER_WAIT * self.config.kv_transfer_timeout)
+        if not self._usable(spec.peer):
+            return
+        for endpoint, _ in self._routes.get(spec.peer, []):
+            try:
+                self.sender.send(endpoint, encode_header(OfferHeader(spec.request_id)), None)
+            except PipeError as e:
+                logger.error("offer of %s failed: %s", spec.request_id, e)
+                self._failed_sends.add(spec.request_id)
+                self._broken.add(spec.peer)
+                return
+
+    def _held_tokens(self, request_id: str) -> int | None:
+        """Prompt tokens the consumer holds; None while its answer may still come (after the
+        wait, 0: everything is sent and the consumer drops what it holds)."""
+        with self._holds_lock:
+            held = self._holds.get(request_id)
+        if held is not None:
+            return held
+        deadline = self._offered.get(request_id)
+        return 0 if deadline is None or time.monotonic() > deadline else None
+
+    def _send_ready_fins(self) -> None:
+        """A FIN goes once its layers went out and their sends settled (a failed one turns
+        it into "recompute"), in FIN order."""
+        ready = [f for rid, f in self._waiting_fins.items() if rid not in self._deferred]
+        if ready:
+            self._settle_sends()
+            for fin in ready:
+                del self._waiting_fins[fin.request_id]
+                self._send_fin(fin)
+
+    def _flush_deferred(self) -> None:
+        """Send deferred layers whose consumer answered (or stopped being waited for)."""
+        for rid in list(self._deferred):
+            held = self._held_tokens(rid)
+            if held is None:
+                continue
+            for layer, spec in self._deferred.pop(rid):
+                if rid not in self._failed_sends:
+                    self._send_unheld(spec, layer, self.kv_caches[layer], held)
+
+    def _send_layer(self, spec: Any, layer: int, endpoint: str, msgs: list) -> bool:
+        for msg in msgs:
+            try:
+                future = self.sender.send_layer(endpoint, msg)
+            except PipeError as e:
+                logger.error("send of %s layer %d failed: %s", spec.request_id, layer, e)
+                self._failed_sends.add(spec.request_id)
+                self._broken.add(spec.peer)
+                return False
+            self._step_futures.append((spec.request_id, spec.peer, future))
+            self.leases.sending(spec.request_id)
+            self.bytes_sent += msg.tensor.nbytes
+        return True
+
+    def wait_for_save(self) -> None:
+        """Every payload of this step released by the pipe: zero-copy views point into the
+        cache, which the next step may write. A send that failed, or is still pending after
+        the timeout, fails its request: the FIN tells the consumer to recompute at once."""
+        if self._deferred:  # answers that came during the forward: send before waiting
+            self._flush_deferred()
+        self._settle_sends()
+
+    def _settle_sends(self) -> None:
+        if not self._step_futures:
+            return
+        done, pending = wait([f for _, _, f in self._step_futures],
+                             timeout=self.config.kv_transfer_timeout)
+        bad = [(rid, peer) for rid, peer, f in self._step_futures
+               if f in pending or f.cancelled() or f.exception() is not None]
+        if pending:
+            self.num_send_timeouts += 1
+            logger.error("%d KV sends still pending after %.1fs", len(pending),
+                         self.config.kv_transfer_timeout)
+        elif bad:
+            logger.error("KV sends of %s failed: %s", sorted({r for r, _ in bad}), next(
+                f.exception() for _, _, f in self._step_futures if f in done
+                and not f.cancelled() and f.exception() is not None))
+        self._failed_sends.update(rid for rid, _ in bad)
+        self._broken.update(peer for _, peer in bad)
+        self._step_futures = []
+
+    def _send_fin(self, fin: Any) -> None:
+        ok = fin.request_id not in self._failed_sends and fin.first_token is not None
+        self._failed_sends.discard(fin.request_id)
+        self._offered.pop(fin.request_id, None)
+        with self._holds_lock:
+            self._holds.pop(fin.request_id, None)
+        routes = self._routes.get(fin.peer, []) if self._usable(fin.peer) else []
+        if not routes:  # no consumer can answer (or this rank fed none of its ranks): free now
+            self.leases.drop(fin.request_id)
+            return
+        if ok:  # held before the FINs leave: the answers can come back before send returns
+            self.leases.hold(fin.request_id, len(routes))
+        n_ranks = len(split_endpoint(fin.peer))
+        for endpoint, r in routes:
+            header = FinHeader(fin.request_id, fin.first_token if ok else None,
+                               fin.num_prompt_tokens, self.config.lease_seconds, num_feeders(
+                                   r.dst_rank, self.tp_size, n_ranks, self.hello["num_kv_heads"]))
+            try:
+                self.sender.send(endpoint, encode_header(header), None)
+            except PipeError as e:
+                logger.error("FIN for %s failed: %s", fin.request_id, e)
+                ok = False
+        if not ok:  # a failed transfer's FIN makes the consumer recompute: nothing reads ours
+            self.leases.drop(fin.request_id)
+
+    def _record_hold(self, request_id: str, num_tokens: int) -> None:
+        with self._holds_lock:
+            self._holds[request_id] = num_tokens
+            while len(self._holds) > 4096:  # answers to requests already finished here
+                self._holds.popitem(last=False)
+
