@@ -6,8 +6,12 @@ processes), timed from the first gather to the consumer's ACK; beside plain pyzm
 loopback throughput with the same frame sizes, in the same run.
 Part 2: TTFT of a ~2k-token prompt through a producer engine streaming its KV to a consumer
 engine (1P1D, two processes) vs a colocated engine, same model.
+Part 3 (issue 20): the same for a DeepSeek-shaped latent-attention (MLA) model beside a GQA
+model of the same hidden size, layers and heads: KV bytes per prompt token measured from P's
+``kv_bytes_sent`` (beside the value the configs give), and each model's TTFT 1P1D/colocated.
 Prints `kv_transfer_efficiency=X` (ours / raw, median over sizes) last. ``--smoke``: one small
-transfer and a TTFT run on the built-in tiny model, a few seconds (CI: interfaces still fit).
+transfer and a 1P1D run of each part-3 model on a short prompt, a few seconds (CI: interfaces
+still fit; no colocated runs, no TTFT ratios).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import torch  # noqa: E402
 from connectors.config import KVTransferConfig  # noqa: E402
 from connectors.metadata import FinishSpec, KVConnectorMetadata, RecvSpec, SendSpec  # noqa: E402
 from connectors.pd_connector import PDConnectorWorker  # noqa: E402
+from connectors.transfer_params import RecvKV, SendKV  # noqa: E402
 
 SHAPE = {"num_layers": 12, "num_kv_heads": 4, "head_dim": 64, "block_size": 16}  # bench-50m
 
@@ -119,8 +124,10 @@ def part1(sizes: list[int], transport: str, repeats: int) -> list[float]:
     return ratios
 
 
-def part2(prompt_tokens: int, repeats: int, model_name: str = "bench-50m",
-          colocated: bool = True) -> None:
+def ttft_runs(model_name: str, prompt_tokens: int, repeats: int,
+              colocated: bool = True) -> dict[str, float]:
+    """Median TTFT colocated (nan when not run) and 1P1D, and the KV bytes P sent per prompt
+    token (every run ships the whole prompt: neither engine reuses a cached prefix)."""
     from pd_cluster import SamplingParams
     from pd_cluster.config import EngineConfig
     from pd_cluster.engine.engine_process import EngineProcess
@@ -134,23 +141,64 @@ def part2(prompt_tokens: int, repeats: int, model_name: str = "bench-50m",
         colo = EngineProcess(EngineConfig(model=model, enable_prefix_caching=False)).wait_ready()
         ttft_colo = _ttft(colo, lambda rid: colo.add_request(rid, prompt, params), repeats)
         colo.shutdown()
-    d = EngineProcess(EngineConfig(model=model, kv_transfer=kv("consumer")))
+    d = EngineProcess(EngineConfig(model=model, enable_prefix_caching=False,
+                                   kv_transfer=kv("consumer")))
     p = EngineProcess(EngineConfig(model=model, enable_prefix_caching=False,
                                    kv_transfer=kv("producer")))
     p.wait_ready(), d.wait_ready()
     p.connect_kv_peer(d.kv_endpoint)  # the handshake, as a cluster does at launch
 
     def submit(rid: str) -> None:
-        d.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=2),
-                      {"do_remote_prefill": True})
-        p.add_request(rid, prompt, params, {"do_remote_decode": True,
-                                            "remote_kv_addr": d.kv_endpoint})
+        d.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=2), RecvKV())
+        p.add_request(rid, prompt, params, SendKV(to=d.kv_endpoint))
     ttft_pd = _ttft(p, submit, repeats, d)
+    sent = p.call("stats")["kv_bytes_sent"]
     p.shutdown(), d.shutdown()
-    print(f"TTFT {prompt_tokens}-token prompt: colocated {ttft_colo * 1e3:.1f} ms, "
-          f"1P1D {ttft_pd * 1e3:.1f} ms")
+    return {"colocated": ttft_colo, "pd": ttft_pd,
+            "kv_bytes_per_token": sent / ((repeats + 1) * prompt_tokens)}
+
+
+def part2(prompt_tokens: int, repeats: int, model_name: str = "bench-50m") -> None:
+    t = ttft_runs(model_name, prompt_tokens, repeats)
+    print(f"TTFT {prompt_tokens}-token prompt: colocated {t['colocated'] * 1e3:.1f} ms, "
+          f"1P1D {t['pd'] * 1e3:.1f} ms")
+    print(f"ttft_ratio_pd_over_colocated={t['pd'] / t['colocated']:.3f}")
+
+
+def kv_bytes_per_token(model_name: str) -> float:
+    """From the config alone: per layer, MLA caches one latent (kv_lora_rank) and one rope key
+    (qk_rope_head_dim) per token; GQA caches K and V for each KV head."""
+    from pd_cluster.config import EngineConfig, read_hf_config
+    from pd_cluster.model_maker import default_model_path
+    model = str(default_model_path(model_name))
+    cfg = read_hf_config(model)
+    if cfg.get("kv_lora_rank"):
+        per_layer = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    else:
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        per_layer = 2 * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
+    itemsize = EngineConfig(model=model).torch_dtype.itemsize
+    return cfg["num_hidden_layers"] * per_layer * itemsize
+
+
+def part3(prompt_tokens: int, repeats: int, mla_model: str, gqa_model: str,
+          colocated: bool = True) -> None:
+    runs = {"mla": ttft_runs(mla_model, prompt_tokens, repeats, colocated),
+            "gqa": ttft_runs(gqa_model, prompt_tokens, repeats, colocated)}
+    print(f"MLA {mla_model} vs GQA {gqa_model}, {prompt_tokens}-token prompt:")
+    print(f"{'':>4} {'KV B/token':>10} {'analytical':>10} {'TTFT colo ms':>12} "
+          f"{'TTFT 1P1D ms':>12}")
+    for kind, name in (("mla", mla_model), ("gqa", gqa_model)):
+        t = runs[kind]
+        print(f"{kind:>4} {t['kv_bytes_per_token']:>10.1f} {kv_bytes_per_token(name):>10.1f} "
+              f"{t['colocated'] * 1e3:>12.1f} {t['pd'] * 1e3:>12.1f}")
+    mla, gqa = runs["mla"]["kv_bytes_per_token"], runs["gqa"]["kv_bytes_per_token"]
+    print(f"mla_kv_bytes_per_token={mla:.1f} gqa_kv_bytes_per_token={gqa:.1f} "
+          f"kv_bytes_ratio_gqa_over_mla={gqa / mla:.3f}")
     if colocated:
-        print(f"ttft_ratio_pd_over_colocated={ttft_pd / ttft_colo:.3f}")
+        ratios = {k: t["pd"] / t["colocated"] for k, t in runs.items()}
+        print(f"mla_ttft_ratio_pd_over_colocated={ratios['mla']:.3f} "
+              f"gqa_ttft_ratio_pd_over_colocated={ratios['gqa']:.3f}")
 
 
 def _ttft(proc, submit, repeats: int, consumer=None) -> float:
@@ -175,17 +223,24 @@ def main() -> None:
     parser.add_argument("--ttft-prompt", type=int, default=2000)
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--ttft-model", default="bench-50m", help="a built-in preset")
+    parser.add_argument("--mla-model", default="tiny-deepseek-v3", help="part 3's MLA preset")
+    parser.add_argument("--gqa-model", default="tiny-gqa-like-deepseek",
+                        help="part 3's GQA preset (same hidden size, layers and heads)")
+    parser.add_argument("--skip-mla", action="store_true", help="no part 3")
     parser.add_argument("--smoke", action="store_true",
-                        help="a few seconds (CI): 256 tokens once, 1P1D TTFT of 64 tokens on "
-                             "tiny-llama (no colocated run, no ratio)")
+                        help="a few seconds (CI): 256 tokens once, then part 3's 1P1D runs on "
+                             "a 64-token prompt (no part 2, no colocated runs, no ratios)")
     args = parser.parse_args()
     if args.smoke:
-        args.sizes, args.repeats, args.ttft_prompt, args.ttft_model = [256], 1, 64, "tiny-llama"
+        args.sizes, args.repeats, args.ttft_prompt, args.skip_ttft = [256], 1, 64, True
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     ratios = part1(args.sizes, args.transport, args.repeats)
     if not args.skip_ttft:
-        part2(args.ttft_prompt, args.repeats, args.ttft_model, colocated=not args.smoke)
+        part2(args.ttft_prompt, args.repeats, args.ttft_model)
+    if not args.skip_mla:
+        part3(args.ttft_prompt, args.repeats, args.mla_model, args.gqa_model,
+              colocated=not args.smoke)
     print(f"kv_transfer_efficiency={statistics.median(ratios):.3f}")
 
 
