@@ -36,6 +36,18 @@ def _submit(p: LLMEngine, d: LLMEngine, rid: str, prompt: list[int],
     p.add_request(rid, prompt, producer_params(params), SendKV(to=d.kv_endpoint()))
 
 
+def _first_turn(p: LLMEngine, d: LLMEngine, ref: "Turns | None" = None,
+                new_tokens: int = 13) -> tuple[list[int], list[int], list[int]]:
+    """Turn 1 (37 tokens) through the pair; returns (its prompt, its output, turn 2's prompt:
+    the history plus ``new_tokens``). D then holds 5 full blocks (37 + 9 decoded tokens)."""
+    turn1 = prompts_of_lengths([37])[0]
+    _submit(p, d, "t1", turn1)
+    out1 = run_in_process(p, d)["t1"]
+    if ref is not None:
+        assert out1 == ref(turn1)
+    return turn1, out1, turn1 + out1 + prompts_of_lengths([new_tokens], vocab=300)[0]
+
+
 def _delta(e: LLMEngine, before: dict, key: str) -> int:
     return e.stats()[key] - before[key]
 
@@ -54,12 +66,7 @@ class Turns:
 def test_turn_two_ships_only_the_blocks_decode_lacks(model, new_tokens):
     p, d = engine(model, "producer", block_size=BS), engine(model, "consumer", block_size=BS)
     ref = Turns(model)
-    turn1 = prompts_of_lengths([37])[0]
-    _submit(p, d, "t1", turn1)
-    out1 = run_in_process(p, d)
-    assert out1["t1"] == ref(turn1)
-    # D computed 46 tokens (37 + 9 decoded): 5 full blocks are in its cache.
-    turn2 = turn1 + out1["t1"] + prompts_of_lengths([new_tokens], vocab=300)[0]
+    _, _, turn2 = _first_turn(p, d, ref, new_tokens)
     before_p, before_d = p.stats(), d.stats()
     _submit(p, d, "t2", turn2)
     assert run_in_process(p, d)["t2"] == ref(turn2)
@@ -78,10 +85,7 @@ def test_full_hit(model, length, blocks_shipped):
     with token 1 only); otherwise only the partial tail block."""
     p, d = engine(model, "producer", block_size=BS), engine(model, "consumer", block_size=BS)
     ref = Turns(model)
-    turn1 = prompts_of_lengths([37])[0]
-    _submit(p, d, "t1", turn1)
-    out1 = run_in_process(p, d)["t1"]
-    assert out1 == ref(turn1)
+    turn1, out1, _ = _first_turn(p, d, ref)
     again = (turn1 + out1)[:length]
     before_p, before_d = p.stats(), d.stats()
     _submit(p, d, "t2", again)
@@ -99,10 +103,7 @@ def test_matched_blocks_are_pinned_against_eviction(model):
     p = engine(model, "producer", block_size=BS)
     d = engine(model, "consumer", block_size=BS, num_kv_blocks=24)
     ref = Turns(model)
-    turn1 = prompts_of_lengths([37])[0]
-    _submit(p, d, "t1", turn1)
-    out1 = run_in_process(p, d)["t1"]
-    turn2 = turn1 + out1 + prompts_of_lengths([13], vocab=300)[0]
+    _, _, turn2 = _first_turn(p, d)
     _submit(p, d, "t2", turn2)
     d.step()  # D admits t2: 5 hit blocks pinned, the request parked
     parked = d.scheduler.remote_waiting["t2"]
@@ -143,10 +144,7 @@ def test_producer_killed_mid_transfer_of_a_partial_prefix(model):
     prompt itself, from its own cache, exactly; nothing leaks on D."""
     p, d = _pd(model, timeout=1.0)
     ref = Turns(model)
-    turn1 = prompts_of_lengths([37])[0]
-    _submit(p, d, "t1", turn1)
-    out1 = run_in_process(p, d)["t1"]
-    turn2 = turn1 + out1 + prompts_of_lengths([13], vocab=300)[0]
+    _, _, turn2 = _first_turn(p, d)
     _submit(p, d, "t2", turn2)
     d.step()  # parked, hits pinned
     p.step()  # P computes and starts shipping ... then dies
@@ -162,10 +160,7 @@ def test_decode_killed_mid_transfer_of_a_partial_prefix(model):
     """D dies after it admitted turn 2: P's sends fail or go unanswered, and P frees every
     block within its bounds."""
     p, d = _pd(model, timeout=1.0)
-    turn1 = prompts_of_lengths([37])[0]
-    _submit(p, d, "t1", turn1)
-    out1 = run_in_process(p, d)["t1"]
-    turn2 = turn1 + out1 + prompts_of_lengths([13], vocab=300)[0]
+    _, _, turn2 = _first_turn(p, d)
     _submit(p, d, "t2", turn2)
     d.step()  # D answers P's offer once P makes it; then dies
     p.step()
@@ -178,10 +173,7 @@ def test_decode_killed_mid_transfer_of_a_partial_prefix(model):
 def test_reuse_off_ships_the_whole_prompt(model):
     """RecvKV(reuse_prefix=False): today's behaviour, every prompt block shipped."""
     p, d = engine(model, "producer", block_size=BS), engine(model, "consumer", block_size=BS)
-    turn1 = prompts_of_lengths([37])[0]
-    _submit(p, d, "t1", turn1)
-    out1 = run_in_process(p, d)["t1"]
-    turn2 = turn1 + out1 + prompts_of_lengths([13], vocab=300)[0]
+    _, _, turn2 = _first_turn(p, d)
     before = d.stats()
     p.connect_kv_peer(d.kv_endpoint())
     d.add_request("t2", turn2, GREEDY, RecvKV(reuse_prefix=False))
