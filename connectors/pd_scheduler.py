@@ -51,7 +51,8 @@ class PDConnectorScheduler(KVConnectorBase_Scheduler):
             self._sent_upto[request.request_id] = end
             first, last = start // self.block_size, -(-end // self.block_size)
             sends.append(SendSpec(request.request_id, params.to,
-                                  tuple(request.block_ids[first:last]), first))
+                                  tuple(request.block_ids[first:last]), first,
+                                  params.expect_held))
         meta = KVConnectorMetadata(sends, self._finishes, self._recvs, self._cancels)
         self._finishes, self._recvs, self._cancels = [], [], []
         return meta

@@ -12,7 +12,7 @@ a malformed one is rejected when the request is decoded.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import msgspec
 
@@ -20,6 +20,16 @@ import msgspec
 class SendKV(msgspec.Struct, frozen=True, tag="send_kv", tag_field="kind"):
     """Producer: push this request's prompt KV to the consumer endpoint ``to``."""
     to: str
+    # Prompt tokens the consumer is expected to hold in its own prefix cache (the proxy's
+    # view of it): blocks from there on are sent as they are computed; the ones before wait
+    # for the consumer's answer (what it really holds). None: every block waits for it
+    # (fewest bytes; the first layers may wait up to one consumer step). 0: nothing waits
+    # (the consumer drops what it holds: bytes spent, no wait).
+    expect_held: Optional[int] = msgspec.field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.expect_held is not None and self.expect_held < 0:
+            raise ValueError(f"expect_held: must be >= 0, got {self.expect_held}")
 
 
 class RecvKV(msgspec.Struct, frozen=True, tag="recv_kv", tag_field="kind"):

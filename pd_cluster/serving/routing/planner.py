@@ -109,7 +109,9 @@ class Planner:
         p_params = dataclasses.replace(job.params, max_tokens=1,
                                        min_tokens=min(job.params.min_tokens, 1))
         d_kv = RecvKV(reuse_prefix=self.pool.config.decode_prefix_reuse)
-        p_kv = SendKV(to=d.kv_endpoint)
+        # Blocks past what the index says D holds stream at once; the ones before wait for
+        # D's answer (what it really holds). Reuse off: D holds nothing, nothing waits.
+        p_kv = SendKV(to=d.kv_endpoint, expect_held=cached[d.name] * d_kv.reuse_prefix)
         d_leg = Leg(d, EngineRequest(params=job.params, kv_transfer_params=d_kv, **base),
                     max_tokens + 1, LegKind.DECODE)
         p_leg = Leg(p, EngineRequest(params=p_params, kv_transfer_params=p_kv, **base),
