@@ -42,7 +42,18 @@ class PDProducer:
                 self._failed_sends.add(spec.request_id)
                 continue
             held = self._held_tokens(spec.request_id)
-            if held is None:  # no answer yet: send once the consumer said what it holds
+            if held is None and spec.expect_held is not None:
+                # No answer yet: blocks past what the consumer is expected to hold go now.
+                cut = min(max(spec.expect_held // self.block_size - spec.first_block, 0),
+                          len(spec.block_ids))
+                if cut < len(spec.block_ids):
+                    self._send_unheld(dataclasses.replace(
+                        spec, block_ids=spec.block_ids[cut:], first_block=spec.first_block + cut),
+                        layer, kv_layer, 0)
+                if cut == 0:
+                    continue
+                spec = dataclasses.replace(spec, block_ids=spec.block_ids[:cut])
+            if held is None:  # the rest once the consumer said what it holds
                 self._deferred.setdefault(spec.request_id, []).append((layer, spec))
                 continue
             self._send_unheld(spec, layer, kv_layer, held)
@@ -75,6 +86,8 @@ class PDProducer:
                                           + OFFER_WAIT * self.config.kv_transfer_timeout)
         if not self._usable(spec.peer):
             return
+        if not self._routes.get(spec.peer):  # this rank feeds none of its ranks: no answer
+            self._record_hold(spec.request_id, 0)
         for endpoint, _ in self._routes.get(spec.peer, []):
             try:
                 self.sender.send(endpoint, encode_header(OfferHeader(spec.request_id)), None)

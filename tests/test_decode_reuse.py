@@ -170,6 +170,28 @@ def test_decode_killed_mid_transfer_of_a_partial_prefix(model):
     p.close()
 
 
+@pytest.mark.parametrize("expect_held", [0, 40])
+def test_blocks_past_the_expected_hold_go_at_once(model, expect_held):
+    """SendKV.expect_held (the proxy's view of D's cache): blocks past it are sent without
+    waiting for D's answer; D drops any it holds, so what it writes stays exact."""
+    p, d = engine(model, "producer", block_size=BS), engine(model, "consumer", block_size=BS)
+    ref = Turns(model)
+    _, _, turn2 = _first_turn(p, d, ref)
+    before_p, before_d = p.stats(), d.stats()
+    p.connect_kv_peer(d.kv_endpoint())
+    d.add_request("t2", turn2, GREEDY, RecvKV())
+    p.add_request("t2", turn2, producer_params(GREEDY),
+                  SendKV(to=d.kv_endpoint(), expect_held=expect_held))
+    assert run_in_process(p, d)["t2"] == ref(turn2)
+    shipped = (-(-len(turn2) // BS) - 5) * _block_bytes(d)
+    sent = _delta(p, before_p, "kv_bytes_sent")
+    assert _delta(d, before_d, "kv_bytes_received") == shipped
+    assert sent - shipped == _delta(d, before_d, "kv_bytes_skipped")  # dropped, not written
+    assert sent == shipped if expect_held == 40 else shipped <= sent
+    p.check_no_leaks(), d.check_no_leaks()
+    p.close(), d.close()
+
+
 def test_reuse_off_ships_the_whole_prompt(model):
     """RecvKV(reuse_prefix=False): today's behaviour, every prompt block shipped."""
     p, d = engine(model, "producer", block_size=BS), engine(model, "consumer", block_size=BS)
