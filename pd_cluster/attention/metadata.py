@@ -1,8 +1,9 @@
 """What one forward step tells the attention layers about the batch.
 
-KV cache layout, per layer: ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(index 0 = K, 1 = V). Token ``p`` of a request lives in slot
-``block_table[p // block_size] * block_size + p % block_size``.
+KV cache layout, per layer (pd_cluster/engine/kv_spec.py): standard attention's
+``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = K, 1 = V); latent
+attention's ``[1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``. Token ``p``
+of a request lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
 
 The batch is ordered decodes first: the first ``num_decodes`` requests have exactly one query
 token each, so the first ``num_decodes`` tokens are decode tokens. The rest are prefill chunks.
