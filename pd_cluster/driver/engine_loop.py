@@ -7,6 +7,7 @@ Nothing else touches the engine, so the engine needs no locks.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -47,6 +48,9 @@ class EngineLoop:
     # ---- called from other threads -------------------------------------------------------
     def start(self) -> None:
         self._refresh_snapshot()
+        # The model, torch and the KV cache's bookkeeping live as long as the engine: out of
+        # the collector's sight, a full collection no longer walks them between steps.
+        gc.freeze()
         self._thread.start()
 
     def submit(self, request: EngineRequest) -> None:

@@ -10,6 +10,7 @@ HTTP errors and can still be retried; later failures end the stream with an erro
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import random
@@ -200,6 +201,10 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]]) -> FastA
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.pool.start()
+        # Everything loaded so far (torch, transformers, the tokenizer: millions of objects)
+        # lives as long as the proxy: out of the collector's sight, a full collection no
+        # longer walks it (it cost ~1 ms per streamed request, measured in bench_proxy).
+        gc.freeze()
         yield
         await state.pool.close()
 
