@@ -17,7 +17,7 @@ from pd_cluster.engine.kv_spec import (FullAttentionSpec, LatentAttentionSpec,
                                        SlidingWindowSpec, attention_spec)
 from tests.pd_helpers import engine
 
-F32, BF16 = torch.float32, torch.bfloat16
+BF16 = torch.bfloat16
 MIXED = KVCacheSpec(16, (FullAttentionSpec(4, 64, BF16), SlidingWindowSpec(4, 64, BF16, 128),
                          LatentAttentionSpec(576, BF16)))
 

@@ -22,6 +22,7 @@ from pd_cluster.model_maker import make_model
 from pd_cluster.sampling_params import SamplingParams
 from tests.conftest import assert_greedy_matches, hf_greedy, random_prompt
 from tests.pd_helpers import colocated_tokens, engine, run_in_process, submit_pair
+from tests.test_moe_families import check_greedy  # HF-exact greedy generation, then no leaks
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -52,13 +53,6 @@ def mla_model(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
-def _check_greedy(llm: LLM, model_dir: str, prompts: list[list[int]]) -> None:
-    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
-        assert_greedy_matches(model_dir, prompt, out.outputs[0].token_ids,
-                              hf_greedy(model_dir, prompt, MAX_TOKENS))
-    llm.engine.check_no_leaks()
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_greedy_matches_hf_chunked_and_prefix_cached(mla_model, name: str) -> None:
     model_dir = mla_model(name)
@@ -68,8 +62,8 @@ def test_greedy_matches_hf_chunked_and_prefix_cached(mla_model, name: str) -> No
     assert spec.layers == (LatentAttentionSpec(LATENT + ROPE, torch.float32),) * LAYERS
     assert llm.engine.runner.kv_caches[0].shape[0::3] == (1, 1)  # one part, one "head"
     prompts = [random_prompt(n, seed=n) for n in (3, 13, 40)]
-    _check_greedy(llm, model_dir, prompts)
-    _check_greedy(llm, model_dir, [prompts[-1][:32] + random_prompt(9, seed=1)])
+    check_greedy(llm, model_dir, prompts)
+    check_greedy(llm, model_dir, [prompts[-1][:32] + random_prompt(9, seed=1)])
     assert llm.engine.stats()["prefix_cache_hit_blocks"] >= 4
 
 
@@ -146,7 +140,7 @@ def test_tp2_greedy_matches_hf(mla_model) -> None:
     try:
         attn = llm.engine.runner.model.model.layers[0].self_attn
         assert attn.num_heads == 2 and attn.kv_b_proj.weight.shape[0] == 2 * (16 + 16)
-        _check_greedy(llm, model_dir, [random_prompt(n, seed=n) for n in (4, 30)])
+        check_greedy(llm, model_dir, [random_prompt(n, seed=n) for n in (4, 30)])
     finally:
         workers = llm.engine.executor.workers
         llm.close()

@@ -19,8 +19,25 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class _Paged:
+    """A layer cache of ``parts`` x ``heads`` x ``width`` values per token, in ``dtype``."""
+
+    parts: int
+    heads: int
+    width: int
+    dtype: torch.dtype
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (self.parts, num_blocks, block_size, self.heads, self.width)
+
+    def page_bytes(self, block_size: int) -> int:
+        """Bytes one block of this layer occupies."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.parts * block_size * self.heads * self.width * elem
+
+
 @dataclass(frozen=True)
-class FullAttentionSpec:
+class FullAttentionSpec(_Paged):
     """K and V of ``num_kv_heads`` (this rank's) x ``head_dim`` per token."""
 
     num_kv_heads: int
@@ -31,20 +48,12 @@ class FullAttentionSpec:
     parts = 2
 
     @property
-    def heads(self) -> int:
+    def heads(self) -> int:  # type: ignore[override]
         return self.num_kv_heads
 
     @property
-    def width(self) -> int:
+    def width(self) -> int:  # type: ignore[override]
         return self.head_dim
-
-    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (self.parts, num_blocks, block_size, self.heads, self.width)
-
-    def page_bytes(self, block_size: int) -> int:
-        """Bytes one block of this layer occupies."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.parts * block_size * self.heads * self.width * elem
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "num_kv_heads": self.num_kv_heads,
@@ -65,7 +74,7 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
-class LatentAttentionSpec:
+class LatentAttentionSpec(_Paged):
     """Multi-head latent attention: one ``latent_dim`` vector per token, the same on every
     tensor-parallel rank (the normed latent then the roped key: kv_lora_rank +
     qk_rope_head_dim)."""
@@ -79,15 +88,8 @@ class LatentAttentionSpec:
     num_kv_heads = 1  # the connector's routing sees one head, held by every rank
 
     @property
-    def width(self) -> int:
+    def width(self) -> int:  # type: ignore[override]
         return self.latent_dim
-
-    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (self.parts, num_blocks, block_size, self.heads, self.width)
-
-    def page_bytes(self, block_size: int) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return block_size * self.latent_dim * elem
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "latent_dim": self.latent_dim,
