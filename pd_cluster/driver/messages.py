@@ -63,8 +63,10 @@ class EngineRequest(Msg, frozen=True):
     output_session: str = ""
 
 
-class EngineDelta(Msg, array_like=True):
+class EngineDelta(Msg, array_like=True, gc=False):
     """What one engine produced for one request since its previous delta (never cumulative).
+    Untracked by the garbage collector (it refers to nothing that refers back): the proxy
+    decodes one per request per engine step.
 
     ``seq`` counts a request's deltas on one engine from 0: the receiver detects a lost or
     repeated delta instead of merging it."""
