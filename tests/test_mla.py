@@ -157,3 +157,14 @@ def test_model_maker_preset_is_deepseek_shaped(tmp_path: Path) -> None:
     assert spec.architecture == "DeepseekV3ForCausalLM"
     assert [la.mlp.kind for la in spec.layers] == ["gated", "moe"]
     assert spec.layers[0].attention.latent.cache_dim == 80
+
+
+def test_tp_size_must_divide_the_experts_intermediate_size() -> None:
+    from pd_cluster.engine.executor import check_tensor_parallel
+
+    cfg = dict(num_attention_heads=4, num_key_value_heads=4, vocab_size=512,
+               intermediate_size=128, moe_intermediate_size=30)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide "
+                                         "moe_intermediate_size=30"):
+        check_tensor_parallel(cfg, 4)
+    check_tensor_parallel(cfg, 2)
