@@ -126,7 +126,8 @@ def load_weights(model: CausalLM, model_dir: str, device: torch.device,
     unexpected: list[str] = []
     dtype = next(iter(params.values())).dtype
     for name, tensor in iter_checkpoint(model_dir, device, fmt, dtype):
-        if any(s in name for s in _IGNORED) or (tied and name == "lm_head.weight"):
+        if (any(s in name for s in _IGNORED) or (tied and name == "lm_head.weight")
+                or name.startswith(model.spec.skipped_weights)):
             continue
         target = _target(name, params)
         if target is None:
