@@ -168,3 +168,25 @@ def test_tp_size_must_divide_the_experts_intermediate_size() -> None:
                                          "moe_intermediate_size=30"):
         check_tensor_parallel(cfg, 4)
     check_tensor_parallel(cfg, 2)
+
+
+def test_multi_token_prediction_layers_are_skipped_on_load(mla_model, tmp_path: Path) -> None:
+    """Real DeepSeek-V3 checkpoints carry layer ``num_hidden_layers`` (the MTP module, which
+    HF skips too); a tensor of any other unknown layer is still refused."""
+    from safetensors.torch import load_file, save_file
+
+    src = Path(mla_model("qproj-halfrot"))
+    tensors = load_file(src / "model.safetensors")
+    for extra, ok in (("model.layers.2.eh_proj.weight", True),
+                      ("model.layers.3.eh_proj.weight", False)):
+        dst = tmp_path / extra
+        dst.mkdir()
+        for f in src.iterdir():
+            if f.name != "model.safetensors":
+                (dst / f.name).symlink_to(f)
+        save_file({**tensors, extra: torch.zeros(4, 4)}, dst / "model.safetensors")
+        if ok:
+            LLM(model=str(dst), num_kv_blocks=8)
+        else:
+            with pytest.raises(ValueError, match="unexpected.*model.layers.3.eh_proj"):
+                LLM(model=str(dst), num_kv_blocks=8)

@@ -101,6 +101,9 @@ class ModelSpec:
     embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the activation dtype
     tie_word_embeddings: bool = False
     final_logit_softcap: float | None = None
+    # Checkpoint tensor-name prefixes the model does not use (DeepSeek-V3's multi-token
+    # prediction layers after the last decoder layer), skipped on load as HF skips them.
+    skipped_weights: tuple[str, ...] = ()
 
     @property
     def num_layers(self) -> int:

@@ -48,12 +48,15 @@ def deepseek_v3(cfg: dict[str, Any]) -> ModelSpec:
                          softmax_scale(latent, rope), qkv_bias=bias, o_bias=bias,
                          kind="latent", latent=latent)
     act = cfg.get("hidden_act", "silu")
+    n = cfg["num_hidden_layers"]
+    mtp = int(cfg.get("num_nextn_predict_layers") or 0)  # served without speculation
     dense = MLPSpec(cfg["intermediate_size"], act)
     sparse = moe_mlp(deepseek_v3_moe(cfg))
     layers = tuple(LayerSpec(attn, sparse if deepseek_v3_sparse(cfg, i) else dense)
-                   for i in range(cfg["num_hidden_layers"]))
+                   for i in range(n))
     return ModelSpec(
         architecture="DeepseekV3ForCausalLM", vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"], rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)), layers=layers,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        skipped_weights=tuple(f"model.layers.{n + i}." for i in range(mtp)))
