@@ -15,7 +15,7 @@ class SendSpec:
     block_ids: tuple[int, ...]
     first_block: int  # index of block_ids[0] in the request's block table
     # Blocks before this token wait for the consumer's HOLD; None: all do (SendKV.expect_held)
-    expect_held: int | None = None
+    expect_held: int | None = 0
 
 
 @dataclass(frozen=True)

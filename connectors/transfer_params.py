@@ -22,10 +22,11 @@ class SendKV(msgspec.Struct, frozen=True, tag="send_kv", tag_field="kind"):
     to: str
     # Prompt tokens the consumer is expected to hold in its own prefix cache (the proxy's
     # view of it): blocks from there on are sent as they are computed; the ones before wait
-    # for the consumer's answer (what it really holds). None: every block waits for it
-    # (fewest bytes; the first layers may wait up to one consumer step). 0: nothing waits
-    # (the consumer drops what it holds: bytes spent, no wait).
-    expect_held: Optional[int] = msgspec.field(default=None)
+    # for the consumer's answer (what it really holds). 0 (the default): nothing waits; the
+    # blocks the consumer turns out to hold are skipped once its answer came and dropped
+    # by it before. None: every block waits for the answer (fewest bytes; the first layers
+    # may wait up to one consumer step).
+    expect_held: Optional[int] = 0
 
     def __post_init__(self) -> None:
         if self.expect_held is not None and self.expect_held < 0:

@@ -33,7 +33,9 @@ def _submit(p: LLMEngine, d: LLMEngine, rid: str, prompt: list[int],
             params: SamplingParams = GREEDY) -> None:
     p.connect_kv_peer(d.kv_endpoint())
     d.add_request(rid, prompt, params, RecvKV())
-    p.add_request(rid, prompt, producer_params(params), SendKV(to=d.kv_endpoint()))
+    # expect_held=None: every block waits for D's answer, so the bytes are exact.
+    p.add_request(rid, prompt, producer_params(params),
+                  SendKV(to=d.kv_endpoint(), expect_held=None))
 
 
 def _first_turn(p: LLMEngine, d: LLMEngine, ref: "Turns | None" = None,
@@ -170,7 +172,7 @@ def test_decode_killed_mid_transfer_of_a_partial_prefix(model):
     p.close()
 
 
-@pytest.mark.parametrize("expect_held", [0, 40])
+@pytest.mark.parametrize("expect_held", [0, 40])  # 0: the default
 def test_blocks_past_the_expected_hold_go_at_once(model, expect_held):
     """SendKV.expect_held (the proxy's view of D's cache): blocks past it are sent without
     waiting for D's answer; D drops any it holds, so what it writes stays exact."""

@@ -157,7 +157,7 @@ def test_first_token_from_p_rest_from_d() -> None:
     (preq,), (dreq,) = p.requests, d.requests
     assert preq.request_id == dreq.request_id == "cmpl-1"  # one id end to end
     assert preq.params.max_tokens == 1 and dreq.params.max_tokens == 3
-    assert preq.kv_transfer_params == SendKV(to="tcp://decode-0", expect_held=0)  # cold cache
+    assert preq.kv_transfer_params == SendKV(to="tcp://decode-0")  # expect_held 0: cold cache
     assert dreq.kv_transfer_params == RecvKV()
     assert p.aborted == d.aborted == []  # both finished: nothing to abort
     assert all(e.inflight == 0 and e.outstanding_work == 0 for e in pool.engines)
