@@ -31,7 +31,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-MODES = {"pd": "configs/local.yaml", "colocated": "configs/local-colocated.yaml"}
+# mode -> (config, proxy overrides); pd-always: P/D as before issue 22 (every request through P)
+MODES: dict[str, tuple[str, dict[str, Any]]] = {
+    "pd": ("configs/local.yaml", {}),
+    "colocated": ("configs/local-colocated.yaml", {}),
+    "pd-always": ("configs/local.yaml", {"routing": "least_loaded", "disaggregation": "always"})}
 
 
 @dataclass
@@ -151,6 +155,9 @@ def scrape(url: str) -> dict[str, float]:
     for key in ("pd_proxy_overhead_seconds_sum", "pd_proxy_overhead_seconds_count"):
         m = re.search(rf"^{key} ([0-9.e+-]+)$", text, re.M)
         out[key] = float(m.group(1)) if m else 0.0
+    for m in re.finditer(r'^pd_disaggregation_decisions_total\{path="(\w+)",reason="(\w+)"\} '
+                         r'([0-9.e+-]+)$', text, re.M):
+        out[f"decision {m.group(1)}/{m.group(2)}"] = float(m.group(3))
     st = httpx.get(f"{url}/cluster/status", timeout=30).json()
     for e in st["engines"]:
         if e["role"] in ("decode", "colocated"):
@@ -166,6 +173,8 @@ def overhead(before: dict[str, float], after: dict[str, float], s: dict[str, Any
     steps = d.get("output_steps", 0.0)
     s["engine_step_ms"] = 1e3 * d.get("output_step_seconds", 0.0) / steps if steps else 0.0
     s["itl_minus_step_ms"] = s["mean_itl_ms"] - s["engine_step_ms"]
+    s["decisions"] = {k.split(" ", 1)[1]: int(v) for k, v in d.items()
+                      if k.startswith("decision ") and v}
 
 
 def run_mode(mode: str, args: argparse.Namespace, work: list) -> dict[str, Any]:
@@ -174,14 +183,16 @@ def run_mode(mode: str, args: argparse.Namespace, work: list) -> dict[str, Any]:
     if url is None:
         from pd_cluster.serving.cluster.cluster_config import load_config
         from pd_cluster.serving.cluster.launcher import launch
-        over: dict[str, Any] = {"proxy": {"port": 0, "token_transport": args.token_transport},
+        path, proxy = MODES[mode]
+        over: dict[str, Any] = {"proxy": {"port": 0, "token_transport": args.token_transport,
+                                          **proxy},
                                 "ray": {"namespace": f"bench-{mode}"},
                                 "engine": {"max_model_len": args.max_model_len,
                                            "num_kv_blocks": args.num_kv_blocks}}
         if args.model:
             over["model"] = args.model
-        cfg = load_config(Path(__file__).resolve().parents[1] / MODES[mode], over)
-        print(f"[{mode}] launching {MODES[mode]} ...", flush=True)
+        cfg = load_config(Path(__file__).resolve().parents[1] / path, over)
+        print(f"[{mode}] launching {path} {proxy or ''}...", flush=True)
         cluster = launch(cfg, progress=not args.no_progress)
         url, model = cluster.url, cfg.model_name
     else:
@@ -214,6 +225,9 @@ def report(mode: str, s: dict[str, Any]) -> None:
     print(f"proxy overhead: {s['proxy_forward_ms_per_chunk']:.3f} ms/chunk engine->proxy->client "
           f"forwarding; client ITL {s['mean_itl_ms']:.2f} ms vs engine step "
           f"{s['engine_step_ms']:.2f} ms -> {s['itl_minus_step_ms']:.2f} ms/token outside engine")
+    if s.get("decisions"):
+        print("disaggregation decisions: " + " ".join(f"{k}={v}" for k, v in
+                                                     sorted(s["decisions"].items())))
 
 
 def plot(summaries: dict[str, dict[str, Any]], path: str) -> None:
@@ -239,7 +253,8 @@ def plot(summaries: dict[str, dict[str, Any]], path: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="pd,colocated", help="comma list of: pd, colocated")
+    p.add_argument("--modes", default="pd,colocated",
+                   help="comma list of: pd, colocated, pd-always")
     p.add_argument("--url", default=None, help="benchmark this running server instead")
     p.add_argument("--model", default=None, help="override the configs' model (e.g. bench-50m)")
     p.add_argument("--num-requests", type=int, default=300)

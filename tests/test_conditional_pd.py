@@ -11,7 +11,7 @@ from pd_cluster.driver.messages import EngineDelta
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.cluster.cluster_config import ConfigError, ProxyConfig, parse_config
 from pd_cluster.serving.observability.metrics import ProxyMetrics
-from pd_cluster.serving.routing.engine_load import EngineLoad, LinkStats
+from pd_cluster.serving.routing.engine_load import EngineLoad, Ewma, LinkStats
 from pd_cluster.serving.routing.engine_pool import EnginePool
 from pd_cluster.serving.routing.legs import GenerateJob, LegKind
 from pd_cluster.serving.routing.planner import Planner
@@ -76,14 +76,36 @@ def test_backlog_counts_legs_until_first_output_or_gone() -> None:
 def test_prefill_rate_is_measured_from_first_outputs() -> None:
     load = EngineLoad(default_rate=1234.0)
     assert load.prefill_rate.get() == 1234.0
-    leg = _Leg()
-    load.add(leg, 400)
-    load.first_output(id(leg), 400, 0)
-    assert load.prefill_rate.samples == 1 and load.prefill_rate.get() > 1234.0  # instant
+    for i in range(3):  # the first two are the engine's warm-up: not its rate
+        leg = _Leg()
+        load.add(leg, 400)
+        load.first_output(id(leg), 400, 0)
+        assert load.prefill_rate.samples == i + 1
+        assert (load.prefill_rate.value is None) == (i < 2)
+    assert load.prefill_rate.get() > 1234.0  # answered at once: a high rate
     short = _Leg()
     load.add(short, 4)
     load.first_output(id(short), 4, 0)  # too short to measure a rate: no sample
-    assert load.prefill_rate.samples == 1
+    assert load.prefill_rate.samples == 3
+
+
+def test_one_outlier_moves_the_rate_a_step() -> None:
+    r = Ewma(100.0, alpha=0.5)
+    r.add(1000.0)
+    r.add(1.0)  # a 1000x slower spell: taken as 4x slower
+    assert r.get() == pytest.approx(1000.0 + 0.5 * (250.0 - 1000.0))
+
+
+def test_a_stale_low_rate_is_raised_so_the_engine_is_tried_again() -> None:
+    import time
+    pool, planner, _ = _planner()
+    p, d = pool.engines
+    p.load.prefill_rate.skip = d.load.prefill_rate.skip = 0  # past their warm-up
+    p.load.prefill_rate.add(50.0)  # P had a slow spell...
+    d.load.prefill_rate.add(5000.0)
+    assert planner._rate(p) == 50.0
+    p.load.prefill_rate.updated = time.monotonic() - 60  # ...and was not chosen since
+    assert planner._rate(p) == pytest.approx((50.0 + 5000.0) / 2)
 
 
 def test_link_bandwidth_from_producer_counters() -> None:

@@ -18,17 +18,30 @@ DEFAULT_BANDWIDTH = 1e9  # bytes/s
 DEFAULT_LINK_LATENCY = 0.002  # s
 _MIN_SAMPLE_TOKENS = 32  # shorter prefills measure the step overhead, not the rate
 _ALPHA = 0.2
+_WARMUP_SAMPLES = 2  # an engine's first prefills (first forward, allocations) are not its rate
 
 
 class Ewma:
-    def __init__(self, default: float, alpha: float = _ALPHA):
-        self.default, self.alpha = default, alpha
+    """An exponentially weighted mean that drops its first ``skip`` samples (a fresh engine's
+    first requests pay one-time costs) and takes each later one within [value/4, value*4], so
+    one outlier moves it a step, not all the way."""
+
+    def __init__(self, default: float, alpha: float = _ALPHA, skip: int = 0):
+        self.default, self.alpha, self.skip = default, alpha, skip
         self.value: float | None = None
         self.samples = 0
+        self.updated = 0.0  # time.monotonic() of the last sample taken
 
     def add(self, x: float) -> None:
-        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
         self.samples += 1
+        if self.samples <= self.skip:
+            return
+        if self.value is None:
+            self.value = x
+        else:
+            x = min(max(x, self.value / 4), self.value * 4)
+            self.value += self.alpha * (x - self.value)
+        self.updated = time.monotonic()
 
     def get(self) -> float:
         return self.default if self.value is None else self.value
@@ -36,7 +49,7 @@ class Ewma:
 
 class EngineLoad:
     def __init__(self, default_rate: float = DEFAULT_PREFILL_RATE):
-        self.prefill_rate = Ewma(default_rate)
+        self.prefill_rate = Ewma(default_rate, skip=_WARMUP_SAMPLES)
         # id(leg) -> (weak ref to it, tokens it computes, work ahead of it, submitted at)
         self._pending: dict[int, tuple[Any, int, int, float]] = {}
 

@@ -27,6 +27,9 @@ from pd_cluster.serving.routing.peer_linker import PeerLinker
 from pd_cluster.serving.routing.ttft_model import LOCAL, REMOTE, Decision, Link, Side, decide
 
 
+_STALE_RATE_S = 5.0  # s without a sample before an engine's rate counts as stale
+
+
 class Planner:
     def __init__(self, pool: EnginePool, mode: str, metrics: ProxyMetrics):
         self.pool, self.mode, self.metrics = pool, mode, metrics
@@ -146,13 +149,19 @@ class Planner:
                            link.latency.get()), self.pool.config.local_prefill_margin_ms / 1e3)
 
     def _rate(self, e: EngineState) -> float:
-        """``e``'s measured prefill rate; before its first sample, the mean of the engines
-        measured so far (same model), else the default."""
-        if e.load.prefill_rate.value is not None:
-            return e.load.prefill_rate.get()
+        """``e``'s measured prefill rate. Before its first sample: the mean of the engines
+        measured so far (same model), else the default. A rate not measured for a while is
+        raised to that mean: an engine the model stopped choosing (after a slow spell) gets
+        chosen, and so measured, again."""
+        own = e.load.prefill_rate
         known = [x.load.prefill_rate.value for x in self.pool.engines
                  if x.load.prefill_rate.value is not None]
-        return sum(known) / len(known) if known else e.load.prefill_rate.get()
+        mean = sum(known) / len(known) if known else own.get()
+        if own.value is None:
+            return mean
+        if time.monotonic() - own.updated > _STALE_RATE_S:
+            return max(own.value, mean)
+        return own.value
 
     def _computes(self, leg: Leg, tokens: int) -> None:
         """``leg`` queues ``tokens`` of prefill on its engine until its first output."""
