@@ -19,9 +19,10 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pd_cluster.serving.api.choices import choice_jobs, merged
+from pd_cluster.serving.api.client_watch import ClientDisconnected, ClientWatch, SSEResponse
 from pd_cluster.serving.api.errors import APIError, model_not_found
 from pd_cluster.serving.api.openai_format import (ChatFormatter, CompletionFormatter, Formatter,
                                                   Result, sse, usage)
@@ -36,10 +37,6 @@ from pd_cluster.serving.routing.request_tracker import RequestTracker
 logger = logging.getLogger(__name__)
 
 
-class ClientDisconnected(Exception):
-    pass
-
-
 async def _prompt_only(events: AsyncIterator[tuple[int, StreamEvent]]
                        ) -> AsyncIterator[tuple[int, StreamEvent]]:
     """The events of an echo with max_tokens 0: the prompt's logprobs, no generated output."""
@@ -51,26 +48,6 @@ async def _prompt_only(events: AsyncIterator[tuple[int, StreamEvent]]
                                          None, ev.prompt_logprobs)
     finally:
         await events.aclose()
-
-
-async def _until_disconnect(request: Request, aw: Any) -> Any:
-    """Await ``aw`` unless the client goes away first (then cancel it: aborts the engines)."""
-    task = asyncio.ensure_future(aw)
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.create_task(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise ClientDisconnected()
 
 
 async def _collect(events: AsyncIterator[tuple[int, StreamEvent]], results: list[Result],
@@ -169,29 +146,39 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
     if prompt_only:
         events = _prompt_only(events)
     results = [Result(prompt_token_ids=job.prompt_token_ids) for job in jobs]
+    watch = ClientWatch(request.receive)  # one watch for the request's whole life
     try:
-        await _until_disconnect(request, tracker.admit(state.admission, deadline))
+        adm = state.admission
+        if adm.running < adm.max_inflight and not adm.queued:  # a free slot: no wait
+            await tracker.admit(adm, deadline)
+        else:
+            await watch.guard(tracker.admit(adm, deadline))
         if not req.stream:
-            await _until_disconnect(request, _collect(events, results, tracker))
+            await watch.guard(_collect(events, results, tracker))
             tracker.close("success")
             return JSONResponse(fmt.full(results))
-        first = await _until_disconnect(request, anext(events, None))
+        first = await watch.guard(anext(events, None))
     except ClientDisconnected:
+        watch.close()
         tracker.close("aborted")
         return Response(status_code=499)
     except APIError as e:
+        watch.close()
         tracker.close("rejected" if e.status == 429 else
                       "client_error" if e.is_client_error else "error", e.status)
         raise
     except BaseException:
+        watch.close()
         tracker.close("error")
         raise
+    finally:
+        if not req.stream:
+            watch.close()
     opts = req.stream_options
-    return StreamingResponse(_sse(first, events, fmt, results, tracker,
-                                  bool(opts and opts.include_usage),
-                                  bool(opts and opts.continuous_usage_stats)),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+    return SSEResponse(_sse(first, events, fmt, results, tracker,
+                            bool(opts and opts.include_usage),
+                            bool(opts and opts.continuous_usage_stats)), watch,
+                       headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
 
 def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]]) -> FastAPI:
