@@ -9,7 +9,8 @@ import pytest
 
 from pd_cluster.driver.messages import EngineDelta
 from pd_cluster.sampling_params import SamplingParams
-from pd_cluster.serving.cluster.cluster_config import ConfigError, ProxyConfig, parse_config
+from pd_cluster.serving.cluster.cluster_config import (DECODE_PREFILL_CAP, ConfigError, ProxyConfig,
+                                                     parse_config)
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.engine_load import EngineLoad, Ewma, LinkStats
 from pd_cluster.serving.routing.engine_pool import EnginePool
@@ -209,7 +210,7 @@ def test_decode_engines_get_a_prefill_cap_by_default() -> None:
     if "max_prefill_tokens_per_step" not in EngineArgs.model_fields:
         pytest.skip("the engine has no max_prefill_tokens_per_step yet")
     specs = {s.role: s.engine_args for s in parse_config({}).engine_specs()}
-    assert specs["decode"]["max_prefill_tokens_per_step"] == 256
+    assert specs["decode"]["max_prefill_tokens_per_step"] == DECODE_PREFILL_CAP
     assert "max_prefill_tokens_per_step" not in specs["prefill"]
     over = parse_config({"decode": {"max_prefill_tokens_per_step": 64}}).engine_specs()
     assert {s.role: s.engine_args.get("max_prefill_tokens_per_step") for s in over} == {

@@ -25,7 +25,7 @@ __all__ = ["ClusterConfig", "ConfigError", "KVTransferConfig", "ProxyConfig", "R
            "RoleConfig", "load_config", "parse_config", "parse_overrides", "resolve_model"]
 
 _KV_ROLE = {ROLE_PREFILL: "producer", ROLE_DECODE: "consumer"}
-DECODE_PREFILL_CAP = 256  # tokens: see RoleConfig.max_prefill_tokens_per_step
+DECODE_PREFILL_CAP = 64  # tokens: see RoleConfig.max_prefill_tokens_per_step
 
 
 class _Section(BaseModel):
