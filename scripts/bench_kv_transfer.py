@@ -127,7 +127,8 @@ def part1(sizes: list[int], transport: str, repeats: int) -> list[float]:
 def ttft_runs(model_name: str, prompt_tokens: int, repeats: int,
               colocated: bool = True) -> dict[str, float]:
     """Median TTFT colocated (nan when not run) and 1P1D, and the KV bytes P sent per prompt
-    token (every run ships the whole prompt: neither engine reuses a cached prefix)."""
+    token (every run ships the whole prompt: neither engine reuses a cached prefix). The two
+    setups run alternately, so a shared machine's load drifts over both alike."""
     from pd_cluster import SamplingParams
     from pd_cluster.config import EngineConfig
     from pd_cluster.engine.engine_process import EngineProcess
@@ -135,26 +136,31 @@ def ttft_runs(model_name: str, prompt_tokens: int, repeats: int,
     model = str(default_model_path(model_name))
     prompt = [4 + (i * 37) % 250 for i in range(prompt_tokens)]  # ids every preset's vocab has
     params = SamplingParams(temperature=0, max_tokens=1)
-    kv = lambda role: {"role": role, "kv_transfer_timeout": 60}  # noqa: E731
-    ttft_colo = float("nan")
-    if colocated:  # (--smoke: the P/D pair alone, the same EngineProcess calls)
-        colo = EngineProcess(EngineConfig(model=model, enable_prefix_caching=False)).wait_ready()
-        ttft_colo = _ttft(colo, lambda rid: colo.add_request(rid, prompt, params), repeats)
-        colo.shutdown()
-    d = EngineProcess(EngineConfig(model=model, enable_prefix_caching=False,
-                                   kv_transfer=kv("consumer")))
-    p = EngineProcess(EngineConfig(model=model, enable_prefix_caching=False,
-                                   kv_transfer=kv("producer")))
-    p.wait_ready(), d.wait_ready()
+    engine = lambda role=None: EngineProcess(EngineConfig(  # noqa: E731
+        model=model, enable_prefix_caching=False,
+        kv_transfer={"role": role, "kv_transfer_timeout": 60} if role else None))
+    # (--smoke: the P/D pair alone, the same EngineProcess calls)
+    colo, d, p = engine() if colocated else None, engine("consumer"), engine("producer")
+    for e in (colo, p, d):
+        if e is not None:
+            e.wait_ready()
     p.connect_kv_peer(d.kv_endpoint)  # the handshake, as a cluster does at launch
 
     def submit(rid: str) -> None:
         d.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=2), RecvKV())
         p.add_request(rid, prompt, params, SendKV(to=d.kv_endpoint))
-    ttft_pd = _ttft(p, submit, repeats, d)
+    times: dict[str, list[float]] = {"colocated": [], "pd": []}
+    for rep in range(repeats + 1):  # the first round warms up
+        if colo is not None:
+            _timed(times["colocated"], rep, colo,
+                   lambda rid: colo.add_request(rid, prompt, params), f"colo-{rep}")
+        _timed(times["pd"], rep, p, submit, f"pd-{rep}", d)
     sent = p.call("stats")["kv_bytes_sent"]
-    p.shutdown(), d.shutdown()
-    return {"colocated": ttft_colo, "pd": ttft_pd,
+    for e in (colo, p, d):
+        if e is not None:
+            e.shutdown()
+    return {"colocated": statistics.median(times["colocated"]) if colo else float("nan"),
+            "pd": statistics.median(times["pd"]),
             "kv_bytes_per_token": sent / ((repeats + 1) * prompt_tokens)}
 
 
@@ -201,18 +207,15 @@ def part3(prompt_tokens: int, repeats: int, mla_model: str, gqa_model: str,
               f"gqa_ttft_ratio_pd_over_colocated={ratios['gqa']:.3f}")
 
 
-def _ttft(proc, submit, repeats: int, consumer=None) -> float:
-    times = []
-    for rep in range(repeats + 1):  # the first run warms up
-        rid = f"ttft-{rep}"
-        t0 = time.perf_counter()
-        submit(rid)
-        proc.wait_finished([rid], timeout=300)
-        if rep:
-            times.append(time.perf_counter() - t0)
-        if consumer is not None:
-            consumer.wait_finished([rid], timeout=300)
-    return statistics.median(times)
+def _timed(times: list[float], rep: int, proc, submit, rid: str, consumer=None) -> None:
+    """One request's time to its first token (recorded after the warm-up round)."""
+    t0 = time.perf_counter()
+    submit(rid)
+    proc.wait_finished([rid], timeout=300)
+    if rep:
+        times.append(time.perf_counter() - t0)
+    if consumer is not None:
+        consumer.wait_finished([rid], timeout=300)
 
 
 def main() -> None:
