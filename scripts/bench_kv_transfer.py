@@ -151,10 +151,13 @@ def ttft_runs(model_name: str, prompt_tokens: int, repeats: int,
         p.add_request(rid, prompt, params, SendKV(to=d.kv_endpoint))
     times: dict[str, list[float]] = {"colocated": [], "pd": []}
     for rep in range(repeats + 1):  # the first round warms up
+        runs = [lambda: _timed(times["pd"], rep, p, submit, f"pd-{rep}", d)]
         if colo is not None:
-            _timed(times["colocated"], rep, colo,
-                   lambda rid: colo.add_request(rid, prompt, params), f"colo-{rep}")
-        _timed(times["pd"], rep, p, submit, f"pd-{rep}", d)
+            runs.append(lambda: _timed(times["colocated"], rep, colo,
+                                       lambda rid: colo.add_request(rid, prompt, params),
+                                       f"colo-{rep}"))
+        for run in runs[::-1] if rep % 2 else runs:  # neither always runs first
+            run()
     sent = p.call("stats")["kv_bytes_sent"]
     for e in (colo, p, d):
         if e is not None:
@@ -209,6 +212,7 @@ def part3(prompt_tokens: int, repeats: int, mla_model: str, gqa_model: str,
 
 def _timed(times: list[float], rep: int, proc, submit, rid: str, consumer=None) -> None:
     """One request's time to its first token (recorded after the warm-up round)."""
+    time.sleep(0.2)  # the previous run's last messages and acks are handled before this one
     t0 = time.perf_counter()
     submit(rid)
     proc.wait_finished([rid], timeout=300)
