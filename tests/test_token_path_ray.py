@@ -92,7 +92,7 @@ def test_engine_killed_mid_stream_migrates_exactly_and_comes_back(actors) -> Non
                      and proxy.channel.linked(victim, victim.incarnation))
         await asyncio.wait_for(victim.handle.pace.remote(0.004), 30)
         proxy.pool.routers["colocated"].pick = \
-            lambda cands: next(c for c in cands if c.name == victim.name)
+            lambda cands, *_: next(c for c in cands if c.name == victim.name)
         assert await proxy.tokens("after-restart", 30) == [token_id(i) for i in range(30)]
         await proxy.pool.close()
     asyncio.run(go())
@@ -119,6 +119,34 @@ def test_proxy_restart_while_engines_live(actors) -> None:
         outs = await asyncio.gather(*(new.tokens(f"new-{i}", 40) for i in range(4)))
         assert outs == [[token_id(i) for i in range(40)]] * 4
         await new.pool.close()
+    asyncio.run(go())
+    for h in actors.values():
+        assert ray.get(h.check_no_leaks.remote(), timeout=30) is None
+
+
+def test_requests_and_aborts_go_over_the_session_socket(actors) -> None:
+    """No Ray call per request: requests reach the engine over its session's request socket,
+    and the abort of an abandoned request follows it there (it cannot overtake it)."""
+    import ray
+
+    def taken() -> dict[str, int]:
+        stats = [ray.get(h.stats.remote(), timeout=30) for h in actors.values()]
+        return {k: sum(st[f"session_{k}"] for st in stats) for k in ("requests", "aborts")}
+
+    async def go() -> None:
+        proxy = Proxy(actors)
+        await proxy.pool.start()
+        before = taken()
+        assert await proxy.tokens("over-zmq", 20) == [token_id(i) for i in range(20)]
+        job = GenerateJob("abandoned", [1, 2, 3], SamplingParams(max_tokens=100_000,
+                                                                 ignore_eos=True),
+                          time.monotonic() + 60)
+        events = proxy.dispatcher.stream(job)
+        await anext(events)
+        await events.aclose()  # the client went away: abort it on its engine
+        await _until(lambda: taken()["aborts"] == before["aborts"] + 1)
+        assert taken()["requests"] == before["requests"] + 2
+        await proxy.pool.close()
     asyncio.run(go())
     for h in actors.values():
         assert ray.get(h.check_no_leaks.remote(), timeout=30) is None

@@ -24,9 +24,10 @@ from typing import Any, AsyncIterator
 
 from pd_cluster.driver.engine_loop import EngineLoop
 from pd_cluster.driver.messages import (ERROR_ENGINE, ERROR_INVALID_REQUEST, ERROR_TIMEOUT,
-                                        EngineDelta, EngineInfo, EngineSpec, decode_request,
-                                        encode)
+                                        EngineDelta, EngineInfo, EngineRequest, EngineSpec,
+                                        decode_request, encode)
 from pd_cluster.serving.engine.output_sender import OutputSender
+from pd_cluster.serving.engine.request_reader import RequestReader
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class EngineActor:
         self._pending: list[EngineDelta] = []  # emitted before the event loop was known
         self._lock = threading.Lock()
         self._sessions: dict[str, asyncio.Future[str]] = {}  # open output session -> closed
+        self._readers: dict[str, RequestReader] = {}  # session -> its requests' socket
         self.loop = EngineLoop(self.engine, self._emit, self._on_fatal, threads)
         self.output = OutputSender(self.node_ip, self.loop.abort, self._emit_threadsafe,
                                    self._session_closed_threadsafe)
@@ -92,7 +94,12 @@ class EngineActor:
         return self._info().to_dict()
 
     async def stats(self) -> dict[str, Any]:
-        return {**self.loop.snapshot, **self.output.counters}
+        return {**self.loop.snapshot, **self.output.counters, **self._reader_counters()}
+
+    def _reader_counters(self) -> dict[str, int]:
+        """Messages the request sockets took, over every session (request_reader.py)."""
+        return {f"session_{k}": sum(r.counters[k] for r in self._readers.values())
+                for k in ("requests", "aborts", "malformed")}
 
     async def cache_events(self, full: bool = False, timeout: float = 10.0) -> dict[str, Any]:
         """The prefix cache's changes since the previous call (block hashes stored, removed),
@@ -157,6 +164,25 @@ class EngineActor:
         """The proxy is going away: its session closes and its requests are aborted."""
         self.output.close(session)
 
+    async def open_requests(self, session: str, proxy_node_id: str) -> str:
+        """Bind (or find) the socket ``session``'s requests and aborts come in on (after
+        ``open_output``; ipc or tcp as it); returns its endpoint (request_reader.py)."""
+        reader = self._readers.get(session)
+        if reader is None:
+            reader = self._readers[session] = RequestReader(
+                session, proxy_node_id == self.node_id, self.node_ip, self.output.ipc_dir,
+                self._accept_from_session, self.loop.abort)
+        return reader.endpoint
+
+    def _accept_from_session(self, req: EngineRequest) -> None:
+        refused = self._start(req)
+        if refused is not None and req.output_session in self._sessions:
+            # Answered where the proxy waits for the request's output: its token path.
+            self.output.route(req.request_id, req.output_session)
+            self.output.emit([EngineDelta(req.request_id, finished=True,
+                                          finish_reason="abort", error_type=ERROR_ENGINE,
+                                          error=f"submit refused: {refused}")])
+
     async def submit(self, request: bytes) -> str | None:
         """Start a request whose deltas go to its output session. None when accepted (a
         request the engine rejects is answered by an error delta on the session); otherwise
@@ -165,6 +191,9 @@ class EngineActor:
             req = decode_request(request)
         except ValueError as e:
             return f"malformed request: {e}"
+        return self._start(req)
+
+    def _start(self, req: EngineRequest) -> str | None:
         closed = self._sessions.get(req.output_session)
         if closed is None or closed.done():
             return f"no open output session {req.output_session!r}"
@@ -223,6 +252,9 @@ class EngineActor:
         """Stop the engine thread and close the connector (before the actor is killed)."""
         self.loop.stop(timeout=5.0)
         self.output.stop(timeout=5.0)
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
@@ -249,6 +281,9 @@ class EngineActor:
                 pass
 
     def _session_closed(self, session: str, why: str) -> None:
+        reader = self._readers.pop(session, None)
+        if reader is not None:
+            reader.close()
         closed = self._sessions.pop(session, None)
         if closed is not None and not closed.done():
             closed.set_result(why)

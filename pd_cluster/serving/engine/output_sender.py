@@ -58,8 +58,8 @@ class OutputSender:
         (those streamed over a Ray call); ``closed(session, why)``: a session closed;
         ``backlog_*``: how much a session that accepts nothing may hold, and how long."""
         self._host, self._abort, self._local, self._closed = host, abort, local, closed
-        self._ipc_dir = tempfile.gettempdir()
-        sweep_stale_ipc(self._ipc_dir)  # left by engines that crashed (no shutdown ran)
+        self.ipc_dir = tempfile.gettempdir()
+        sweep_stale_ipc(self.ipc_dir)  # left by engines that crashed (no shutdown ran)
         self._backlog_messages, self._backlog_seconds = backlog_messages, backlog_seconds
         self._ctx = zmq.Context.instance()
         self._q: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -143,18 +143,8 @@ class OutputSender:
                 return
             while len(self._sessions) >= _MAX_SESSIONS:  # the oldest is a proxy long gone
                 self._drop(next(iter(self._sessions)), "too many proxy sessions")
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            path = None
-            if ipc:
-                path = os.path.join(self._ipc_dir,
-                                    f"{_IPC_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-                endpoint = f"ipc://{path}"
-                sock.bind(endpoint)
-            else:
-                host = f"[{self._host}]" if ":" in self._host else self._host
-                port = sock.bind_to_random_port(f"tcp://{host}")
-                endpoint = f"tcp://{host}:{port}"
+            sock, endpoint, path = bind_session_socket(self._ctx, zmq.PUSH, ipc, self._host,
+                                                       self.ipc_dir)
             self._sessions[session] = _Session(sock, endpoint, path)
             fut.set_result(endpoint)
         except Exception as e:  # noqa: BLE001 - handed to the caller (the proxy retries)
@@ -200,11 +190,7 @@ class OutputSender:
         if s is None:
             return
         s.sock.close(linger=0)
-        if s.ipc_path is not None:
-            try:
-                os.unlink(s.ipc_path)
-            except OSError:
-                pass
+        unlink_quietly(s.ipc_path)
         orphans = [rid for rid, sess in list(self._routes.items()) if sess == session]
         for rid in orphans:
             self._routes.pop(rid, None)
@@ -214,6 +200,34 @@ class OutputSender:
         if orphans and abort:
             self._abort(orphans)
         self._closed(session, why)
+
+
+def bind_session_socket(ctx: zmq.Context, kind: int, ipc: bool, host: str, ipc_dir: str
+                        ) -> tuple[zmq.Socket, str, str | None]:
+    """A socket of ``kind`` bound for one proxy session: ipc in ``ipc_dir`` (the proxy is on
+    this node) or tcp on ``host`` at a free port. Returns it, its endpoint and its ipc path."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if ipc:
+            path = os.path.join(ipc_dir, f"{_IPC_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            endpoint = f"ipc://{path}"
+            sock.bind(endpoint)
+            return sock, endpoint, path
+        url_host = f"[{host}]" if ":" in host else host
+        port = sock.bind_to_random_port(f"tcp://{url_host}")
+        return sock, f"tcp://{url_host}:{port}", None
+    except BaseException:
+        sock.close(linger=0)
+        raise
+
+
+def unlink_quietly(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def sweep_stale_ipc(directory: str) -> list[str]:

@@ -136,7 +136,9 @@ class Dispatcher:
                 if self.channel is not None:
                     self.channel.unregister(leg)
                 self.pool.release(leg.engine, leg.work)
-                if not leg.finished:  # abort on every engine still holding the request
+                if not leg.finished and not (self.channel is not None
+                                             and self.channel.abort(leg)):
+                    # abort on every engine still holding the request
                     asyncio.ensure_future(_quietly(leg.engine.handle.abort.remote(
                         [leg.request.request_id])))
 
@@ -180,6 +182,8 @@ class Dispatcher:
             if not self.channel.register(leg, inbox):
                 raise EngineFailed(leg.engine, "no token path to it (yet)", dead=False)
             request = msgspec.structs.replace(leg.request, output_session=self.channel.session)
+            if self.channel.submit(leg, request):  # over the engine's request socket
+                return
             refused = await asyncio.wait_for(leg.engine.handle.submit.remote(encode(request)),
                                              max(deadline - time.monotonic(), 0.001))
             if refused:

@@ -23,7 +23,8 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
-from pd_cluster.driver.messages import EngineDelta
+from pd_cluster.driver.messages import EngineDelta, EngineRequest
+from pd_cluster.serving.engine.request_reader import abort_message, request_message
 from pd_cluster.serving.routing.inbox import AttemptInbox
 from pd_cluster.serving.routing.legs import EngineFailed, Leg
 
@@ -34,6 +35,7 @@ _decoder = msgspec.msgpack.Decoder(list[EngineDelta])
 # queued is applied before the clients' streams run, so a proxy that fell behind sends each
 # client one coalesced chunk instead of one per engine step (and catches up).
 _DRAIN = 256
+_REQUEST_HWM = 4096  # requests and aborts queued for an engine that is not reading them
 
 
 @dataclass
@@ -41,6 +43,7 @@ class _Link:
     engine: Any  # EngineState
     incarnation: str
     sock: zmq.Socket
+    requests: zmq.Socket | None = None  # PUSH: requests and aborts (None: over Ray calls)
     legs: dict[str, tuple[Leg, AttemptInbox]] = field(default_factory=dict)  # by request id
     tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -78,7 +81,7 @@ class TokenChannel:
             sock = self._ctx.socket(zmq.PULL)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
-            link = _Link(engine, incarnation, sock)
+            link = _Link(engine, incarnation, sock, await self._request_socket(engine))
             self._links[engine.name] = link
             loop = asyncio.get_running_loop()
             loop.add_reader(sock.FD, self._read, link)
@@ -96,6 +99,8 @@ class TokenChannel:
                 t.cancel()
         asyncio.get_running_loop().remove_reader(link.sock.FD)
         link.sock.close(linger=0)
+        if link.requests is not None:
+            link.requests.close(linger=0)
         for leg, inbox in link.legs.values():
             inbox.fail(leg, EngineFailed(engine, f"token path: {why}", dead=dead))
         link.legs.clear()
@@ -117,6 +122,47 @@ class TokenChannel:
             return False
         link.legs[leg.request.request_id] = (leg, inbox)
         return True
+
+    def submit(self, leg: Leg, request: EngineRequest) -> bool:
+        """Send ``request`` (``leg``'s, tagged with this session) over the engine's request
+        socket. False: the engine takes requests over Ray calls (no such socket). Raises
+        EngineFailed when the engine does not take them (its queue is full or the link gone)."""
+        link = self._links.get(leg.engine.name)
+        if link is None:
+            raise EngineFailed(leg.engine, "token path lost", dead=False)
+        if link.requests is None:
+            return False
+        try:
+            link.requests.send(request_message(request), zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # Again: _REQUEST_HWM unread, the engine is not reading
+            raise EngineFailed(leg.engine, f"request not taken: {e}", dead=False) from None
+        return True
+
+    def abort(self, leg: Leg) -> bool:
+        """Abort ``leg`` on its engine after its request, over the same socket. False: that
+        is not possible (no socket, the link is gone, or it is full): abort over Ray."""
+        link = self._links.get(leg.engine.name)
+        if link is None or link.requests is None:
+            return False
+        try:
+            link.requests.send(abort_message([leg.request.request_id]), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
+
+    async def _request_socket(self, engine: Any) -> zmq.Socket | None:
+        """A PUSH socket to the engine's request reader; None when the engine has none (it
+        takes requests over Ray calls: test doubles, engines of an older version)."""
+        open_requests = getattr(engine.handle, "open_requests", None)
+        if open_requests is None:
+            return None
+        endpoint = await asyncio.wait_for(open_requests.remote(self.session, self.node_id),
+                                          self._timeout)
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, _REQUEST_HWM)
+        sock.connect(endpoint)
+        return sock
 
     def unregister(self, leg: Leg) -> None:
         link = self._links.get(leg.engine.name)
