@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import statistics
@@ -98,36 +99,76 @@ def start(namespace: str, compared: dict[str, tuple[str, int]]
 _TEXT = re.compile(rb'"text": ?"([^"]*)"')
 
 
-async def stream(session: Any, url: str, tokens: int, lat: list[float]) -> int:
-    body = {"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": tokens, "stream": True,
-            "ignore_eos": True}
-    n = 0
-    async with session.post(f"{url}/v1/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        rest = b""
-        async for data in r.content.iter_any():
-            now_us = int(time.time() * 1e6)
-            whole, _, rest = (rest + data).rpartition(b"\n\n")  # complete SSE events only
-            for text in _TEXT.findall(whole):
-                for stamp in text.split():  # emit times, microseconds modulo 2**40
-                    lat.append(((now_us - int(stamp, 16)) % (1 << 40)) / 1e6)
-                    n += 1
-    return n
+class _Stream(asyncio.Protocol):
+    """One streamed completion over its own HTTP/1.1 connection, read straight off the socket
+    (no HTTP client library per chunk: the client shares the cores with what it measures).
+    uvicorn writes each SSE event as one HTTP chunk, so the chunk-size lines sit between
+    events, outside the text fields the regex reads."""
+
+    def __init__(self, request: bytes, lat: list[float], done: asyncio.Future):
+        self.request, self.lat, self.done = request, lat, done
+        self.buf, self.head, self.tokens, self.chunks, self.ended = b"", True, 0, 0, False
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        now_us = int(time.time() * 1e6)
+        buf = self.buf + data
+        if self.head:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                self.buf = buf
+                return
+            if not buf.startswith((b"HTTP/1.1 200", b"HTTP/1.0 200")):
+                self.done.set_exception(AssertionError(buf[:2000].decode(errors="replace")))
+                self.transport.close()
+                return
+            self.head, buf = False, buf[end + 4:]
+        whole, _, self.buf = buf.rpartition(b"\n\n")  # complete SSE events only
+        for text in _TEXT.findall(whole):
+            for stamp in text.split():  # emit times, microseconds modulo 2**40
+                self.lat.append(((now_us - int(stamp, 16)) % (1 << 40)) / 1e6)
+                self.tokens += 1
+        self.chunks += whole.count(b"data: {")
+        self.ended = self.ended or b"data: [DONE]" in whole
+
+    def connection_lost(self, exc: Exception | None) -> None:  # Connection: close
+        if not self.done.done():
+            if self.ended:
+                self.done.set_result((self.tokens, self.chunks))
+            else:
+                self.done.set_exception(AssertionError(f"stream cut short: {exc!r}"))
+
+
+async def stream(url: str, tokens: int, lat: list[float]) -> tuple[int, int]:
+    """(tokens, SSE chunks) of one streamed request of ``tokens`` tokens."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": tokens,
+                       "stream": True, "ignore_eos": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+               ).encode() + body
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    transport, _ = await loop.create_connection(lambda: _Stream(request, lat, done),
+                                                host.strip("[]"), int(port))
+    try:
+        return await asyncio.wait_for(done, 600)
+    finally:
+        transport.close()
 
 
 async def level(url: str, streams: int, tokens: int) -> dict[str, float]:
-    import aiohttp
     lat: list[float] = []
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(stream(session, url, tokens, lat)
-                                        for _ in range(streams)))
-        wall = time.perf_counter() - t0
-    assert all(c == tokens for c in counts), f"lost tokens: {counts}"
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(stream(url, tokens, lat) for _ in range(streams)))
+    wall = time.perf_counter() - t0
+    assert all(c == tokens for c, _ in counts), f"lost tokens: {counts}"
     lat.sort()
-    return {"streams": streams, "tokens_per_s": sum(counts) / wall,
+    return {"streams": streams, "tokens_per_s": streams * tokens / wall,
+            "tokens_per_chunk": streams * tokens / max(sum(n for _, n in counts), 1),
             "p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(len(lat) * 0.99)] * 1e3,
             "mean_ms": statistics.fmean(lat) * 1e3}
 
@@ -138,7 +179,8 @@ def run(urls: dict[str, str], engines: list[Any], pids: dict[str, int], levels: 
     process of each transport, and the engine's ("engine")."""
     import ray
     header = f"{'path':>5} {'streams':>8} {'tokens/s':>10} {'p50 ms':>8} {'p99 ms':>8} " \
-             f"{'mean ms':>8} {'proxy us/tok':>12} {'engine us/tok':>13} {'client us/tok':>13}"
+             f"{'mean ms':>8} {'tok/chunk':>9} {'proxy us/tok':>12} {'engine us/tok':>13} " \
+             f"{'client us/tok':>13}"
     out: dict[str, dict[str, list[dict[str, float]]]] = {t: {"paced": [], "unpaced": []}
                                                           for t in urls}
     for title, step, key in ((f"paced engine ({_STEP_MS:.0f} ms steps): latency", _STEP_MS,
@@ -155,6 +197,7 @@ def run(urls: dict[str, str], engines: list[Any], pids: dict[str, int], levels: 
                 out[t][key].append(row)
                 print(f"{t:>5} {n:>8} {row['tokens_per_s']:>10.0f} {row['p50_ms']:>8.2f} "
                       f"{row['p99_ms']:>8.2f} {row['mean_ms']:>8.2f} "
+                      f"{row['tokens_per_chunk']:>9.1f} "
                       f"{row['proxy_cpu_us']:>12.1f} {row['engine_cpu_us']:>13.1f} "
                       f"{row['client_cpu_us']:>13.1f}", flush=True)
     return out
