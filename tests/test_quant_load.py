@@ -1,8 +1,9 @@
 """Quantised checkpoints dequantised on load (issue 20, item 4).
 
 The test makes a tiny checkpoint, quantises its weights itself into the on-disk format (FP8
-e4m3 blocks with fp32 ``weight_scale_inv``, incl. dimensions that are not a multiple of the
-block and scales in another shard than their weights; gpt-oss MXFP4 ``_blocks``/``_scales``),
+e4m3 blocks with fp32 ``weight_scale_inv`` for Llama and DeepSeek-V3, incl. dimensions that
+are not a multiple of the block and scales in another shard than their weights; gpt-oss
+MXFP4 ``_blocks``/``_scales``),
 and writes beside it an unquantised checkpoint holding a reference dequantisation written
 here (explicit per-block loops; FP4 decoded from its sign/exponent/mantissa bits). Checked: the
 loaded parameters equal that reference (bf16: one rounding of it), generation equals HF fp32
@@ -89,19 +90,34 @@ def _dequantise_fp8_ref(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.fixture(scope="module")
-def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """(FP8 checkpoint, its reference dequantisation) of a llama whose MLP is 72 wide (4.5
-    blocks: partial edge blocks in gate/up rows and down columns). Layer 1's scales live in a
-    second shard, so some scales are read from another file than their weight."""
-    root = tmp_path_factory.mktemp("fp8")
-    src = make_model(root / "src", arch="llama", seed=5, intermediate_size=72)
-    state = _state(src)
+# Llama; DeepSeek-V3 (the FP8 checkpoints' family): q LoRA 24 and a latent + rope key of
+# 32 + 8 = 40 rows in kv_a_proj_with_mqa, experts 40 wide: partial blocks everywhere.
+FP8_SOURCES: dict[str, dict[str, Any]] = {
+    "llama": dict(arch="llama", seed=5, intermediate_size=72),
+    "deepseek_v3": dict(arch="deepseek_v3", seed=5, num_kv_heads=4, intermediate_size=72,
+                        max_position_embeddings=512, config_overrides=dict(
+                            kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                            v_head_dim=16, q_lora_rank=24, n_routed_experts=4,
+                            num_experts_per_tok=2, n_group=2, topk_group=1,
+                            moe_intermediate_size=40, n_shared_experts=1,
+                            first_k_dense_replace=1)),
+}
+_FP8_MADE: dict[str, tuple[str, str]] = {}
+
+
+def _fp8_checkpoints(root: Path, arch: str) -> tuple[str, str]:
+    """(FP8 checkpoint, its reference dequantisation): every linear's weight quantised (not
+    embeddings, norms, lm_head or the MoE router, as DeepSeek ships them). Layer 1's scales
+    live in a second shard, so some scales are read from another file than their weight."""
+    if arch in _FP8_MADE:
+        return _FP8_MADE[arch]
+    src = make_model(root / "src", **FP8_SOURCES[arch])
     main: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     ref: dict[str, torch.Tensor] = {}
-    for name, w in state.items():
-        if name.endswith("_proj.weight"):  # attention and MLP linears; not embeddings/norms/head
+    for name, w in _state(src).items():
+        if w.dim() == 2 and not name.endswith(("embed_tokens.weight", "mlp.gate.weight")) \
+                and not name.startswith("lm_head."):
             q, s = _quantise_fp8(w)
             main[name] = q
             (scales if ".layers.1." in name else main)[name + "_scale_inv"] = s
@@ -113,7 +129,19 @@ def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
              "weight_block_size": list(BLOCK)}
     quant_dir = _write(src, root / "quant", [main, scales], quant)
     ref_dir = _write(src, root / "ref", [ref], None)
-    return str(quant_dir), str(ref_dir)
+    _FP8_MADE[arch] = str(quant_dir), str(ref_dir)
+    return _FP8_MADE[arch]
+
+
+@pytest.fixture(scope="module", params=list(FP8_SOURCES))
+def fp8_dirs(request: pytest.FixtureRequest,
+             tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    return _fp8_checkpoints(tmp_path_factory.mktemp(f"fp8-{request.param}"), request.param)
+
+
+@pytest.fixture(scope="module")
+def llama_fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    return _fp8_checkpoints(tmp_path_factory.mktemp("fp8-llama"), "llama")
 
 
 def _load(model_dir: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -127,9 +155,9 @@ def test_fp8_weights_equal_the_reference_dequantisation(fp8_dirs: tuple[str, str
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in got)
     ref = load_file(Path(ref_dir) / "model.safetensors")
-    gate_up = got["model.layers.1.mlp.gate_up_proj.weight"]
+    gate_up = got["model.layers.0.mlp.gate_up_proj.weight"]  # dense in both: 72 = 4.5 blocks
     assert gate_up.shape == (144, 64)
-    assert torch.equal(gate_up[72:], ref["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(gate_up[72:], ref["model.layers.0.mlp.up_proj.weight"])
     # bf16 engine: the fp32 product rounded once, not the scale or the weight first.
     half = _load(quant_dir, torch.bfloat16)["model.layers.0.mlp.down_proj.weight"]
     assert torch.equal(half, ref["model.layers.0.mlp.down_proj.weight"].to(torch.bfloat16))
@@ -252,9 +280,9 @@ def test_mxfp4_generation_equals_hf_on_the_dequantised_weights(
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ({"quant_method": "mxfp4"}, "'mxfp4' is supported for GptOssForCausalLM only"),
 ])
-def test_unsupported_quantization_is_a_one_line_error(fp8_dirs, tmp_path: Path,
+def test_unsupported_quantization_is_a_one_line_error(llama_fp8_dirs, tmp_path: Path,
                                                       quant: dict[str, Any], match: str) -> None:
-    bad = edit_config(fp8_dirs[0], tmp_path / "bad", quantization_config=quant)
+    bad = edit_config(llama_fp8_dirs[0], tmp_path / "bad", quantization_config=quant)
     with pytest.raises(ValueError, match=match) as err:
         LLM(model=bad)
     assert "\n" not in str(err.value)
@@ -264,9 +292,9 @@ def test_unsupported_quantization_is_a_one_line_error(fp8_dirs, tmp_path: Path,
     ("model.layers.0.self_attn.q_proj.weight_scale_inv", "q_proj.weight is quantised but"),
     ("model.layers.1.self_attn.q_proj.weight", "scales whose tensors are missing"),
 ])
-def test_checkpoint_missing_a_scale_or_its_weight_is_rejected(fp8_dirs, tmp_path: Path,
+def test_checkpoint_missing_a_scale_or_its_weight_is_rejected(llama_fp8_dirs, tmp_path: Path,
                                                              drop: str, match: str) -> None:
-    src = Path(fp8_dirs[0])
+    src = Path(llama_fp8_dirs[0])
     shards = [{k: v for k, v in load_file(f).items() if k != drop}
               for f in sorted(src.glob("*.safetensors"))]
     cfg = json.loads((src / "config.json").read_text())
