@@ -3,9 +3,8 @@
 The test makes a tiny checkpoint, quantises its weights itself into the on-disk format (FP8
 e4m3 blocks with fp32 ``weight_scale_inv`` for Llama and DeepSeek-V3, incl. dimensions that
 are not a multiple of the block and scales in another shard than their weights; gpt-oss
-MXFP4 ``_blocks``/``_scales``),
-and writes beside it an unquantised checkpoint holding a reference dequantisation written
-here (explicit per-block loops; FP4 decoded from its sign/exponent/mantissa bits). Checked: the
+MXFP4 ``_blocks``/``_scales``), and writes beside it an unquantised checkpoint holding a
+reference dequantisation written here (explicit per-block loops; FP4 decoded from its sign/exponent/mantissa bits). Checked: the
 loaded parameters equal that reference (bf16: one rounding of it), generation equals HF fp32
 on the reference checkpoint, and bad checkpoints or configs fail with one-line errors.
 """
@@ -52,10 +51,9 @@ def _write(src: Path, dst: Path, shards: list[dict[str, torch.Tensor]],
     if len(shards) > 1:
         weight_map = {k: name for name, state in zip(names, shards) for k in state}
         (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.pop("quantization_config", None)
-    if quant is not None:
-        cfg["quantization_config"] = quant
+    cfg = {**json.loads((src / "config.json").read_text()), "quantization_config": quant}
+    if quant is None:
+        del cfg["quantization_config"]
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst
 
