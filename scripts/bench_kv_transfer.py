@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -159,9 +160,8 @@ def ttft_runs(model_name: str, prompt_tokens: int, repeats: int,
         for run in runs[::-1] if rep % 2 else runs:  # neither always runs first
             run()
     sent = p.call("stats")["kv_bytes_sent"]
-    for e in (colo, p, d):
-        if e is not None:
-            e.shutdown()
+    with ThreadPoolExecutor() as pool:  # each waits ~1 s for its process to exit: together
+        list(pool.map(lambda e: e.shutdown(), [e for e in (colo, p, d) if e is not None]))
     return {"colocated": statistics.median(times["colocated"]) if colo else float("nan"),
             "pd": statistics.median(times["pd"]),
             "kv_bytes_per_token": sent / ((repeats + 1) * prompt_tokens)}
