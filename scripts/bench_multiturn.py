@@ -39,6 +39,9 @@ from bench_serving import Result, comma_list, pct, send  # noqa: E402
 MODES = {"baseline": {"routing": "least_loaded", "disaggregation": "always",
                       "decode_prefix_reuse": False},
          "prefix_aware": {"routing": "cache_aware", "disaggregation": "auto",
+                          "decode_prefix_reuse": True},
+         # optional (--modes): every request through P, so every turn ships what D lacks
+         "reuse_always": {"routing": "cache_aware", "disaggregation": "always",
                           "decode_prefix_reuse": True}}
 TOPOLOGIES = {"1p1d": 1, "2p2d": 2}
 _STAT_KEYS = ("kv_bytes_received", "prefix_cache_queried_blocks", "prefix_cache_hit_blocks")
@@ -162,6 +165,9 @@ def report(topology: str, mode: str, turns: list[dict[str, Any]]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--topologies", default="1p1d,2p2d", help="comma list of: 1p1d, 2p2d")
+    p.add_argument("--modes", default="baseline,prefix_aware",
+                   help="comma list of: baseline, prefix_aware, reuse_always (the first two "
+                        "are always run: the last lines compare them)")
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--first-prompt-len", type=int, default=200)
@@ -185,23 +191,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tops = comma_list(args.topologies, TOPOLOGIES, "topology")
-    if tops is None:
+    modes = comma_list(args.modes, MODES, "mode")
+    if tops is None or modes is None:
         return 2
+    modes = ["baseline", "prefix_aware"] + [m for m in modes
+                                            if m not in ("baseline", "prefix_aware")]
     convs = conversations(args)
     print(f"workload: {args.conversations} conversations x {args.turns} turns, first prompt "
           f"{args.first_prompt_len} tokens, +{args.new_tokens} new tokens and the "
           f"{args.output_len}-token reply per turn, waves at {args.request_rate} req/s")
     from pd_cluster.serving.cluster.testing import ensure_ray
     ensure_ray(num_cpus=4)  # 2P2D's four engines; every run gets the same machine
-    runs = {(top, mode): run(top, mode, args, convs) for top in tops for mode in MODES}
+    runs = {(top, mode): run(top, mode, args, convs) for top in tops for mode in modes}
     for (top, mode), turns in runs.items():
         report(top, mode, turns)
     last = {mode: sum(runs[(top, mode)][-1]["stats"].get("decode", {}).get(
-        "kv_bytes_received", 0.0) for top in tops) for mode in MODES}
+        "kv_bytes_received", 0.0) for top in tops) for mode in modes}
     ttft = {mode: pct([r.ttft for top in tops for t in runs[(top, mode)] for r in t["results"]
-                       if r.ok], 50) for mode in MODES}
+                       if r.ok], 50) for mode in modes}
     tpot = {mode: pct([r.tpot for top in tops for t in runs[(top, mode)] for r in t["results"]
-                       if r.ok and r.output_tokens > 1], 99) for mode in MODES}
+                       if r.ok and r.output_tokens > 1], 99) for mode in modes}
+    if "reuse_always" in modes:
+        print(f"\nreuse_always: KV bytes at turn {args.turns} {last['reuse_always'] / 1e6:.2f} MB "
+              f"(baseline/reuse_always "
+              f"{last['baseline'] / max(last['reuse_always'], 1.0):.2f}), TTFT p50 "
+              f"{1e3 * ttft['reuse_always']:.1f} ms, TPOT p99 {1e3 * tpot['reuse_always']:.2f} ms")
     print(f"\nTPOT p99 baseline {1e3 * tpot['baseline']:.2f} ms, prefix_aware "
           f"{1e3 * tpot['prefix_aware']:.2f} ms; KV bytes at turn {args.turns}: baseline "
           f"{last['baseline'] / 1e6:.2f} MB, prefix_aware {last['prefix_aware'] / 1e6:.2f} MB")

@@ -107,6 +107,8 @@ def test_a_stale_low_rate_is_raised_so_the_engine_is_tried_again() -> None:
     assert planner._rate(p) == 50.0
     p.load.prefill_rate.updated = time.monotonic() - 60  # ...and was not chosen since
     assert planner._rate(p) == pytest.approx((50.0 + 5000.0) / 2)
+    p.load.prefill_rate.add(4000.0)  # its next sample is its rate again, not a step towards
+    assert planner._rate(p) == 4000.0
 
 
 def test_link_bandwidth_from_producer_counters() -> None:

@@ -18,25 +18,31 @@ DEFAULT_BANDWIDTH = 1e9  # bytes/s
 DEFAULT_LINK_LATENCY = 0.002  # s
 _MIN_SAMPLE_TOKENS = 32  # shorter prefills measure the step overhead, not the rate
 _ALPHA = 0.2
+STALE_RATE_S = 2.0  # s without a sample before an engine's rate is stale
 _WARMUP_SAMPLES = 2  # an engine's first prefills (first forward, allocations) are not its rate
 
 
 class Ewma:
     """An exponentially weighted mean that drops its first ``skip`` samples (a fresh engine's
     first requests pay one-time costs) and takes each later one within [value/4, value*4], so
-    one outlier moves it a step, not all the way."""
+    one outlier moves it a step, not all the way. A sample after ``stale`` s without one starts
+    it afresh: what it held describes a past state of the engine."""
 
-    def __init__(self, default: float, alpha: float = _ALPHA, skip: int = 0):
-        self.default, self.alpha, self.skip = default, alpha, skip
+    def __init__(self, default: float, alpha: float = _ALPHA, skip: int = 0,
+                 stale: float = float("inf")):
+        self.default, self.alpha, self.skip, self.stale = default, alpha, skip, stale
         self.value: float | None = None
         self.samples = 0
         self.updated = 0.0  # time.monotonic() of the last sample taken
+
+    def is_stale(self) -> bool:
+        return self.value is not None and time.monotonic() - self.updated > self.stale
 
     def add(self, x: float) -> None:
         self.samples += 1
         if self.samples <= self.skip:
             return
-        if self.value is None:
+        if self.value is None or self.is_stale():
             self.value = x
         else:
             x = min(max(x, self.value / 4), self.value * 4)
@@ -49,7 +55,7 @@ class Ewma:
 
 class EngineLoad:
     def __init__(self, default_rate: float = DEFAULT_PREFILL_RATE):
-        self.prefill_rate = Ewma(default_rate, skip=_WARMUP_SAMPLES)
+        self.prefill_rate = Ewma(default_rate, skip=_WARMUP_SAMPLES, stale=STALE_RATE_S)
         # id(leg) -> (weak ref to it, tokens it computes, work ahead of it, submitted at)
         self._pending: dict[int, tuple[Any, int, int, float]] = {}
 

@@ -27,9 +27,6 @@ from pd_cluster.serving.routing.peer_linker import PeerLinker
 from pd_cluster.serving.routing.ttft_model import LOCAL, REMOTE, Decision, Link, Side, decide
 
 
-_STALE_RATE_S = 5.0  # s without a sample before an engine's rate counts as stale
-
-
 class Planner:
     def __init__(self, pool: EnginePool, mode: str, metrics: ProxyMetrics):
         self.pool, self.mode, self.metrics = pool, mode, metrics
@@ -150,16 +147,16 @@ class Planner:
 
     def _rate(self, e: EngineState) -> float:
         """``e``'s measured prefill rate. Before its first sample: the mean of the engines
-        measured so far (same model), else the default. A rate not measured for a while is
-        raised to that mean: an engine the model stopped choosing (after a slow spell) gets
-        chosen, and so measured, again."""
+        measured so far (same model), else the default. A stale rate is raised to that mean:
+        an engine the model stopped choosing (after a slow spell) gets chosen again, and its
+        next sample replaces the old rate."""
         own = e.load.prefill_rate
         known = [x.load.prefill_rate.value for x in self.pool.engines
                  if x.load.prefill_rate.value is not None]
         mean = sum(known) / len(known) if known else own.get()
         if own.value is None:
             return mean
-        if time.monotonic() - own.updated > _STALE_RATE_S:
+        if own.is_stale():
             return max(own.value, mean)
         return own.value
 
