@@ -4,6 +4,7 @@ route, and the proxy/role config knobs. Fake engines: no Ray, no model."""
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 
@@ -77,17 +78,39 @@ def test_backlog_counts_legs_until_first_output_or_gone() -> None:
 def test_prefill_rate_is_measured_from_first_outputs() -> None:
     load = EngineLoad(default_rate=1234.0)
     assert load.prefill_rate.get() == 1234.0
-    for i in range(3):  # the first two are the engine's warm-up: not its rate
+    for i in range(4):  # each sampled when the next one answers; two are warm-up
         leg = _Leg()
         load.add(leg, 400)
+        time.sleep(0.002)
         load.first_output(id(leg), 400, 0)
-        assert load.prefill_rate.samples == i + 1
-        assert (load.prefill_rate.value is None) == (i < 2)
+        assert load.prefill_rate.samples == i
+        assert (load.prefill_rate.value is None) == (i < 3)
     assert load.prefill_rate.get() > 1234.0  # answered at once: a high rate
-    short = _Leg()
-    load.add(short, 4)
-    load.first_output(id(short), 4, 0)  # too short to measure a rate: no sample
-    assert load.prefill_rate.samples == 3
+    for _ in range(2):  # too short to measure a rate: joined with the next, no sample
+        short = _Leg()
+        load.add(short, 4)
+        time.sleep(0.002)
+        load.first_output(id(short), 4, 0)
+    assert load.prefill_rate.samples == 4
+
+
+def test_rate_is_the_service_rate_of_queued_and_batched_prefills(monkeypatch) -> None:
+    from pd_cluster.serving.routing import engine_load
+    now = [100.0]
+    monkeypatch.setattr(engine_load.time, "monotonic", lambda: now[0])
+    load = EngineLoad()
+    load.prefill_rate.skip = 0
+    a, b, c = _Leg(), _Leg(), _Leg()
+    for leg in (a, b, c):  # three prompts queued at once
+        load.add(leg, 200)
+    now[0] = 100.1
+    load.first_output(id(a), 200, 0)  # 200 tokens in 0.1 s
+    load.first_output(id(b), 200, 0)  # batched with a: same step, no time of its own
+    assert load.prefill_rate.samples == 0  # the step's batch may not be complete yet
+    now[0] = 100.2
+    load.first_output(id(c), 200, 50)  # served after b: closes a and b's step
+    assert load.prefill_rate.get() == pytest.approx(4000.0)  # (200 + 200) / 0.1
+    assert load.prefill_rate.samples == 1
 
 
 def test_one_outlier_moves_the_rate_a_step() -> None:
@@ -186,11 +209,14 @@ def test_planner_balances_prefills_between_p_and_d_under_load() -> None:
 
 def test_first_output_of_a_planned_leg_feeds_the_rate() -> None:
     pool, planner, _ = _planner()
-    legs = planner.plan(_job(300), set(), "r")
-    p_leg = next(lg for lg in legs if lg.kind is LegKind.PREFILL)
-    p_leg.apply(EngineDelta("r", 0, [5], "a", True, "length", None, 300, 0, 0.0))
+    for i in range(2):  # the second answer closes the first one's sample
+        legs = planner.plan(_job(300), set(), f"r{i}")
+        p_leg = next(lg for lg in legs if lg.kind is LegKind.PREFILL)
+        assert pool.engines[0].load.backlog() == 300
+        time.sleep(0.002)
+        p_leg.apply(EngineDelta(f"r{i}", 0, [5], "a", True, "length", None, 300, 0, 0.0))
+        assert pool.engines[0].load.backlog() == 0
     assert pool.engines[0].load.prefill_rate.samples == 1
-    assert pool.engines[0].load.backlog() == 0
 
 
 # ---- config -----------------------------------------------------------------------------------

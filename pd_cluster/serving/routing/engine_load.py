@@ -2,8 +2,12 @@
 
 Per engine: the prefill work queued on it (prompt tokens of legs it has not answered yet; the
 legs are held weakly, so a leg that ends in any way, e.g. cancelled, stops counting without a
-release call) and its prefill rate, an EWMA of (work ahead + the leg's own computed tokens) /
-(time to the leg's first output), i.e. what a newcomer actually waits, decode steps and all.
+release call) and its prefill rate, measured as a service rate: each leg's computed tokens
+over the time since the later of its submission and the previous leg's first output (the
+engine was working on prefills, or decodes between them, all that time), accumulated until
+enough tokens make one sample. Prefills batched into one step finish together and merge into
+one sample; chunked ones count when they finish. So the rate is what a newcomer actually gets,
+decode steps and the decode engines' per-step prefill cap included.
 Per cluster: the link's bandwidth (from P's kv_bytes_sent / kv_send_seconds, its engine stats)
 and latency (D's first output after P's, for remote prefills shipping few tokens).
 """
@@ -16,8 +20,9 @@ from typing import Any
 DEFAULT_PREFILL_RATE = 4000.0  # tokens/s before the first measurement (a small model on CPU)
 DEFAULT_BANDWIDTH = 1e9  # bytes/s
 DEFAULT_LINK_LATENCY = 0.002  # s
-_MIN_SAMPLE_TOKENS = 32  # shorter prefills measure the step overhead, not the rate
+_MIN_SAMPLE_TOKENS = 128  # fewer tokens per sample measure the step overhead, not the rate
 _ALPHA = 0.2
+_SAME_STEP = 0.001  # s: first outputs this close together came from one engine step
 STALE_RATE_S = 2.0  # s without a sample before an engine's rate is stale
 _WARMUP_SAMPLES = 2  # an engine's first prefills (first forward, allocations) are not its rate
 
@@ -56,13 +61,15 @@ class Ewma:
 class EngineLoad:
     def __init__(self, default_rate: float = DEFAULT_PREFILL_RATE):
         self.prefill_rate = Ewma(default_rate, skip=_WARMUP_SAMPLES, stale=STALE_RATE_S)
-        # id(leg) -> (weak ref to it, tokens it computes, work ahead of it, submitted at)
-        self._pending: dict[int, tuple[Any, int, int, float]] = {}
+        # id(leg) -> (weak ref to it, tokens it computes, submitted at)
+        self._pending: dict[int, tuple[Any, int, float]] = {}
+        self._last_done = 0.0  # time.monotonic() of the last first output
+        self._acc = [0, 0.0]  # tokens and seconds not yet in a sample
 
     def backlog(self) -> int:
         """Prompt tokens queued here: legs started and not answered yet."""
         total = 0
-        for key, (ref, tokens, _, _) in list(self._pending.items()):
+        for key, (ref, tokens, _) in list(self._pending.items()):
             leg = ref()
             if leg is not None and _waiting(leg):
                 total += tokens
@@ -73,9 +80,8 @@ class EngineLoad:
     def add(self, leg: Any, tokens: int) -> None:
         """``leg`` (its engine is this one) will compute ``tokens`` prompt tokens."""
         key = id(leg)
-        ahead = self.backlog()
         self._pending[key] = (weakref.ref(leg, lambda _r: self._pending.pop(key, None)),
-                              tokens, ahead, time.monotonic())
+                              tokens, time.monotonic())
 
     def first_output(self, leg_id: int, n_prompt: int, num_cached: int) -> None:
         """The first output of the leg ``id(leg) == leg_id`` arrived: it no longer queues;
@@ -83,11 +89,16 @@ class EngineLoad:
         entry = self._pending.pop(leg_id, None)
         if entry is None:
             return
-        _, _, ahead, t0 = entry
-        computed = max(n_prompt - num_cached, 1)
-        elapsed = time.monotonic() - t0
-        if computed + ahead >= _MIN_SAMPLE_TOKENS and elapsed > 0:
-            self.prefill_rate.add((computed + ahead) / elapsed)
+        _, _, t0 = entry
+        now = time.monotonic()
+        interval = max(now - max(t0, self._last_done), 0.0)
+        # A departure with time of its own closes the previous step's batch: sample it whole.
+        if interval > _SAME_STEP and self._acc[0] >= _MIN_SAMPLE_TOKENS and self._acc[1] > 0:
+            self.prefill_rate.add(self._acc[0] / self._acc[1])
+            self._acc = [0, 0.0]
+        self._acc[0] += max(n_prompt - num_cached, 1)
+        self._acc[1] += interval
+        self._last_done = now
 
 
 class LinkStats:
