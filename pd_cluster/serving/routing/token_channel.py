@@ -78,10 +78,11 @@ class TokenChannel:
             self.detach(engine, "engine restarted", dead=True)
             endpoint = await asyncio.wait_for(
                 engine.handle.open_output.remote(self.session, self.node_id), self._timeout)
+            requests = await self._request_socket(engine)  # before any socket that could leak
             sock = self._ctx.socket(zmq.PULL)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
-            link = _Link(engine, incarnation, sock, await self._request_socket(engine))
+            link = _Link(engine, incarnation, sock, requests)
             self._links[engine.name] = link
             loop = asyncio.get_running_loop()
             loop.add_reader(sock.FD, self._read, link)
