@@ -5,7 +5,9 @@ check that first sees it) and connects a PULL socket to the endpoint the engine 
 (ipc on the proxy's node, tcp elsewhere). Its reader, an event-loop callback on the socket's
 file descriptor (no task hop between a message and the streams it wakes), takes each message
 (one engine step: the numbered deltas of every request) and hands each delta to the inbox of
-the leg it belongs to.
+the leg it belongs to. The other way, one PUSH socket per engine carries this session's
+requests and aborts (``submit``/``abort``; the engine's end is engine/request_reader.py), so
+no Ray call is made per request and an abort never overtakes its request.
 
 A watcher keeps one Ray call open per engine (``watch_output``): it fails the moment the actor
 dies, and returns when the engine closed the session; either way every leg still open on that
