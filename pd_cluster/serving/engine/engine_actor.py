@@ -3,7 +3,8 @@
 The actor is async: its event loop serves submissions, control calls and health checks, while
 the engine itself runs on the EngineLoop thread (the same driver a stand-alone engine process
 uses). Tokens do not travel as Ray calls: the proxy opens an output session (``open_output``)
-and submits requests tagged with it; each engine step's deltas go out to it as one ZMQ message
+and sends requests tagged with it over the session's request socket (``open_requests``,
+request_reader.py); each engine step's deltas go out to it as one ZMQ message
 from the output thread (output_sender.py). ``watch_output`` is the one call the proxy keeps
 open per engine: it fails at once when the actor dies, and returns when the session closes.
 
