@@ -124,9 +124,12 @@ class Planner:
 
     # ---- cache-aware routing and the TTFT model ---------------------------------------------
     def _hashes(self, job: GenerateJob) -> list[int]:
-        """The prompt's block hashes, as the engines report theirs (none before a report)."""
+        """The prompt's block hashes, as the engines report theirs (none before a report, and
+        none when the prompt's logprobs are asked for: engines then compute it all)."""
         bs = self.pool.cache.block_size
-        return hash_blocks(job.prompt_token_ids, bs) if bs else []
+        if not bs or job.params.prompt_logprobs is not None:
+            return []
+        return hash_blocks(job.prompt_token_ids, bs)
 
     def _pick(self, role: str, candidates: list[EngineState], hashes: list[int]) -> EngineState:
         if not candidates:
