@@ -108,7 +108,9 @@ fi
 # answers, launch detached, scripts/check_cluster.py against the reference, stop; one row.
 cluster() {
     local name=$1 config=$2 need_gpus=0 need_cupy=0 log="$DIR/$1.log" port url ns rc verdict
-    local -a sets=()
+    # Every prompt through a prefill engine: the check is that KV crosses, so the proxy's
+    # cost model may not send a request to D alone (a later --set can still override).
+    local -a sets=(--set proxy.disaggregation=always)
     shift 2
     while [ $# -gt 0 ]; do
         case $1 in
@@ -157,6 +159,8 @@ cluster() {
 # The clusters, one line each (GPU configs, then the CPU configs that --cpu checks):
 if [ "$MODE" = gpu ]; then
     cluster one-gpu-cluster configs/one-gpu.yaml gpus=1
+    # DeepSeek-V3 shaped: latent attention (one 1-head latent cache per layer) and MoE layers
+    cluster one-gpu-mla-moe-cluster configs/one-gpu.yaml gpus=1 --set model=tiny-deepseek-v3
     cluster two-gpu-nccl-cluster configs/two-gpu.yaml gpus=2 cupy
     # P TP2 (two GPUs, NCCL between its ranks) -> D TP1 (a third GPU), KV head slices over NCCL
     cluster tp2-prefill-tp1-decode-cluster configs/two-gpu.yaml gpus=3 cupy \
