@@ -15,7 +15,7 @@ from pd_cluster.serving.cluster.cluster_config import (DECODE_PREFILL_CAP, Confi
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.engine_load import EngineLoad, Ewma, LinkStats
 from pd_cluster.serving.routing.engine_pool import EnginePool
-from pd_cluster.serving.routing.legs import GenerateJob, LegKind
+from pd_cluster.serving.routing.legs import GenerateJob, Leg, LegKind
 from pd_cluster.serving.routing.planner import Planner
 from pd_cluster.serving.routing.ttft_model import LOCAL, REMOTE, Link, Side, decide
 
@@ -55,9 +55,9 @@ def test_cached_prefix_on_d_and_shipping_cost_count() -> None:
 
 
 # ---- online measurements -------------------------------------------------------------------
-class _Leg:
-    def __init__(self) -> None:
-        self.next_seq, self.failure, self.finished = 0, None, False
+def _Leg() -> Leg:
+    """A leg waiting for its first output (the load reads only its state)."""
+    return Leg(None, None, 0, LegKind.WHOLE)  # type: ignore[arg-type]
 
 
 def test_backlog_counts_legs_until_first_output_or_gone() -> None:
@@ -68,7 +68,7 @@ def test_backlog_counts_legs_until_first_output_or_gone() -> None:
     load.add(c, 50)
     assert load.backlog() == 350
     load.first_output(id(a), 100, 0)  # answered: no longer queued
-    b.failure = RuntimeError("engine died")  # failed legs do not count
+    b.fail(RuntimeError("engine died"))  # failed legs do not count
     assert load.backlog() == 50
     del c
     gc.collect()

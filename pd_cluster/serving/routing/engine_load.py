@@ -63,30 +63,36 @@ class EngineLoad:
         self.prefill_rate = Ewma(default_rate, skip=_WARMUP_SAMPLES, stale=STALE_RATE_S)
         # id(leg) -> (weak ref to it, tokens it computes, submitted at)
         self._pending: dict[int, tuple[Any, int, float]] = {}
+        self._backlog = 0  # sum of _pending's tokens, kept as legs come and go (read per plan)
         self._last_done = 0.0  # time.monotonic() of the last first output
         self._acc = [0, 0.0]  # tokens and seconds not yet in a sample
 
     def backlog(self) -> int:
         """Prompt tokens queued here: legs started and not answered yet."""
-        total = 0
-        for key, (ref, tokens, _) in list(self._pending.items()):
-            leg = ref()
-            if leg is not None and _waiting(leg):
-                total += tokens
-            else:  # failed, finished or gone: it queues no more
-                self._pending.pop(key, None)
-        return total
+        return self._backlog
 
     def add(self, leg: Any, tokens: int) -> None:
-        """``leg`` (its engine is this one) will compute ``tokens`` prompt tokens."""
+        """``leg`` (its engine is this one) will compute ``tokens`` prompt tokens. It stops
+        counting at its first output, when it fails (``leg.on_fail``) or when it is gone."""
         key = id(leg)
-        self._pending[key] = (weakref.ref(leg, lambda _r: self._pending.pop(key, None)),
+        self._drop(key)  # the same leg added again replaces its entry
+        if not _waiting(leg):
+            return
+        self._pending[key] = (weakref.ref(leg, lambda _r: self._drop(key)),
                               tokens, time.monotonic())
+        self._backlog += tokens
+        leg.on_fail = lambda: self._drop(key)  # holds the leg's id: no cycle keeps it alive
+
+    def _drop(self, key: int) -> tuple[Any, int, float] | None:
+        entry = self._pending.pop(key, None)
+        if entry is not None:
+            self._backlog -= entry[1]
+        return entry
 
     def first_output(self, leg_id: int, n_prompt: int, num_cached: int) -> None:
         """The first output of the leg ``id(leg) == leg_id`` arrived: it no longer queues;
         a long enough prefill is a rate sample."""
-        entry = self._pending.pop(leg_id, None)
+        entry = self._drop(leg_id)
         if entry is None:
             return
         _, _, t0 = entry

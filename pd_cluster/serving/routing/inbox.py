@@ -34,19 +34,19 @@ class AttemptInbox:
         if leg.failure is not None or leg.finished:
             return
         if d.error:
-            leg.failure = _error(leg, d)
+            leg.fail(_error(leg, d))
         else:
             try:
                 leg.apply(d)
             except EngineFailed as e:
-                leg.failure = e
+                leg.fail(e)
         self._changed.setdefault(id(leg), leg)
         self._event.set()
 
     def fail(self, leg: Leg, error: Exception) -> None:
         """The leg's engine or stream failed (not a delta: a dead actor, a closed session)."""
         if leg.failure is None and not leg.finished:
-            leg.failure = error
+            leg.fail(error)
             self._mark(leg)
 
     async def changed(self, deadline: float) -> list[Leg]:

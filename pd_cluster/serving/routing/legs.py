@@ -104,6 +104,14 @@ class Leg:
     failure: Exception | None = None  # why this leg ended without finishing (see inbox.py)
     # Told of the leg's first delta (the planner measures prefill rates and link latency).
     on_first: Callable[[EngineDelta], None] | None = None
+    # Told when it fails (its engine's load stops counting its prefill as queued).
+    on_fail: Callable[[], None] | None = None
+
+    def fail(self, error: Exception) -> None:
+        """End the leg unfinished: ``error`` is why."""
+        self.failure = error
+        if self.on_fail is not None:
+            self.on_fail()
 
     def apply(self, delta: EngineDelta) -> None:
         """Append one incremental delta; a gap or repeat is the engine's failure."""
