@@ -42,8 +42,10 @@ def _config(tmp: Path, namespace: str) -> Path:
            "engine": {"device": "cpu", "dtype": "float32", "num_kv_blocks": 512,
                       "max_model_len": 1024},
            "kv_transfer": {"kv_transfer_timeout": 10.0},  # no address anywhere
+           # always through P: the test is that KV crosses between the nodes
            "proxy": {"host": "127.0.0.1", "port": 0, "health_check_interval": 0.5,
-                     "health_check_timeout": 3.0, "request_timeout": 90.0},
+                     "health_check_timeout": 3.0, "request_timeout": 90.0,
+                     "disaggregation": "always"},
            "ray": {"namespace": namespace}}
     path = tmp / "two-node.yaml"
     path.write_text(yaml.safe_dump(cfg))
