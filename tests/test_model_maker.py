@@ -17,6 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pd_cluster import model_maker as mm
+from pd_cluster import model_maker_cli as cli
 from pd_cluster.model_maker import default_model_path, make_model, param_count, preset_names
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,8 +88,8 @@ def test_same_args_byte_identical_and_seed_matters(tmp_path: Path) -> None:
 @pytest.mark.slow  # a fresh interpreter re-imports torch+transformers (several seconds)
 def test_cli_in_subprocess_is_byte_identical_to_in_process(tmp_path: Path) -> None:
     # A fresh interpreter (different hash seeds, fresh RNG state) must produce the same bytes.
-    code = ("import argparse, sys; from pd_cluster import model_maker as mm; p = argparse.ArgumentParser(); "
-            "mm.add_make_model_args(p); sys.exit(mm.run_make_model(p.parse_args(sys.argv[1:])))")
+    code = ("import argparse, sys; from pd_cluster import model_maker_cli as cli; p = argparse.ArgumentParser(); "
+            "cli.add_make_model_args(p); sys.exit(cli.run_make_model(p.parse_args(sys.argv[1:])))")
     out = tmp_path / "cli"
     r = subprocess.run([sys.executable, "-c", code, "--out", str(out), "--arch", "mistral", "--seed", "7",
                         "--num-kv-heads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -243,15 +244,15 @@ def test_atomic_write_replaces_and_never_leaves_partial(tmp_path: Path, monkeypa
 
 def test_cli_args_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     parser = argparse.ArgumentParser()
-    mm.add_make_model_args(parser)
+    cli.add_make_model_args(parser)
     args = parser.parse_args(["--out", str(tmp_path / "c"), "--preset", "tiny-llama", "--num-layers", "1",
                               "--tie-word-embeddings", "--head-dim", "8"])
-    assert mm.run_make_model(args) == 0
+    assert cli.run_make_model(args) == 0
     cfg = AutoConfig.from_pretrained(tmp_path / "c")
     assert cfg.num_hidden_layers == 1 and cfg.tie_word_embeddings and cfg.head_dim == 8
     assert f"{param_count(tmp_path / 'c'):,}" in capsys.readouterr().out
     bad = parser.parse_args(["--out", str(tmp_path / "d"), "--num-kv-heads", "3"])
-    assert mm.run_make_model(bad) == 2
+    assert cli.run_make_model(bad) == 2
     assert "num_heads" in capsys.readouterr().err
 
 

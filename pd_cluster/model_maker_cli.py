@@ -1,0 +1,40 @@
+"""`pd-cluster make-model`: its flags and what it runs (a preset overridden by explicit flags)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pd_cluster.model_maker import ARCHS, make_model, param_count
+from pd_cluster.model_presets import PRESETS, preset_names
+
+
+def add_make_model_args(parser: argparse.ArgumentParser) -> None:
+    """Flags for `pd-cluster make-model`; size flags default to None = take preset/make_model default."""
+    parser.add_argument("--out", required=True, help="output checkpoint directory")
+    parser.add_argument("--preset", choices=preset_names(), default=None, help="start from a named preset")
+    parser.add_argument("--arch", choices=ARCHS, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    for flag in ("vocab-size", "hidden-size", "num-layers", "num-heads", "num-kv-heads", "head-dim",
+                 "intermediate-size", "max-position-embeddings"):
+        parser.add_argument(f"--{flag}", type=int, default=None)
+    parser.add_argument("--rope-theta", type=float, default=None)
+    parser.add_argument("--tie-word-embeddings", action="store_true", default=None)
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    """`pd-cluster make-model`: preset (if any) overridden by explicit flags. Returns 2 on bad sizes."""
+    kwargs: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
+    for key in ("arch", "seed", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "intermediate_size", "max_position_embeddings", "rope_theta",
+                "tie_word_embeddings"):
+        if getattr(args, key, None) is not None:
+            kwargs[key] = getattr(args, key)
+    try:
+        out = make_model(args.out, **kwargs)
+    except ValueError as e:
+        print(f"make-model: {e}", file=sys.stderr)
+        return 2
+    n = param_count(out)
+    print(f"wrote {out} ({kwargs.get('arch', 'llama')}, {n:,} parameters = {n / 1e6:.2f}M)")
+    return 0
