@@ -9,9 +9,8 @@ from the output thread (output_sender.py). ``watch_output`` is the one call the 
 open per engine: it fails at once when the actor dies, and returns when the session closes.
 
 The previous path stays for comparison (scripts/bench_proxy.py) and for callers without a
-session: ``generate`` streams one request's deltas as a Ray streaming generator, fed from the
-output thread through ``call_soon_threadsafe`` and one asyncio queue per request. Every wait
-there is bounded by the request's timeout.
+session: ``generate`` streams one request's deltas as a Ray streaming generator
+(ray_streams.py).
 """
 from __future__ import annotations
 
@@ -24,10 +23,10 @@ import uuid
 from typing import Any, AsyncIterator
 
 from pd_cluster.driver.engine_loop import EngineLoop
-from pd_cluster.driver.messages import (ERROR_ENGINE, ERROR_INVALID_REQUEST, ERROR_TIMEOUT,
-                                        EngineDelta, EngineInfo, EngineRequest, EngineSpec,
-                                        decode_request, encode)
+from pd_cluster.driver.messages import (ERROR_ENGINE, EngineDelta, EngineInfo, EngineRequest,
+                                        EngineSpec, decode_request)
 from pd_cluster.serving.engine.output_sender import OutputSender
+from pd_cluster.serving.engine.ray_streams import RayStreams
 from pd_cluster.serving.engine.request_reader import RequestReader
 
 logger = logging.getLogger(__name__)
@@ -56,13 +55,12 @@ class EngineActor:
         self.incarnation = uuid.uuid4().hex[:12]
         self.kv_endpoint: str | None = getattr(self.engine, "kv_endpoint", lambda: None)()
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, asyncio.Queue[EngineDelta]] = {}
-        self._pending: list[EngineDelta] = []  # emitted before the event loop was known
         self._lock = threading.Lock()
         self._sessions: dict[str, asyncio.Future[str]] = {}  # open output session -> closed
         self._readers: dict[str, RequestReader] = {}  # session -> its requests' socket
         self.loop = EngineLoop(self.engine, self._emit, self._on_fatal, threads)
-        self.output = OutputSender(self.node_ip, self.loop.abort, self._emit_threadsafe,
+        self.streams = RayStreams(self.loop)
+        self.output = OutputSender(self.node_ip, self.loop.abort, self.streams.emit_threadsafe,
                                    self._session_closed_threadsafe)
         self.loop.start()
         logger.info("%s ready (kv endpoint %s)", self.spec.name, self.kv_endpoint)
@@ -206,45 +204,14 @@ class EngineActor:
 
     # ---- requests over Ray (the previous token path) -----------------------------------------
     async def generate(self, request: bytes) -> AsyncIterator[bytes]:
-        """Stream the request's EngineDeltas until it finishes: each item is every delta queued
-        since the previous one (in order, never merged), msgpack-encoded."""
+        """Stream the request's EngineDeltas until it finishes (ray_streams.py)."""
         self._bind_loop()
+        gen = self.streams.generate(request)
         try:
-            req = decode_request(request)
-        except ValueError as e:  # malformed at the edge: the request's fault, not ours
-            yield encode([EngineDelta("?", finished=True, error=f"malformed request: {e}",
-                                      error_type=ERROR_INVALID_REQUEST)])
-            return
-        rid = req.request_id
-        if not self.loop.alive:  # fail fast: a restart is coming (see _on_fatal)
-            yield encode([EngineDelta(rid, finished=True, error_type=ERROR_ENGINE,
-                                      error=f"engine loop is down: {self.loop.error!r}")])
-            return
-        if rid in self._streams:
-            yield encode([EngineDelta(rid, finished=True, error_type=ERROR_INVALID_REQUEST,
-                                      error=f"request_id {rid!r} is already in use")])
-            return
-        q: asyncio.Queue[EngineDelta] = asyncio.Queue()
-        self._streams[rid] = q
-        finished = False
-        self.loop.submit(req)
-        try:
-            while not finished:
-                try:
-                    batch = [await asyncio.wait_for(q.get(), timeout=req.timeout)]
-                except asyncio.TimeoutError:
-                    yield encode([EngineDelta(rid, -1, finished=True, finish_reason="abort",
-                                              error=f"no output for {req.timeout:.0f}s",
-                                              error_type=ERROR_TIMEOUT)])
-                    return
-                while not q.empty():
-                    batch.append(q.get_nowait())
-                finished = batch[-1].finished
-                yield encode(batch)
-        finally:
-            self._streams.pop(rid, None)
-            if not finished:  # consumer went away (cancelled, disconnected): free the engine
-                self.loop.abort([rid])
+            async for item in gen:
+                yield item
+        finally:  # the consumer went away: the request's stream ends (and aborts) now
+            await gen.aclose()
 
     async def abort(self, request_ids: list[str]) -> None:
         self.loop.abort(request_ids)
@@ -265,9 +232,7 @@ class EngineActor:
         if self._aio is None:
             with self._lock:
                 self._aio = asyncio.get_running_loop()
-                pending, self._pending = self._pending, []
-            if pending:
-                self._dispatch(pending)
+            self.streams.bind(self._aio)
 
     def _emit(self, deltas: list[EngineDelta]) -> None:
         self.output.emit(deltas)  # the engine thread: a queue put, the output thread sends
@@ -288,20 +253,6 @@ class EngineActor:
         closed = self._sessions.pop(session, None)
         if closed is not None and not closed.done():
             closed.set_result(why)
-
-    def _emit_threadsafe(self, deltas: list[EngineDelta]) -> None:
-        with self._lock:
-            if self._aio is None:
-                self._pending.extend(deltas)
-                return
-            aio = self._aio
-        aio.call_soon_threadsafe(self._dispatch, deltas)
-
-    def _dispatch(self, deltas: list[EngineDelta]) -> None:
-        for delta in deltas:
-            q = self._streams.get(delta.request_id)
-            if q is not None:
-                q.put_nowait(delta)
 
     def _on_fatal(self, exc: BaseException) -> None:
         # The engine's state is unknown: exit so Ray restarts the actor with a fresh engine.
