@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from connectors.config import KVTransferConfig
 from pd_cluster.config import EngineArgs
 from pd_cluster.driver.messages import (ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL,
                                         EngineSpec)
+from pd_cluster.serving.cluster.config_sections import ProxyConfig, RayConfig, RoleConfig, ConfigSection
 from pd_cluster.serving.cluster.model_source import resolve_model, served_name
 from pd_cluster.serving.cluster.schema import ConfigError, config_error, set_path
 
@@ -28,124 +29,7 @@ _KV_ROLE = {ROLE_PREFILL: "producer", ROLE_DECODE: "consumer"}
 DECODE_PREFILL_CAP = 64  # tokens: see RoleConfig.max_prefill_tokens_per_step
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-
-class RoleConfig(_Section):
-    replicas: int = Field(1, ge=1)
-    # Ranks per engine (tensor parallelism): rank 0 in the engine actor, the others its worker
-    # processes on the same node, one device each. num_cpus, num_gpus and the engine's KV
-    # budget are per rank; the actor holds tensor_parallel_size x them.
-    tensor_parallel_size: int = Field(1, ge=1)
-    num_cpus: float = Field(1.0, ge=0)  # Ray CPUs per rank; also its torch thread count on CPU
-    num_gpus: float = Field(0.0, ge=0)  # 1 per rank on CUDA
-    max_restarts: int = Field(3, ge=-1)  # Ray restarts a dead engine this many times (-1: ever)
-    # Placement, all through Ray: custom resources each engine needs (nodes started with
-    # `ray start --resources`), node labels it needs (`ray start --labels`), and how the
-    # role's replicas are laid out (a placement group strategy; null: Ray's default).
-    resources: dict[str, float] = Field(default_factory=dict)
-    node_labels: dict[str, str] = Field(default_factory=dict)
-    strategy: Literal["spread", "pack", "strict_spread", "strict_pack"] | None = None
-    # Prompt tokens an engine of this role computes per step while it has decodes running
-    # (protects their inter-token latency). Unset: the engine section's value, else for decode
-    # engines DECODE_PREFILL_CAP (they prefill only when the proxy finds that cheaper than P).
-    max_prefill_tokens_per_step: int | None = Field(None, ge=1)
-
-    @field_validator("resources")
-    @classmethod
-    def _resources(cls, value: dict[str, float]) -> dict[str, float]:
-        for name, amount in value.items():
-            if name in ("CPU", "GPU", "memory"):
-                raise ValueError(f"{name}: use num_cpus / num_gpus instead")
-            if amount <= 0:
-                raise ValueError(f"{name}: must be a number > 0, got {amount!r}")
-        return value
-
-    @model_validator(mode="after")
-    def _whole_gpus_per_rank(self) -> "RoleConfig":
-        if self.tensor_parallel_size > 1 and 0 < self.num_gpus < 1:
-            raise ValueError(f"num_gpus: {self.num_gpus} with tensor_parallel_size "
-                             f"{self.tensor_parallel_size}: each rank needs a whole GPU (NCCL "
-                             f"refuses two ranks on one GPU)")
-        return self
-
-    @model_validator(mode="after")
-    def _strategy_needs_resources(self) -> "RoleConfig":
-        if self.strategy and not self.demand():
-            raise ValueError("strategy: a placement group needs num_cpus, num_gpus or "
-                             "resources > 0 per engine")
-        return self
-
-    def demand(self) -> dict[str, float]:
-        """Ray resources one engine of this role holds (all its ranks)."""
-        tp = self.tensor_parallel_size
-        out = {"CPU": self.num_cpus * tp, "GPU": self.num_gpus * tp, **self.resources}
-        return {k: float(v) for k, v in out.items() if v}
-
-
-class ProxyConfig(_Section):
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0: any free port (the launcher prints the URL)
-    max_inflight: int = Field(256, ge=1)  # requests running at once; more wait in the queue
-    # Requests waiting for an in-flight slot (first come, first served; their wait counts in
-    # their TTFT); beyond it a request gets 429 with Retry-After.
-    max_queue: int = Field(1024, ge=0)
-    # How tokens reach the proxy: "zmq", one message per engine step from each engine's
-    # output thread; "ray", one Ray streaming call per request (the previous path).
-    token_transport: Literal["zmq", "ray"] = "zmq"
-    # Tokens per streamed chunk at least (as vLLM's stream_interval): the first token and the
-    # last chunk go at once; fewer, larger chunks cost the proxy and the client less per token.
-    stream_interval: int = Field(1, ge=1)
-    # Which engine of a role gets a request: cache_aware (the longest cached prefix weighed
-    # against load, from the engines' prefix-cache reports), least_loaded or round_robin.
-    routing: str = "cache_aware"
-    # Per request in a disaggregated cluster: auto, remote prefill on P or prefill on D alone,
-    # whichever is expected to give the first token sooner (routing/ttft_model.py); always:
-    # every request with max_tokens > 1 goes through P.
-    disaggregation: Literal["auto", "always"] = "auto"
-    # auto: D prefills alone only when that is expected to give the first token this much
-    # sooner than P would (P's queue or missing cache); below it, prefill stays off D.
-    local_prefill_margin_ms: float = Field(20.0, ge=0)
-    # Decode engines match the prompt against their own prefix cache and receive only the KV
-    # blocks they lack (false: every prompt's KV is shipped whole, as before).
-    decode_prefix_reuse: bool = True
-    cache_events_interval: float = Field(0.25, gt=0)  # s between prefix-cache reports pulled
-    cache_index_max_blocks: int = Field(65536, ge=1)  # block hashes remembered per engine
-    request_timeout: float = Field(120.0, gt=0)  # bound on every wait for one request
-    health_check_interval: float = Field(2.0, gt=0)
-    health_check_timeout: float = Field(10.0, gt=0)
-    unhealthy_threshold: int = Field(2, ge=1)  # failed checks before routing around an engine
-    max_retries: int = Field(2, ge=0)  # extra engine pairs tried before any output is sent
-    # Times a request may move to another engine when its engine fails mid-stream.
-    max_migrations: int = Field(2, ge=0)
-    max_restarts: int = 3
-    log_stats_interval: float = 10.0  # s between per-engine stats lines in the log (0: off)
-
-    @field_validator("port")
-    @classmethod
-    def _port(cls, value: int) -> int:
-        if not 0 <= value < 65536:
-            raise ValueError(f"must be in [0, 65535], got {value}")
-        return value
-
-    @field_validator("routing")
-    @classmethod
-    def _routing(cls, value: str) -> str:
-        from pd_cluster.serving.routing.router import router_names
-        if value not in router_names():
-            raise ValueError(f"must be one of {', '.join(router_names())}, got {value!r}")
-        return value
-
-
-class RayConfig(_Section):
-    address: str | None = None  # None: start a local instance
-    namespace: str = "pd-cluster"
-    num_cpus: float | None = None  # local instance only; default: what the engines need
-    num_gpus: float | None = None
-
-
-class ClusterConfig(_Section):
+class ClusterConfig(ConfigSection):
     model: str = "tiny-llama"  # a preset, a checkpoint dir on every node, or an HF repo id
     served_model_name: str | None = None  # the `model` clients send; default from `model`
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
