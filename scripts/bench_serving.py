@@ -18,39 +18,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import re
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Result, comma_list, pct and send stay importable from here (bench_multiturn.py).
+from bench_common import Result, comma_list, pct, run_load, send  # noqa: E402,F401
 
 # mode -> (config, proxy overrides); pd-always: P/D as before issue 22 (every request through P)
 MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "pd": ("configs/local.yaml", {}),
     "colocated": ("configs/local-colocated.yaml", {}),
     "pd-always": ("configs/local.yaml", {"routing": "least_loaded", "disaggregation": "always"})}
-
-
-@dataclass
-class Result:
-    ok: bool
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itls: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    error: str = ""
-    token_ids: list[int] = field(default_factory=list)  # the reply's, when asked for
-
-    @property
-    def tpot(self) -> float:
-        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
 
 
 def make_workload(args: argparse.Namespace) -> list[tuple[float, list[int], int]]:
@@ -62,70 +49,6 @@ def make_workload(args: argparse.Namespace) -> list[tuple[float, list[int], int]
         n_out = rng.randint(args.output_len_min, args.output_len_max)
         work.append((t, [rng.randrange(4, 500) for _ in range(n_in)], n_out))
     return work
-
-
-async def send(session: Any, url: str, model: str, prompt: list[int], max_tokens: int,
-               token_ids: bool = False) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": token_ids}
-    start = last = time.perf_counter()
-    res = Result(ok=False)
-    try:
-        async with session.post(f"{url}/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                return Result(ok=False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    return Result(ok=False, error=data["error"]["message"])
-                if data.get("usage"):
-                    res.output_tokens = data["usage"]["completion_tokens"]
-                if token_ids and data.get("choices"):
-                    res.token_ids.extend(data["choices"][0].get("token_ids") or [])
-                if data.get("choices") and data["choices"][0]["text"]:
-                    now = time.perf_counter()
-                    if res.ttft == 0.0:
-                        res.ttft = now - start
-                    else:
-                        res.itls.append(now - last)
-                    last = now
-    except Exception as e:  # noqa: BLE001 - counted as a failed request
-        return Result(ok=False, error=f"{type(e).__name__}: {e}")
-    res.ok, res.e2e = True, time.perf_counter() - start
-    return res
-
-
-async def run_load(url: str, model: str, work: list[tuple[float, list[int], int]],
-                   progress: bool) -> tuple[list[Result], float]:
-    import aiohttp
-    from tqdm import tqdm
-
-    bar = tqdm(total=len(work), desc="requests", disable=not progress, leave=False)
-    conn = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        t0 = time.perf_counter()
-
-        async def one(at: float, prompt: list[int], n_out: int) -> Result:
-            await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-            r = await send(session, url, model, prompt, n_out)
-            bar.update(1)
-            return r
-        results = await asyncio.gather(*(one(*w) for w in work))
-        duration = time.perf_counter() - t0
-    bar.close()
-    return list(results), duration
-
-
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
 
 
 def summarize(results: list[Result], duration: float, args: argparse.Namespace) -> dict[str, Any]:
@@ -283,15 +206,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.output_len_min, args.output_len_max = 4, 8
         args.num_kv_blocks, args.max_model_len = 256, 256
     return args
-
-
-def comma_list(value: str, known: Any, what: str) -> list[str] | None:
-    """``value``'s comma-separated names; None (after saying so) when one is not ``known``."""
-    names = [m.strip() for m in value.split(",") if m.strip()]
-    if unknown := [m for m in names if m not in known]:
-        print(f"unknown {what} {unknown}; choose from {list(known)}", file=sys.stderr)
-        return None
-    return names
 
 
 def main(argv: list[str] | None = None) -> int:
