@@ -1,4 +1,5 @@
-"""Running `pd-cluster` as a user does: a subprocess whose output is read on a thread."""
+"""Running `pd-cluster` as a user does (a subprocess whose output is read on a thread), and
+the module-scoped cluster launched in the test process that the cluster tests share."""
 from __future__ import annotations
 
 import os
@@ -10,10 +11,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
-from pd_cluster.serving.cluster.testing import REPO_ROOT
+from pd_cluster.serving.cluster.testing import REPO_ROOT, ensure_ray, local_config
 
 URL_RE = re.compile(r"serving on (http://[0-9.]+:\d+)")
 
@@ -70,3 +72,24 @@ def _env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 def _cli(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pd_cluster.cli", *args], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def launched_cluster(tmp_path_factory: pytest.TempPathFactory, config: str, name: str,
+                     **sections: dict[str, Any]) -> Iterator[Any]:
+    """For a module fixture to ``yield from``: configs/<config>.yaml with ``sections``
+    overriding it, launched in this process in its own Ray namespace and state dir; shut down
+    at the module's end."""
+    from pd_cluster.serving.cluster.launcher import launch  # imports Ray: only when used
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PD_CLUSTER_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+    try:
+        ensure_ray()
+        c = launch(local_config(config, f"test-{name}-{os.getpid()}", **sections),
+                   progress=False)
+        try:
+            yield c
+        finally:
+            c.shutdown()
+    finally:
+        mp.undo()

@@ -19,6 +19,7 @@ from pd_cluster.serving.routing.engine_pool import EnginePool
 from pd_cluster.serving.routing.legs import GenerateJob, LegKind
 from pd_cluster.serving.routing.planner import Planner
 from pd_cluster.serving.routing.router import create_router
+from tests.launch_helpers import launched_cluster
 
 BS = 4
 
@@ -238,23 +239,12 @@ def test_health_check_that_sees_a_restart_forgets_the_engines_cache() -> None:
 # ---- on a cluster ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    import os
-
-    from pd_cluster.serving.cluster.launcher import launch
-    from pd_cluster.serving.cluster.testing import ensure_ray, local_config
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PD_CLUSTER_STATE_DIR", str(tmp_path_factory.mktemp("state")))
-    ensure_ray()
     # 1P2D; margin 0: on an idle cluster D prefilling alone is usually the cheaper path (no
     # link to cross), so turns run on a decode engine picked by its cached prefix.
-    cfg = local_config("local", f"test-cache-routing-{os.getpid()}",
-                       decode={"replicas": 2},
-                       engine={"num_kv_blocks": 256, "max_model_len": 512},
-                       proxy={"local_prefill_margin_ms": 0.0, "cache_events_interval": 0.1})
-    c = launch(cfg, progress=False)
-    yield c
-    c.shutdown()
-    mp.undo()
+    yield from launched_cluster(tmp_path_factory, "local", "cache-routing", decode={"replicas": 2},
+                                engine={"num_kv_blocks": 256, "max_model_len": 512},
+                                proxy={"local_prefill_margin_ms": 0.0,
+                                       "cache_events_interval": 0.1})
 
 
 def _metric(text: str, name: str, **labels: str) -> float:

@@ -13,27 +13,19 @@ import pytest
 
 from pd_cluster import LLM, SamplingParams
 from pd_cluster.serving.cluster.cluster_config import resolve_model
-from pd_cluster.serving.cluster.testing import (cluster_status, ensure_ray, leak_reports,
-                                                local_config, wait_idle, wait_until)
+from pd_cluster.serving.cluster.testing import (cluster_status, leak_reports, wait_idle,
+                                                wait_until)
+from tests.launch_helpers import launched_cluster
 
 MODEL = "tiny-llama"
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PD_CLUSTER_STATE_DIR", str(tmp_path_factory.mktemp("state")))
-    from pd_cluster.serving.cluster.launcher import launch
-
-    ensure_ray()
-    cfg = local_config("local-2p2d", f"test-2p2d-{os.getpid()}",
-                       engine={"num_kv_blocks": 512, "max_model_len": 1024},
-                       kv_transfer={"kv_transfer_timeout": 5.0},
-                       proxy={"request_timeout": 60.0, "health_check_timeout": 5.0})
-    c = launch(cfg, progress=False)
-    yield c
-    c.shutdown()
-    mp.undo()
+    yield from launched_cluster(tmp_path_factory, "local-2p2d", "2p2d",
+                                engine={"num_kv_blocks": 512, "max_model_len": 1024},
+                                kv_transfer={"kv_transfer_timeout": 5.0},
+                                proxy={"request_timeout": 60.0, "health_check_timeout": 5.0})
 
 
 @pytest.fixture(scope="module")

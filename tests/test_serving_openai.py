@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 
 import httpx
 import openai
@@ -14,7 +13,8 @@ import pytest
 
 from pd_cluster import LLM, SamplingParams
 from pd_cluster.serving.cluster.cluster_config import resolve_model
-from pd_cluster.serving.cluster.testing import ensure_ray, local_config, wait_idle
+from pd_cluster.serving.cluster.testing import wait_idle
+from tests.launch_helpers import launched_cluster
 
 MODEL = "tiny-llama"
 PROMPTS = ["Hello world, this is", "The quick brown fox jumps over", "Once upon a time",
@@ -24,20 +24,11 @@ MAX_INFLIGHT = 12
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PD_CLUSTER_STATE_DIR", str(tmp_path_factory.mktemp("state")))
-    from pd_cluster.serving.cluster.launcher import launch
-
-    ensure_ray()
-    cfg = local_config("local", f"test-openai-{os.getpid()}",
-                       engine={"num_kv_blocks": 512, "max_model_len": 1024},
-                       kv_transfer={"kv_transfer_timeout": 5.0},
-                       proxy={"max_inflight": MAX_INFLIGHT, "max_queue": 0,  # no queue:
-                              "request_timeout": 60.0})  # over the limit is a 429 at once
-    c = launch(cfg, progress=False)
-    yield c
-    c.shutdown()
-    mp.undo()
+    yield from launched_cluster(tmp_path_factory, "local", "openai",
+                                engine={"num_kv_blocks": 512, "max_model_len": 1024},
+                                kv_transfer={"kv_transfer_timeout": 5.0},
+                                proxy={"max_inflight": MAX_INFLIGHT, "max_queue": 0,  # no queue:
+                                       "request_timeout": 60.0})  # over the limit: 429 at once
 
 
 @pytest.fixture(scope="module")

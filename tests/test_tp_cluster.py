@@ -17,28 +17,20 @@ import pytest
 
 from pd_cluster import LLM, SamplingParams
 from pd_cluster.serving.cluster.cluster_config import resolve_model
-from pd_cluster.serving.cluster.testing import (cluster_status, ensure_ray, leak_reports,
-                                                local_config, wait_idle, wait_until)
+from pd_cluster.serving.cluster.testing import (cluster_status, leak_reports, wait_idle,
+                                                wait_until)
+from tests.launch_helpers import launched_cluster
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PD_CLUSTER_STATE_DIR", str(tmp_path_factory.mktemp("state")))
-    from pd_cluster.serving.cluster.launcher import launch
-
-    ensure_ray()
-    cfg = local_config("local", f"test-tp-{os.getpid()}",
-                       prefill={"tensor_parallel_size": 2, "num_cpus": 1},
-                       decode={"replicas": 2, "num_cpus": 1},
-                       engine={"num_kv_blocks": 256, "max_model_len": 512,
-                               "collective_timeout": 10.0},
-                       kv_transfer={"kv_transfer_timeout": 5.0},
-                       proxy={"request_timeout": 60.0, "health_check_timeout": 5.0})
-    c = launch(cfg, progress=False)
-    yield c
-    c.shutdown()
-    mp.undo()
+    yield from launched_cluster(tmp_path_factory, "local", "tp",
+                                prefill={"tensor_parallel_size": 2, "num_cpus": 1},
+                                decode={"replicas": 2, "num_cpus": 1},
+                                engine={"num_kv_blocks": 256, "max_model_len": 512,
+                                        "collective_timeout": 10.0},
+                                kv_transfer={"kv_transfer_timeout": 5.0},
+                                proxy={"request_timeout": 60.0, "health_check_timeout": 5.0})
 
 
 def work(n: int, seed: int) -> list[list[int]]:
