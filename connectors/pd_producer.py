@@ -25,6 +25,7 @@ import torch
 from connectors.metadata import FinHeader, OfferHeader, SendSpec, encode_header
 from connectors.pipes.base import PipeError
 from connectors.tp_topology import num_feeders, split_endpoint
+from pd_cluster import ttft_trace
 
 logger = logging.getLogger("connectors.pd_connector")
 OFFER_WAIT = 0.5  # of kv_transfer_timeout: how long layers wait for the consumer's HOLD
@@ -38,6 +39,9 @@ class PDProducer:
             return
         if self._deferred:
             self._flush_deferred()
+        if layer in (0, len(self.kv_caches) - 1) and ttft_trace.enabled():
+            for spec in self._meta.sends:
+                ttft_trace.mark(spec.request_id, f"layer{'0' if layer == 0 else 'N'}")
         for spec in self._meta.sends:
             if spec.request_id in self._failed_sends or not self._usable(spec.peer):
                 self._failed_sends.add(spec.request_id)
@@ -55,6 +59,8 @@ class PDProducer:
                     continue
                 spec = dataclasses.replace(spec, block_ids=spec.block_ids[:cut])
             if held is None:  # the rest once the consumer said what it holds
+                if layer == 0:
+                    ttft_trace.mark(spec.request_id, "defer")
                 self._deferred.setdefault(spec.request_id, []).append((layer, spec))
                 continue
             self._send_unheld(spec, layer, kv_layer, held)
@@ -124,6 +130,7 @@ class PDProducer:
             held = self._held_tokens(rid)
             if held is None:
                 continue
+            ttft_trace.mark(rid, "flush", held=held)
             for layer, spec in self._deferred.pop(rid):
                 if rid not in self._failed_sends:
                     self._send_unheld(spec, layer, self.kv_caches[layer], held)
@@ -149,6 +156,9 @@ class PDProducer:
         if self._deferred:  # answers that came during the forward: send before waiting
             self._flush_deferred()
         self._settle_sends()
+        if self._meta is not None and ttft_trace.enabled():
+            for spec in self._meta.sends:
+                ttft_trace.mark(spec.request_id, "saved")
 
     def _settle_sends(self) -> None:
         if not self._step_futures:
@@ -171,6 +181,7 @@ class PDProducer:
 
     def _send_fin(self, fin: Any) -> None:
         ok = fin.request_id not in self._failed_sends and fin.first_token is not None
+        ttft_trace.mark(fin.request_id, "fin")
         self._failed_sends.discard(fin.request_id)
         self._offered.pop(fin.request_id, None)
         with self._holds_lock:
@@ -195,6 +206,7 @@ class PDProducer:
             self.leases.drop(fin.request_id)
 
     def _record_hold(self, request_id: str, num_tokens: int) -> None:
+        ttft_trace.mark(request_id, "hold", n=num_tokens)
         with self._holds_lock:
             self._holds[request_id] = num_tokens
             while len(self._holds) > 4096:  # answers to requests already finished here

@@ -17,7 +17,7 @@ from pd_cluster.serving.routing.engine_load import EngineLoad, Ewma, LinkStats
 from pd_cluster.serving.routing.engine_pool import EnginePool
 from pd_cluster.serving.routing.legs import GenerateJob, Leg, LegKind
 from pd_cluster.serving.routing.planner import Planner
-from pd_cluster.serving.routing.ttft_model import LOCAL, REMOTE, Link, Side, decide
+from pd_cluster.serving.routing.ttft_model import LOCAL, REMOTE, Bias, Link, Side, decide
 
 NO_LINK = Link(0, 0.0, 1e9, 0.0)
 
@@ -52,6 +52,21 @@ def test_cached_prefix_on_d_and_shipping_cost_count() -> None:
     # A slow link alone can tip it: 10 MB at 10 MB/s is a second.
     assert decide(Side(100, 0, 2000.0), Side(100, 0, 1000.0),
                   Link(100, 1e5, 1e7, 0.0), 0.02).path == LOCAL
+
+
+def test_bias_learnt_from_delivered_ttft_moves_the_choice() -> None:
+    # Local answers 30 ms later than its formula says (proxy hops, step overhead), remote
+    # 10 ms sooner: a choice that looked local by 25 ms is remote once both are learnt.
+    p, dd = Side(100, 45, 1000.0), Side(100, 0, 1000.0)
+    assert decide(p, dd, NO_LINK, 0.02).path == LOCAL
+    bias = Bias(alpha=0.5)
+    for _ in range(20):
+        bias.add(LOCAL, 0.130, 0.100)
+        bias.add(REMOTE, 0.135, 0.145)
+    assert bias.value[LOCAL] == pytest.approx(0.030) and bias.value[REMOTE] == pytest.approx(-0.010)
+    d = decide(p, dd, NO_LINK, 0.02, bias)
+    assert d.path == REMOTE
+    assert d.remote_s == pytest.approx(0.135) and d.local_s == pytest.approx(0.130)
 
 
 # ---- online measurements -------------------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pd_cluster.config import EngineConfig
+from pd_cluster import ttft_trace
 from pd_cluster.engine.block_manager import BlockManager
 from pd_cluster.request import Request, RequestStatus
 
@@ -66,6 +67,7 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        ttft_trace.mark(request.request_id, "add", side=_side(request))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.remote_waiting)
@@ -119,6 +121,7 @@ class Scheduler:
                     i += 1
                     continue
                 prefill_budget -= num_new
+                ttft_trace.mark(request.request_id, "chunk", n=num_new)
             while not self.block_manager.can_append(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -162,6 +165,8 @@ class Scheduler:
                 self.connector.update_state_after_alloc(
                     request, request.block_ids,
                     request.num_prompt_tokens - cached if remote else num_external)
+            ttft_trace.mark(request.request_id, "admit", side=_side(request), cached=cached,
+                            remote=bool(load_async))
             if load_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.remote_waiting[request.request_id] = request
@@ -171,6 +176,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
+            ttft_trace.mark(request.request_id, "chunk", n=num_new)
             budget -= num_new
             prefill_budget -= num_new
 
@@ -204,6 +210,8 @@ class Scheduler:
                 continue
             request.output_token_ids.append(token)
             request.output_logprobs.append(result.logprobs.get(request.request_id))
+            if len(request.output_token_ids) == 1:
+                ttft_trace.mark(request.request_id, "tok1")
             updated.append(request)
         for rid, first_token in result.finished_recving.items():
             updated.extend(self._remote_kv_ready(rid, first_token))
@@ -228,6 +236,7 @@ class Scheduler:
             request.prefill_locally = True
             self.waiting.appendleft(request)
             return []
+        ttft_trace.mark(request_id, "kv_ready")
         request.num_computed_tokens = request.num_prompt_tokens
         self.block_manager.cache_full_blocks(request)
         request.output_token_ids.append(first_token)
@@ -241,3 +250,10 @@ class Scheduler:
         if self.requests or self.has_unfinished() or self.sending:
             raise AssertionError(f"requests left in scheduler: {sorted(self.requests)[:10]}")
         self.block_manager.check_no_leaks()
+
+
+def _side(request: Request) -> str:
+    """For the TTFT trace: D (KV from P), P (KV to D) or W (the whole request here)."""
+    if request.kv_from_remote:
+        return "D"
+    return "P" if type(request.kv_transfer_params).__name__ == "SendKV" else "W"

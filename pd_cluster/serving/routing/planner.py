@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 from connectors.transfer_params import RecvKV, SendKV
+from pd_cluster import ttft_trace
 from pd_cluster.driver.messages import (ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, EngineDelta,
                                         EngineRequest)
 from pd_cluster.engine.block_hash import hash_blocks
@@ -24,12 +26,14 @@ from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.engine_pool import EnginePool, EngineState, NoHealthyEngine
 from pd_cluster.serving.routing.legs import GenerateJob, Leg, LegKind, Sent
 from pd_cluster.serving.routing.peer_linker import PeerLinker
-from pd_cluster.serving.routing.ttft_model import LOCAL, REMOTE, Decision, Link, Side, decide
+from pd_cluster.serving.routing.ttft_model import (LOCAL, REMOTE, Bias, Decision, Link, Side,
+                                                   decide)
 
 
 class Planner:
     def __init__(self, pool: EnginePool, mode: str, metrics: ProxyMetrics):
         self.pool, self.mode, self.metrics = pool, mode, metrics
+        self.bias = Bias()  # the TTFT model's error per path, from what was delivered
 
     def resume(self, job: GenerateJob, excluded: set[str], sent: Sent, rid: str) -> list[Leg]:
         """One engine continues the request from what the client already has (no legs:
@@ -70,6 +74,7 @@ class Planner:
                       LegKind.WHOLE)
             self._computes(leg, n_prompt - cached)
             self._routed(job, e, hashes, cached, f"{e.name} {why}".strip())
+            _trace(self.pool.config, rid, leg, "first", e.name, why, n_prompt - cached)
             return [leg]
 
         if pinned is not None:
@@ -104,7 +109,9 @@ class Planner:
         decision = self._decide(n_prompt, p, d, cached[p.name], cached[d.name])
         self.metrics.disagg_decisions.labels(decision.path, decision.reason).inc()
         if decision.path == LOCAL:
-            return whole(d, decision.describe())
+            legs = whole(d, decision.describe())
+            self._learn_bias(legs[0], decision)
+            return legs
         # min_tokens stays <= 1 so P masks EOS for token 1 exactly when D would.
         p_params = dataclasses.replace(job.params, max_tokens=1,
                                        min_tokens=min(job.params.min_tokens, 1))
@@ -118,8 +125,12 @@ class Planner:
                     n_prompt, LegKind.PREFILL)
         self._computes(p_leg, n_prompt - cached[p.name])
         self._time_link(p_leg, d_leg, n_prompt - cached[d.name])
+        self._learn_bias(p_leg, decision)
         self._routed(job, p, hashes, cached[p.name], "")
         self._routed(job, d, hashes, cached[d.name], f"{p.name}->{d.name} {decision.describe()}")
+        _trace(self.pool.config, rid, p_leg, "p_first", p.name, decision.describe(),
+               n_prompt - cached[p.name])
+        _trace(self.pool.config, rid, d_leg, "d_first", d.name, "", n_prompt - cached[d.name])
         return [d_leg, p_leg]
 
     # ---- cache-aware routing and the TTFT model ---------------------------------------------
@@ -146,7 +157,8 @@ class Planner:
         return decide(Side(n_prompt - p_cached, p.load.backlog(), self._rate(p)),
                       Side(n_prompt - d_cached, d.load.backlog(), self._rate(d)),
                       Link(ship, link.bytes_per_token or 0.0, link.bandwidth.get(),
-                           link.latency.get()), self.pool.config.local_prefill_margin_ms / 1e3)
+                           link.latency.get()), self.pool.config.local_prefill_margin_ms / 1e3,
+                      self.bias)
 
     def _rate(self, e: EngineState) -> float:
         """``e``'s measured prefill rate. Before its first sample: the mean of the engines
@@ -169,6 +181,21 @@ class Planner:
         load.add(leg, max(tokens, 1))
         # The callback holds the leg's id, not the leg: no cycle keeps a finished leg alive.
         leg.on_first = lambda delta: load.first_output(key, n_prompt, delta.num_cached_tokens)
+
+    def _learn_bias(self, leg: Leg, decision: Decision) -> None:
+        """The client's first token is ``leg``'s: its delay from now against the estimate."""
+        if not (decision.remote_s or decision.local_s):  # not estimated ("always")
+            return
+        t0, inner, bias = time.monotonic(), leg.on_first, self.bias
+        estimate = decision.remote_s if decision.path == REMOTE else decision.local_s
+        # the estimate as decide() returned it includes the bias learnt so far
+        raw = estimate - bias.value[decision.path]
+
+        def on_first(delta: EngineDelta) -> None:
+            bias.add(decision.path, time.monotonic() - t0, raw)
+            if inner is not None:
+                inner(delta)
+        leg.on_first = on_first
 
     def _time_link(self, p_leg: Leg, d_leg: Leg, ship_tokens: int) -> None:
         """D's first output after P's: the link's latency beyond the bytes it carried."""
@@ -196,3 +223,20 @@ class Planner:
             self.pool.cache.record(e.name, hashes)
         if route:
             job.route = route
+
+
+def _trace(config: Any, rid: str, leg: Leg, ev: str, engine: str, route: str,
+           uncached: int) -> None:
+    """PD_TTFT_TRACE: the plan (estimates in ``route``) and the leg's first output."""
+    if not ttft_trace.enabled():
+        return
+    ttft_trace.mark(rid, "plan", leg=ev, engine=engine, route=route, uncached=uncached,
+                    backlog=leg.engine.load.backlog(),
+                    mode=f"{config.routing}/{config.disaggregation}")
+    inner = leg.on_first
+
+    def on_first(delta: EngineDelta) -> None:
+        ttft_trace.mark(rid, ev)
+        if inner is not None:
+            inner(delta)
+    leg.on_first = on_first

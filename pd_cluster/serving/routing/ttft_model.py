@@ -6,6 +6,9 @@ prefill on D alone expected to give the first token sooner?
     the measured bandwidth);
 (b) local: D's queued prefill work and the tokens D's cache lacks, at D's measured rate (which
     includes the slowdown of prefilling between decode steps under max_prefill_tokens_per_step).
+Each path's estimate is corrected by its measured bias (Bias: delivered minus estimated, learnt
+from the requests that took the path): the formulas leave out the proxy's hops and each step's
+fixed cost, and remote counts the link although the client's first token is P's.
 Local wins only when it is cheaper by more than ``margin`` seconds: remote keeps prefill work
 off the decode engine, whose running requests wait out every local prefill step (bounded by its
 max_prefill_tokens_per_step), so an idle cluster disaggregates as before and D prefills when
@@ -56,10 +59,24 @@ class Decision:
                 f"local={self.local_s * 1e3:.1f}ms)")
 
 
-def decide(prefill: Side, decode: Side, link: Link, margin: float = 0.0) -> Decision:
+class Bias:
+    """Per path, the mean of (delivered - estimated) TTFT in s, exponentially weighted (plain:
+    a bias may be negative, unlike the rates' Ewma)."""
+
+    def __init__(self, alpha: float = 0.1):
+        self.alpha = alpha
+        self.value = {REMOTE: 0.0, LOCAL: 0.0}
+
+    def add(self, path: str, delivered: float, estimate: float) -> None:
+        self.value[path] += self.alpha * (delivered - estimate - self.value[path])
+
+
+def decide(prefill: Side, decode: Side, link: Link, margin: float = 0.0,
+           bias: Bias | None = None) -> Decision:
     """Remote unless D prefilling alone is expected to answer more than ``margin`` s sooner."""
-    remote = prefill.seconds() + link.seconds()
-    local = decode.seconds()
+    b = bias.value if bias is not None else {REMOTE: 0.0, LOCAL: 0.0}
+    remote = max(prefill.seconds() + link.seconds() + b[REMOTE], 0.0)
+    local = max(decode.seconds() + b[LOCAL], 0.0)
     if local + margin >= remote:
         return Decision(REMOTE, "remote_cheaper", remote, local)
     return Decision(LOCAL, "local_cheaper", remote, local)
