@@ -55,3 +55,22 @@ def colocated_tokens(model: str, prompts: list[list[int]], params: list[Sampling
 def engine(model: str, role: str | None, timeout: float = 10.0, **args: Any) -> LLMEngine:
     kv = kv_config(role, timeout) if role else None
     return LLMEngine(EngineConfig(model=model, kv_transfer=kv, **args))
+
+
+def pd_tokens(model: str, prompts: list[list[int]], params: list[SamplingParams], chunk: int,
+              block_size: int = 8) -> list[list[int]]:
+    """Each prompt through an in-process P/D pair (P prefills ``chunk`` tokens per step and
+    ships every layer's KV, D decodes): D's tokens per prompt, once the KV arrived with no
+    fallback and neither engine holds anything."""
+    d = engine(model, "consumer", block_size=block_size)
+    p = engine(model, "producer", block_size=block_size, max_num_batched_tokens=chunk)
+    try:
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            submit_pair(p, d, f"r{i}", prompt, sp, d.kv_endpoint())
+        got = run_in_process(p, d)
+        assert d.stats()["kv_fallbacks"] == 0
+        assert p.stats()["kv_bytes_sent"] == d.stats()["kv_bytes_received"] > 0
+        p.check_no_leaks(), d.check_no_leaks()
+    finally:
+        p.close(), d.close()
+    return [got[f"r{i}"] for i in range(len(prompts))]

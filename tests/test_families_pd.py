@@ -9,7 +9,7 @@ import pytest
 from pd_cluster import SamplingParams
 from pd_cluster.model_maker import PRESETS, make_model
 from tests.conftest import assert_greedy_matches, hf_greedy
-from tests.pd_helpers import colocated_tokens, engine, run_in_process, submit_pair
+from tests.pd_helpers import colocated_tokens, pd_tokens
 from tests.conftest import random_prompt
 
 MAX_TOKENS = 10
@@ -23,18 +23,7 @@ def test_pd_equals_colocated_and_hf(tmp_path_factory, name: str) -> None:
     params = [greedy if i % 2 == 0 else SamplingParams(temperature=0.8, seed=i,
                                                        max_tokens=MAX_TOKENS, ignore_eos=True)
               for i in range(len(prompts))]
-    d = engine(model, "consumer", block_size=8)
-    p = engine(model, "producer", block_size=8, max_num_batched_tokens=12)
-    try:
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            submit_pair(p, d, f"r{i}", prompt, sp, d.kv_endpoint())
-        got = run_in_process(p, d)
-        assert d.stats()["kv_fallbacks"] == 0
-        assert p.stats()["kv_bytes_sent"] == d.stats()["kv_bytes_received"] > 0
-        p.check_no_leaks(), d.check_no_leaks()
-    finally:
-        p.close(), d.close()
-    ours = [got[f"r{i}"] for i in range(len(prompts))]
+    ours = pd_tokens(model, prompts, params, chunk=12)
     assert ours == colocated_tokens(model, prompts, params, block_size=8)
     for prompt, tokens, sp in zip(prompts, ours, params):
         if sp is greedy:

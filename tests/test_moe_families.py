@@ -21,7 +21,7 @@ from pd_cluster.llm import LLM
 from pd_cluster.model_maker import build_tokenizer, save_checkpoint
 from pd_cluster.sampling_params import SamplingParams
 from tests.conftest import assert_greedy_matches, edit_config, hf_greedy, random_prompt
-from tests.pd_helpers import colocated_tokens, engine, run_in_process, submit_pair
+from tests.pd_helpers import colocated_tokens, pd_tokens
 
 MAX_TOKENS = 10
 VOCAB, H = 512, 64
@@ -131,20 +131,11 @@ def test_pd_mixtral_equals_colocated_and_hf(moe_model) -> None:
     model_dir = moe_model("mixtral")
     prompts = [random_prompt(n, seed=100 + n) for n in (5, 9, 30)]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    d = engine(model_dir, "consumer", block_size=8)
-    p = engine(model_dir, "producer", block_size=8, max_num_batched_tokens=12)
-    try:
-        for i, prompt in enumerate(prompts):
-            submit_pair(p, d, f"r{i}", prompt, greedy, d.kv_endpoint())
-        got = run_in_process(p, d)
-        assert d.stats()["kv_fallbacks"] == 0 and d.stats()["kv_bytes_received"] > 0
-        p.check_no_leaks(), d.check_no_leaks()
-    finally:
-        p.close(), d.close()
+    got = pd_tokens(model_dir, prompts, [greedy] * len(prompts), chunk=12)
     colocated = colocated_tokens(model_dir, prompts, [greedy] * len(prompts), block_size=8)
     for i, prompt in enumerate(prompts):
-        assert got[f"r{i}"] == colocated[i]
-        assert_greedy_matches(model_dir, prompt, got[f"r{i}"],
+        assert got[i] == colocated[i]
+        assert_greedy_matches(model_dir, prompt, got[i],
                               hf_greedy(model_dir, prompt, MAX_TOKENS))
 
 

@@ -11,7 +11,7 @@ import torch
 
 from pd_cluster import SamplingParams
 from tests.conftest import assert_greedy_matches, hf_greedy, hf_model
-from tests.pd_helpers import engine, prompts_of_lengths, run_in_process, submit_pair
+from tests.pd_helpers import pd_tokens, prompts_of_lengths
 
 MAX_TOKENS = 12
 # Prompt lengths around the block size (8) and P's chunk (24 tokens per step): P prefills in
@@ -19,26 +19,13 @@ MAX_TOKENS = 12
 LENGTHS = [1, 7, 8, 9, 23, 40]
 
 
-def _pd(model: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    d = engine(model, "consumer", block_size=8)
-    p = engine(model, "producer", block_size=8, max_num_batched_tokens=24)
-    try:
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            submit_pair(p, d, f"r{i}", prompt, sp, d.kv_endpoint())
-        got = run_in_process(p, d)
-        assert d.stats()["kv_fallbacks"] == 0 and d.stats()["kv_bytes_received"] > 0
-        p.check_no_leaks(), d.check_no_leaks()
-    finally:
-        p.close(), d.close()
-    return [got[f"r{i}"] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_pd_greedy_equals_hf(tiny_model, arch: str) -> None:
     model = tiny_model(arch=arch)
     prompts = prompts_of_lengths(LENGTHS)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for prompt, ours in zip(prompts, _pd(model, prompts, [greedy] * len(prompts))):
+    got = pd_tokens(model, prompts, [greedy] * len(prompts), chunk=24)
+    for prompt, ours in zip(prompts, got):
         assert_greedy_matches(model, prompt, ours, hf_greedy(model, prompt, MAX_TOKENS))
 
 
@@ -84,5 +71,5 @@ def test_pd_seeded_sampling_equals_a_reference_sampler(tiny_model) -> None:
               SamplingParams(temperature=1.0, seed=12345, max_tokens=12, ignore_eos=True,
                              top_p=0.9),
               SamplingParams(temperature=0.7, seed=3, max_tokens=12, ignore_eos=True, top_k=20)]
-    for prompt, sp, ours in zip(prompts, params, _pd(model, prompts, params)):
+    for prompt, sp, ours in zip(prompts, params, pd_tokens(model, prompts, params, chunk=24)):
         assert ours == _reference_sample(model, prompt, sp), sp
