@@ -1,8 +1,8 @@
 """What the proxy measures online about each engine and the KV link, for the TTFT model.
 
-Per engine: the prefill work queued on it (prompt tokens of legs it has not answered yet; the
-legs are held weakly, so a leg that ends in any way, e.g. cancelled, stops counting without a
-release call) and its prefill rate, measured as a service rate: each leg's computed tokens
+Per engine: the prefill work queued on it (prompt tokens of legs it has not answered yet, a
+running sum: a leg stops counting at its first output, when it fails (Leg.fail) or when it is
+gone, e.g. cancelled: legs are held weakly, no release call) and its prefill rate, measured as a service rate: each leg's computed tokens
 over the time since the later of its submission and the previous leg's first output (the
 engine was working on prefills, or decodes between them, all that time), accumulated until
 enough tokens make one sample. Prefills batched into one step finish together and merge into
