@@ -4,18 +4,20 @@ A full block is identified by the hash of its tokens chained with its parent's h
 (block_hash.py: the same in every process), so equal prefixes map to the same blocks. Freed
 blocks keep their hash and stay findable until the pool hands them out again; the pool is
 ordered by release time, so the least recently used cached block is evicted first. Hashes that
-become findable or stop being findable are recorded as events (take_events) for the proxy's
+become findable or stop being findable are recorded as numbered events (events_since: each
+reader, e.g. one proxy each, with its own cursor; a bounded log) for the proxy's
 cache-aware routing.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from pd_cluster.engine.block_hash import block_hash
 from pd_cluster.request import Request
 
-MAX_PENDING_EVENTS = 65536  # past this many unread events: drop them and report a reset
+MAX_PENDING_EVENTS = 65536  # events kept; a reader further behind gets a reset
 
 
 class BlockTableError(RuntimeError):
@@ -39,8 +41,8 @@ class PrefixCacheStats:
 
 @dataclass
 class CacheEvents:
-    """Prefix-cache changes since the previous take_events(). ``reset``: events were dropped
-    (too many unread): the reader must clear its view and take cached_hashes() afresh."""
+    """Prefix-cache changes after a reader's cursor. ``reset``: the events it missed are no
+    longer kept (or it has none): it must clear its view and take cached_hashes() afresh."""
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
     reset: bool = False
@@ -63,8 +65,11 @@ class BlockManager:
         # Per request: how many leading blocks are hashed, and the chain hash of the last one.
         self.hashed: dict[str, tuple[int, int | None]] = {}
         self.stats = PrefixCacheStats()
-        self._events = CacheEvents()
-        self._max_events = max_pending_events
+        # The last max_pending_events changes, (stored?, hash), the newest numbered _seq - 1:
+        # each reader keeps its own cursor into it (one proxy's read hides nothing from another).
+        self._log: deque[tuple[bool, int]] = deque(maxlen=max_pending_events)
+        self._seq = 0
+        self._take_cursor = 0  # take_events()' own reader
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -165,7 +170,7 @@ class BlockManager:
             if block.block_hash is None and parent not in self.hash_to_block:
                 block.block_hash, block.token_ids = parent, chunk
                 self.hash_to_block[parent] = block.block_id
-                self._event(self._events.stored, parent)
+                self._event(True, parent)
         self.hashed[rid] = (full, parent)
 
     # ---- release -------------------------------------------------------------------------
@@ -197,23 +202,30 @@ class BlockManager:
                                  f"free={len(self.free_queue)}/{self.num_blocks}")
 
     # ---- cache events (for cache-aware routing) -------------------------------------------
+    def events_since(self, cursor: int | None) -> tuple[CacheEvents, int]:
+        """Hashes that became findable / stopped being findable after ``cursor`` (what a
+        previous call returned; None: nothing seen yet), and the cursor to pass next. A cursor
+        older than the kept log (or from another incarnation) gets a reset."""
+        end, start = self._seq, self._seq - len(self._log)
+        if cursor is None or not start <= cursor <= end:
+            return CacheEvents(reset=True), end
+        events = CacheEvents()
+        for stored, h in itertools.islice(self._log, cursor - start, None):
+            (events.stored if stored else events.removed).append(h)
+        return events, end
+
     def take_events(self) -> CacheEvents:
-        """Hashes that became findable / stopped being findable since the previous call."""
-        events, self._events = self._events, CacheEvents()
+        """Changes since the previous take_events() (a single reader's shorthand)."""
+        events, self._take_cursor = self.events_since(self._take_cursor)
         return events
 
     def cached_hashes(self) -> list[int]:
         """Every findable block hash now (a full snapshot, e.g. after a reset)."""
         return list(self.hash_to_block)
 
-    def _event(self, into: list[int], h: int) -> None:
-        ev = self._events
-        if ev.reset:
-            return  # the reader resyncs from cached_hashes(): single events add nothing
-        if len(ev.stored) + len(ev.removed) >= self._max_events:
-            self._events = CacheEvents(reset=True)
-            return
-        into.append(h)
+    def _event(self, stored: bool, h: int) -> None:
+        self._log.append((stored, h))  # the oldest falls out: its readers get a reset
+        self._seq += 1
 
     # ---- internals -----------------------------------------------------------------------
     def _take(self, block_id: int) -> None:
@@ -228,7 +240,7 @@ class BlockManager:
         if block.block_hash is not None:  # evict: the block is about to hold other tokens
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
-                self._event(self._events.removed, block.block_hash)
+                self._event(False, block.block_hash)
             block.block_hash, block.token_ids = None, None
         block.ref_count = 1
         return block_id
