@@ -100,17 +100,20 @@ class EngineActor:
         return {f"session_{k}": sum(r.counters[k] for r in self._readers.values())
                 for k in ("requests", "aborts", "malformed")}
 
-    async def cache_events(self, full: bool = False, timeout: float = 10.0) -> dict[str, Any]:
-        """The prefix cache's changes since the previous call (block hashes stored, removed),
-        for the proxy's cache-aware routing; ``full`` (or a reset in the engine) sends every
-        hash held, with ``reset`` set. Taken between engine steps, on the engine thread."""
+    async def cache_events(self, full: bool = False, timeout: float = 10.0,
+                           cursor: int | None = None) -> dict[str, Any]:
+        """The prefix cache's changes after ``cursor`` (block hashes stored, removed; each
+        reader passes the ``cursor`` its previous report returned), for the proxy's
+        cache-aware routing; ``full``, no cursor, or one too old sends every hash held, with
+        ``reset`` set. Taken between engine steps, on the engine thread."""
         def take(engine: Any) -> dict[str, Any]:
             bm = engine.block_manager
-            events = bm.take_events()
-            if full or events.reset:
-                return {"reset": True, "stored": list(bm.cached_hashes()), "removed": []}
+            events, nxt = bm.events_since(None if full else cursor)
+            if events.reset:
+                return {"reset": True, "stored": list(bm.cached_hashes()), "removed": [],
+                        "cursor": nxt}
             return {"reset": False, "stored": list(events.stored),
-                    "removed": list(events.removed)}
+                    "removed": list(events.removed), "cursor": nxt}
         out = await asyncio.wait_for(asyncio.wrap_future(self.loop.call(take)), timeout)
         spec = self.engine.runner.kv_spec
         return {**out, "incarnation": self.incarnation, "block_size": spec.block_size,
