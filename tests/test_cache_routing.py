@@ -125,6 +125,39 @@ def test_planner_records_what_it_routed_for_the_next_turn() -> None:
     assert {lg.engine.name for lg in legs2} == {p, d}
 
 
+def test_two_readers_of_one_engine_each_see_every_event() -> None:
+    """Each proxy reads with its own cursor: one's read hides nothing from the other; a reader
+    behind the bounded log gets a reset (then a snapshot), not a silent gap."""
+    from pd_cluster.engine.block_manager import BlockManager
+    from pd_cluster.request import Request
+    bm = BlockManager(num_blocks=8, block_size=BS, max_pending_events=10)
+
+    def run(rid: str, tokens: list[int]) -> Request:
+        r = Request(rid, tokens, SamplingParams(max_tokens=1))
+        r.num_computed_tokens = bm.allocate(r)
+        r.num_computed_tokens = r.num_tokens
+        bm.cache_full_blocks(r)
+        return r
+    first, a = bm.events_since(None)  # first contact: a reset, then follow from ``a``
+    assert first.reset and a == 0
+    r1 = run("a", list(range(8)))  # 2 blocks stored
+    ev_a, a = bm.events_since(a)
+    ev_b, b = bm.events_since(0)  # the second reader, started at the same point
+    assert ev_a.stored == ev_b.stored == hash_blocks(list(range(8)), BS) and a == b == 2
+    b = 0  # b's report was lost: it asks from 0 again
+    bm.free(r1)
+    r2 = run("b", list(range(100, 132)))  # 8 blocks: 2 evicted (removed) + 8 stored
+    ev_a, a = bm.events_since(a)
+    assert sorted(ev_a.removed) == sorted(hash_blocks(list(range(8)), BS))
+    assert ev_a.stored == hash_blocks(list(range(100, 132)), BS) and a == 12
+    behind, b2 = bm.events_since(b)  # 12 events since b; only 10 kept
+    assert behind.reset and behind.stored == [] and b2 == 12
+    assert sorted(bm.cached_hashes()) == sorted(ev_a.stored)
+    assert not bm.events_since(a)[0].stored and bm.events_since(99)[0].reset  # another life
+    bm.free(r2)
+    bm.check_no_leaks()
+
+
 # ---- the engines' reports --------------------------------------------------------------------
 class _Reporting:
     """A fake engine handle answering cache_events like EngineActor."""
@@ -135,11 +168,11 @@ class _Reporting:
         outer = self
 
         class _M:
-            def remote(self, full: bool) -> Any:
+            def remote(self, full: bool, cursor: int | None = None) -> Any:
                 outer.calls.append(full)
                 stored = list(outer.held) if full else outer.pending
                 outer.pending = []
-                return _done({"reset": full, "stored": stored, "removed": [],
+                return _done({"reset": full, "stored": stored, "removed": [], "cursor": 0,
                               "incarnation": outer.incarnation, "block_size": BS,
                               "kv_bytes_per_token": 128.0})
         self.cache_events = _M()
@@ -188,10 +221,10 @@ def test_a_failed_report_forgets_the_engine_until_a_full_one() -> None:
     feed = CacheFeed(pool.cache, LinkStats(), 0.01, 1.0)
     orig = h.cache_events.remote
 
-    def remote(full: bool) -> Any:
+    def remote(full: bool, cursor: int | None = None) -> Any:
         if h.fail:
             raise RuntimeError("actor busy")
-        return orig(full)
+        return orig(full, cursor)
     h.cache_events.remote = remote  # type: ignore[method-assign]
 
     async def go() -> None:
