@@ -109,7 +109,8 @@ def run(topology: str, mode: str, args: argparse.Namespace,
     from pd_cluster.serving.cluster.launcher import launch
     n = TOPOLOGIES[topology]
     over = {"prefill": {"replicas": n}, "decode": {"replicas": n},
-            "proxy": {"port": 0, **MODES[mode]},
+            "proxy": {"port": 0, **MODES[mode], **({} if args.margin_ms is None else
+                                                  {"local_prefill_margin_ms": args.margin_ms})},
             "ray": {"namespace": f"bench-multiturn-{topology}-{mode}"},
             "engine": {"max_model_len": args.max_model_len, "num_kv_blocks": args.num_kv_blocks}}
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/local.yaml", over)
@@ -178,6 +179,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=2048)
     p.add_argument("--settle", type=float, default=0.5, help="s after each wave")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--margin-ms", type=float, default=None,
+                   help="proxy.local_prefill_margin_ms (default: the config's): how much sooner "
+                        "D alone must be expected to answer before it prefills by itself")
     p.add_argument("--smoke", action="store_true",
                    help="seconds: 2 conversations x 2 turns on 1P1D, short prompts")
     args = p.parse_args(argv)

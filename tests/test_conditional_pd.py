@@ -67,6 +67,9 @@ def test_bias_learnt_from_delivered_ttft_moves_the_choice() -> None:
     d = decide(p, dd, NO_LINK, 0.02, bias)
     assert d.path == REMOTE
     assert d.remote_s == pytest.approx(0.135) and d.local_s == pytest.approx(0.130)
+    # A path not taken for a while is unbiased again (its bias could no longer be measured).
+    bias._updated[LOCAL] -= 10.0
+    assert bias.get(LOCAL) == 0.0 and decide(p, dd, NO_LINK, 0.02, bias).path == LOCAL
 
 
 # ---- online measurements -------------------------------------------------------------------

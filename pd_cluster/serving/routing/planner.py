@@ -189,7 +189,7 @@ class Planner:
         t0, inner, bias = time.monotonic(), leg.on_first, self.bias
         estimate = decision.remote_s if decision.path == REMOTE else decision.local_s
         # the estimate as decide() returned it includes the bias learnt so far
-        raw = estimate - bias.value[decision.path]
+        raw = estimate - bias.get(decision.path)
 
         def on_first(delta: EngineDelta) -> None:
             bias.add(decision.path, time.monotonic() - t0, raw)

@@ -16,6 +16,7 @@ P's queue (or P's missing cache) costs more than the margin.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 REMOTE, LOCAL = "remote", "local"
@@ -61,20 +62,31 @@ class Decision:
 
 class Bias:
     """Per path, the mean of (delivered - estimated) TTFT in s, exponentially weighted (plain:
-    a bias may be negative, unlike the rates' Ewma)."""
+    a bias may be negative, unlike the rates' Ewma). A path not taken for ``stale`` s counts
+    as unbiased again: a bias learnt in a slow spell must not keep that path unchosen, and so
+    unmeasured, for good."""
 
-    def __init__(self, alpha: float = 0.1):
-        self.alpha = alpha
+    def __init__(self, alpha: float = 0.1, stale: float = 2.0):
+        self.alpha, self.stale = alpha, stale
         self.value = {REMOTE: 0.0, LOCAL: 0.0}
+        self._updated = {REMOTE: 0.0, LOCAL: 0.0}
 
     def add(self, path: str, delivered: float, estimate: float) -> None:
+        if self.get(path) == 0.0:
+            self.value[path] = 0.0
         self.value[path] += self.alpha * (delivered - estimate - self.value[path])
+        self._updated[path] = time.monotonic()
+
+    def get(self, path: str) -> float:
+        if time.monotonic() - self._updated[path] > self.stale:
+            return 0.0
+        return self.value[path]
 
 
 def decide(prefill: Side, decode: Side, link: Link, margin: float = 0.0,
            bias: Bias | None = None) -> Decision:
     """Remote unless D prefilling alone is expected to answer more than ``margin`` s sooner."""
-    b = bias.value if bias is not None else {REMOTE: 0.0, LOCAL: 0.0}
+    b = {path: bias.get(path) if bias is not None else 0.0 for path in (REMOTE, LOCAL)}
     remote = max(prefill.seconds() + link.seconds() + b[REMOTE], 0.0)
     local = max(decode.seconds() + b[LOCAL], 0.0)
     if local + margin >= remote:
