@@ -25,7 +25,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     yield from launched_cluster(tmp_path_factory, "local-2p2d", "2p2d",
                                 engine={"num_kv_blocks": 512, "max_model_len": 1024},
                                 kv_transfer={"kv_transfer_timeout": 5.0},
-                                proxy={"request_timeout": 60.0, "health_check_timeout": 5.0})
+                                # always through P: these tests are about P/D across 4 engines
+                                proxy={"request_timeout": 60.0, "health_check_timeout": 5.0,
+                                       "disaggregation": "always"})
 
 
 @pytest.fixture(scope="module")

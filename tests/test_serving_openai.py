@@ -27,8 +27,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     yield from launched_cluster(tmp_path_factory, "local", "openai",
                                 engine={"num_kv_blocks": 512, "max_model_len": 1024},
                                 kv_transfer={"kv_transfer_timeout": 5.0},
+                                # always through P: the tests assert the KV crossed (the
+                                # cost model's choice is tested in test_cache_routing.py)
                                 proxy={"max_inflight": MAX_INFLIGHT, "max_queue": 0,  # no queue:
-                                       "request_timeout": 60.0})  # over the limit: 429 at once
+                                       "request_timeout": 60.0,  # over the limit: 429 at once
+                                       "disaggregation": "always"})
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
                                 engine={"num_kv_blocks": 256, "max_model_len": 512,
                                         "collective_timeout": 10.0},
                                 kv_transfer={"kv_transfer_timeout": 5.0},
-                                proxy={"request_timeout": 60.0, "health_check_timeout": 5.0})
+                                # always through P: the KV must cross from P's two ranks
+                                proxy={"request_timeout": 60.0, "health_check_timeout": 5.0,
+                                       "disaggregation": "always"})
 
 
 def work(n: int, seed: int) -> list[list[int]]:
