@@ -37,7 +37,7 @@ def _pd_matches_reference(config: str, tmp_path, monkeypatch, engine: dict[str, 
     monkeypatch.setenv("PD_CLUSTER_STATE_DIR", str(tmp_path))
     ensure_ray()
     cfg = local_config(config, f"test-{config}-{os.getpid()}", engine=engine,
-                       proxy={"host": "127.0.0.1"})
+                       proxy={"host": "127.0.0.1", "disaggregation": "always"})  # KV must cross
     cluster = launch(cfg, progress=False)
     try:
         client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0)
