@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Result, comma_list, pct and send stay importable from here (bench_multiturn.py).
-from bench_common import Result, comma_list, pct, run_load, send  # noqa: E402,F401
+from serving_client import Result, comma_list, pct, run_load, send  # noqa: E402,F401
 
 # mode -> (config, proxy overrides); pd-always: P/D as before issue 22 (every request through P)
 MODES: dict[str, tuple[str, dict[str, Any]]] = {
