@@ -23,7 +23,8 @@ def test_mark_writes_only_when_switched_on(tmp_path: Path, monkeypatch: pytest.M
     try:
         on.mark("r1", "add", side="W")
         on.mark("r1", "tok1")
-        lines = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+        lines = [json.loads(x) for f in tmp_path.glob("*.jsonl")
+                 for x in f.read_text().splitlines()]
         assert [(e["rid"], e["ev"]) for e in lines] == [("r1", "add"), ("r1", "tok1")]
         assert lines[0]["side"] == "W" and lines[1]["t"] >= lines[0]["t"]
     finally:
