@@ -1,4 +1,4 @@
-"""Every served family, token-exact with HF fp32 (issue 18).
+"""Every served family, token-exact with HF fp32 (issue 18), at TP 1 and TP 2 (Gloo).
 
 Each family's tiny checkpoint is made by transformers itself (pd_cluster.model_maker presets
 ``tiny-<family>``: the family's HF class, random weights, small windows). Checked per family:
@@ -96,6 +96,22 @@ def test_greedy_matches_hf_chunked_and_prefix_cached(family_model, name: str) ->
     # longrope: a block's KV depends on the whole sequence's length, so no prefix sharing.
     assert hits == 0 if name == "tiny-phi3-longrope" else hits >= 5 + 7
     llm.engine.check_no_leaks()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tp2_greedy_matches_hf(family_model, name: str) -> None:
+    """Each family at tensor_parallel_size=2 on Gloo (rank 1 a worker process): heads, q/k
+    norms, windows, soft-caps and fused checkpoints split across ranks, still HF-exact."""
+    model_dir = family_model(name)
+    llm = LLM(model=model_dir, tensor_parallel_size=2, block_size=8, max_num_batched_tokens=12,
+              num_kv_blocks=64, collective_timeout=20.0)
+    try:
+        # 13 + 12 tokens stays below longrope's original length (32), 45 starts above it
+        check_greedy(llm, model_dir, [random_prompt(n, seed=n) for n in (3, 13, 45)])
+    finally:
+        workers = llm.engine.executor.workers
+        llm.close()
+    assert workers is not None and all(p.poll() is not None for p in workers.procs)
 
 
 def test_longrope_prompts_sharing_a_prefix_across_the_original_length(family_model) -> None:
