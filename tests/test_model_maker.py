@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from pd_cluster import model_maker as mm
+from pd_cluster import checkpoint_writer, model_maker as mm
 from pd_cluster import model_maker_cli as cli
 from pd_cluster.model_maker import default_model_path, make_model, param_count, preset_names
 
@@ -236,7 +236,7 @@ def test_atomic_write_replaces_and_never_leaves_partial(tmp_path: Path, monkeypa
     def boom(*a, **k):
         raise RuntimeError("crash mid-write")
 
-    monkeypatch.setattr(mm, "_patch_config", boom)
+    monkeypatch.setattr(checkpoint_writer, "_patch_config", boom)
     with pytest.raises(RuntimeError):
         make_model(tmp_path / "crashed")
     assert sorted(x.name for x in tmp_path.iterdir()) == ["m"]
