@@ -8,9 +8,9 @@ own prefix cache covers, and the producer ships only the blocks after them. Laye
 before the answer came go at once past ``SendKV.expect_held`` (the proxy's view of what the
 consumer holds); the ones before it are deferred (the producer's blocks stay pinned until the
 consumer's ACK, so their KV is still there) and sent when it comes, or in full after
-``OFFER_WAIT`` of the transfer timeout; the consumer drops any block it holds, so a late answer costs bytes,
-never correctness. A FIN goes after its request's deferred layers and once their sends
-settled. Only the engine thread calls these, except _record_hold (the receiver thread).
+``OFFER_WAIT`` of the transfer timeout; the consumer drops any block it holds, so a late
+answer costs bytes, never correctness. A FIN goes after its request's deferred layers and
+once their sends settled. Only the engine thread calls these, except _record_hold (the receiver thread).
 """
 from __future__ import annotations
 

@@ -157,7 +157,8 @@ def report(topology: str, mode: str, turns: list[dict[str, Any]]) -> None:
         tpot = [1e3 * r.tpot for r in ok if r.output_tokens > 1]
         toks = sum(r.output_tokens for r in ok) / t["duration"]
         dec = " ".join(f"{k}={v}" for k, v in sorted(t["decisions"].items())) or "-"
-        print(f"{i:<5}{t['prompt_tokens']:>11}{t['stats'].get('decode', {}).get('kv_bytes_received', 0) / 1e6:>9.2f}"
+        kv_mb = t["stats"].get("decode", {}).get("kv_bytes_received", 0) / 1e6
+        print(f"{i:<5}{t['prompt_tokens']:>11}{kv_mb:>9.2f}"
               f"{pct(ttft, 50):>10.1f}{pct(ttft, 99):>8.1f}{pct(tpot, 99):>10.2f}{toks:>8.1f}"
               f"{hit_rate(t['stats'], 'prefill'):>8.1f}{hit_rate(t['stats'], 'decode'):>8.1f}"
               f"  {dec}")

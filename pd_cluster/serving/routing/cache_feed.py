@@ -7,8 +7,9 @@ event. Pulled rather than pushed on the token path: one small Ray call per engin
 (measured: 1.1 ms round trip, the full report of 620 held blocks as cheap as a delta; 4 calls a
 second at the default interval) keeps the per-step token messages' format and hot path
 unchanged. What a request puts in an engine's cache is recorded by the planner when it routes,
-so only blocks written after the prompt (the reply) wait for the next report. A new engine incarnation (a restart), or a report that failed (events may be
-lost), is resynchronised with a full report; meanwhile routing only misses, never errs.
+so only blocks written after the prompt (the reply) wait for the next report. A new engine
+incarnation (a restart), or a report that failed (events may be lost), is resynchronised
+with a full report; meanwhile routing only misses, never errs.
 """
 from __future__ import annotations
 
