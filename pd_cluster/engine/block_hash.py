@@ -7,10 +7,9 @@ cache-aware routing), so it is blake2b over fixed-width bytes, never Python's ``
 """
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from hashlib import blake2b
-
-import numpy as np
 
 _DIGEST = 8  # 64-bit hashes: collisions are ruled out on a hit by comparing the tokens
 
@@ -19,11 +18,10 @@ def block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
     """Hash of one block: parent's 8 bytes (zeros for the first block) + int32 tokens."""
     h = blake2b(digest_size=_DIGEST)
     h.update((0 if parent is None else parent).to_bytes(_DIGEST, "little"))
-    # int64 then checked narrowing: a token id outside int32 is a caller bug, not a wrap.
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    if tokens.size and (tokens.min() < -(1 << 31) or tokens.max() >= 1 << 31):
-        raise ValueError("token_ids: ids must fit in int32")
-    h.update(tokens.astype("<i4").tobytes())
+    try:  # struct, not numpy: a 16-token block packs in well under a microsecond
+        h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
+    except struct.error as e:  # a token id outside int32 is a caller bug, not a wrap
+        raise ValueError(f"token_ids: ids must fit in int32 ({e})") from None
     return int.from_bytes(h.digest(), "little")
 
 
