@@ -56,18 +56,37 @@ def test_index_reset_and_forget_clear_an_engine() -> None:
 
 
 class _E:
-    def __init__(self, name: str, work: int = 0):
-        self.name, self.outstanding_work, self.inflight = name, work, 0
+    def __init__(self, name: str, work: int = 0, queued: int = 0, inflight: int = 0):
+        self.name, self.outstanding_work, self.inflight = name, work, inflight
+        self.queued_prefill = queued
 
 
 def test_cache_aware_router_weighs_cached_tokens_against_load() -> None:
     r = create_router("cache_aware")
-    a, b = _E("a", work=100), _E("b", work=0)
-    assert r.pick([a, b], {"a": 160}).name == "a"  # 160 cached tokens outweigh 100 of load
+    a, b = _E("a", work=100, queued=100), _E("b", work=0)
+    assert r.pick([a, b], {"a": 160}).name == "a"  # 160 cached tokens outweigh 100 queued
     assert r.pick([a, b], {"a": 64}).name == "b"  # a short hit does not
     assert r.pick([a, b], None).name == "b"  # nothing known: least loaded
     seen = {r.pick([_E("x"), _E("y")], {}).name for _ in range(4)}
     assert seen == {"x", "y"}  # equally idle: both used
+
+
+def test_cache_aware_router_does_not_count_queued_decode_tokens_against_a_history() -> None:
+    r = create_router("cache_aware")
+    # a decode engine running 4 conversations (4 x 128 tokens still to decode, no prefill
+    # queued) holds this one's 370-token history; the idle one holds nothing
+    busy, idle = _E("busy", work=512, inflight=4), _E("idle")
+    assert r.pick([busy, idle], {"busy": 368}).name == "busy"
+    assert r.pick([busy, idle], None).name == "idle"  # no history anywhere: least loaded
+
+
+def test_cache_aware_router_falls_back_to_load_when_imbalanced() -> None:
+    r = create_router("cache_aware")
+    hot, cold = _E("hot", work=900, inflight=12), _E("cold", work=80, inflight=2)
+    # one hot prefix would take everything: past the imbalance bound, least loaded wins
+    assert r.pick([hot, cold], {"hot": 4000}).name == "cold"
+    hot.inflight = 6  # within the bound (6 - 2 <= 8): the cache wins again
+    assert r.pick([hot, cold], {"hot": 4000}).name == "hot"
 
 
 # ---- the planner on a fake pool ------------------------------------------------------------
@@ -116,7 +135,9 @@ def test_planner_records_what_it_routed_for_the_next_turn() -> None:
     legs = planner.plan(_job(turn1), set(), "r")
     p, d = (next(lg.engine.name for lg in legs if lg.kind is k)
             for k in (LegKind.PREFILL, LegKind.DECODE))
-    for e in pool.engines:  # the other engines now carry more load: still the same pair
+    for lg in legs:  # turn 1 answered: its prefill no longer queues
+        lg.engine.load.first_output(id(lg), len(turn1), 0)
+    for e in pool.engines:  # the pair now carries more load than the others: still the pair
         if e.name not in (p, d):
             e.outstanding_work = 0
         else:

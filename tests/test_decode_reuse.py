@@ -207,3 +207,34 @@ def test_reuse_off_ships_the_whole_prompt(model):
     assert _delta(d, before, "kv_prefix_hit_tokens") == 0
     p.check_no_leaks(), d.check_no_leaks()
     p.close(), d.close()
+
+
+@pytest.mark.parametrize("p_size, d_size", [(2, 1), (1, 2)])
+def test_reuse_across_tensor_parallel_sizes(model, p_size, d_size):
+    """Tensor-parallel producer or consumer (Gloo): D's rank 0 matches its prefix cache, every
+    consumer rank reuses the same blocks, P ships each rank its heads of the rest only."""
+    tp = dict(block_size=BS, collective_timeout=20.0)
+    p = engine(model, "producer", tensor_parallel_size=p_size, **tp)
+    d = engine(model, "consumer", tensor_parallel_size=d_size, **tp)
+    try:
+        ref = Turns(model)
+        before_p, before_d = p.stats(), d.stats()
+        _, _, turn2 = _first_turn(p, d, ref)  # 37 tokens: 5 blocks shipped
+        turn1_bytes = _delta(d, before_d, "kv_bytes_received")
+        assert turn1_bytes > 0 and _delta(p, before_p, "kv_bytes_sent") == turn1_bytes
+        before_p, before_d = p.stats(), d.stats()
+        _submit(p, d, "t2", turn2)
+        assert run_in_process(p, d)["t2"] == ref(turn2)
+        lacked = -(-len(turn2) // BS) - 5  # 5 full blocks held on D after turn 1
+        assert _delta(d, before_d, "kv_bytes_received") * 5 == turn1_bytes * lacked
+        assert _delta(p, before_p, "kv_bytes_sent") * 5 == turn1_bytes * lacked
+        assert _delta(d, before_d, "kv_prefix_hit_tokens") == 5 * BS
+        assert d.stats()["kv_fallbacks"] == 0
+        for _ in range(200):  # P frees its blocks on the step after the last ACK
+            if not p.has_unfinished_requests():
+                break
+            p.step()
+            time.sleep(0.005)
+        p.check_no_leaks(), d.check_no_leaks()
+    finally:
+        p.close(), d.close()

@@ -52,6 +52,10 @@ class EngineState:
     stats: dict[str, Any] = field(default_factory=dict)
     load: EngineLoad = field(default_factory=EngineLoad)  # queued prefill work, its rate
 
+    @property
+    def queued_prefill(self) -> int:
+        return self.load.backlog()
+
 
 class EnginePool:
     def __init__(self, engines: list[tuple[str, str, Any]], config: ProxyConfig):

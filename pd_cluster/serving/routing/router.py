@@ -1,9 +1,10 @@
 """Routing policies: pick one engine of a role for a request. New policies register by name.
 
-Load is the proxy's own view (outstanding work it dispatched and not yet seen finish),
-which is exact and immediate, unlike engine stats polled every few seconds. ``cached`` is,
-per engine name, how many of the prompt's tokens its prefix cache is believed to hold (the
-proxy's CacheIndex); policies other than cache_aware ignore it.
+Load is the proxy's own view (outstanding work it dispatched and not yet seen finish, the
+prefill tokens queued, the requests running), which is exact and immediate, unlike engine
+stats polled every few seconds. ``cached`` is, per engine name, how many of the prompt's
+tokens its prefix cache is believed to hold (the proxy's CacheIndex); policies other than
+cache_aware ignore it.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import Callable, Mapping, Protocol, Sequence
 class Routable(Protocol):
     name: str
     outstanding_work: int  # prompt tokens still to prefill + tokens still to decode
-    inflight: int
+    inflight: int  # requests (legs) dispatched and not finished
+    queued_prefill: int  # prompt tokens it has yet to compute before answering its legs
 
 
 class Router(ABC):
@@ -74,12 +76,27 @@ class LeastLoadedRouter(Router):
 
 @register_router("cache_aware")
 class CacheAwareRouter(LeastLoadedRouter):
-    """Least (work to compute the prompt's uncached tokens + outstanding work), both in tokens:
-    a cached prefix is worth as many tokens of load as it saves. Nothing cached anywhere (or
-    nothing known) reduces to least_loaded."""
+    """Least (prefill tokens queued + requests running - prompt tokens cached), all in tokens:
+    a cached prefix is worth as many tokens as it saves, a queued prefill token delays the
+    newcomer by one token, and a running request by about one per step (decode is batched:
+    a decode engine's queued decode tokens do not make a newcomer wait, so they must not
+    outweigh a conversation's history there). Nothing cached anywhere (or nothing known)
+    reduces to least_loaded; so does a load imbalance past ``BALANCE_ABS`` requests and
+    ``BALANCE_REL`` times, so that one hot prefix cannot pile every request onto one engine.
+    """
+    BALANCE_ABS = 8
+    BALANCE_REL = 1.5
 
     def pick(self, candidates: Sequence[Routable],
              cached: Mapping[str, int] | None = None) -> Routable:
         held = cached or {}
+        if not any(held.values()) or self._imbalanced(candidates):
+            return super().pick(candidates)
         return min(self._rotated(candidates),
-                   key=lambda e: (e.outstanding_work - held.get(e.name, 0), e.inflight))
+                   key=lambda e: (e.queued_prefill + e.inflight - held.get(e.name, 0),
+                                  e.outstanding_work))
+
+    def _imbalanced(self, candidates: Sequence[Routable]) -> bool:
+        most = max(e.inflight for e in candidates)
+        least = min(e.inflight for e in candidates)
+        return most - least > self.BALANCE_ABS and most > self.BALANCE_REL * least
