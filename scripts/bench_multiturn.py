@@ -2,7 +2,8 @@
 """Multi-turn chat benchmark: today's P/D behaviour against prefix-aware P/D, in one run.
 
 N conversations x T turns with a growing history: each turn's prompt is the previous prompt +
-the reply + ~40 new user tokens. Turn k of every conversation runs as one wave (Poisson arrivals
+the reply (128 tokens by default: a chat assistant's reply is several times the user's new
+message) + ~40 new user tokens. Turn k of every conversation runs as one wave (Poisson arrivals
 at --request-rate), so the engines' counter deltas over a wave are that turn's figures. Per
 topology (1P1D, 2P2D) and per mode:
 
@@ -16,6 +17,8 @@ hit rates of prefill and decode engines, and the disaggregation decisions. Last 
 and ``ttft_p50_speedup=Y`` (baseline / prefix_aware TTFT p50 over every request).
 
   python scripts/bench_multiturn.py            # 16 conversations x 6 turns, a few minutes on 2 CPUs
+  python scripts/bench_multiturn.py --output-len 32   # short replies: the baseline's P, which
+      # caches every history it prefilled, lacks only the reply, so prefix-aware saves less
   python scripts/bench_multiturn.py --smoke    # seconds: 2 conversations x 2 turns, 1P1D
 """
 from __future__ import annotations
@@ -174,7 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--first-prompt-len", type=int, default=200)
     p.add_argument("--new-tokens", type=int, default=40, help="new user tokens per turn (+-8)")
-    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128, help="tokens of each reply")
     p.add_argument("--request-rate", type=float, default=8.0, help="Poisson arrivals per wave")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int, default=2048)
