@@ -49,6 +49,9 @@ class Request:
     # fallback or a preemption: the remote KV will not come again).
     prefill_locally: bool = False
     block_ids: list[int] = field(default_factory=list)
+    # Chain hashes of the leading full blocks, computed once (block_manager.py): a full
+    # block's tokens never change, and admission asks for them more than once.
+    block_hashes: list[int] = field(default_factory=list, repr=False)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     # Seeded requests draw token i from a generator seeded by (seed, i): the result does not

@@ -62,8 +62,8 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.tables: dict[str, list[int]] = {}
-        # Per request: how many leading blocks are hashed, and the chain hash of the last one.
-        self.hashed: dict[str, tuple[int, int | None]] = {}
+        # Per request: how many leading blocks are registered in the prefix cache (or skipped).
+        self.hashed: dict[str, int] = {}
         self.stats = PrefixCacheStats()
         # The last max_pending_events changes, (stored?, hash), the newest numbered _seq - 1:
         # each reader keeps its own cursor into it (one proxy's read hides nothing from another).
@@ -90,16 +90,27 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent: int | None = None
-        tokens = request.all_token_ids
-        for start in range(0, self._matchable(request, needs_logits), self.block_size):
-            chunk = tuple(tokens[start:start + self.block_size])
-            parent = chain_hash(parent, chunk)
-            block_id = self.hash_to_block.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+        n = self._matchable(request, needs_logits) // self.block_size
+        for i, h in enumerate(self._chain_hashes(request, n)[:n]):
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(
+                    request.token_ids_range(i * self.block_size, (i + 1) * self.block_size)):
                 break
             hits.append(block_id)
         return hits
+
+    def _chain_hashes(self, request: Request, n: int) -> list[int]:
+        """The chain hashes of (at least) the request's first ``n`` full blocks, memoised on
+        the request: admission asks several times, and prefix caching for every block."""
+        hashes = request.block_hashes
+        if len(hashes) < n:
+            bs = self.block_size
+            tokens = request.token_ids_range(len(hashes) * bs, n * bs)
+            parent = hashes[-1] if hashes else None
+            for start in range(0, len(tokens), bs):
+                parent = chain_hash(parent, tuple(tokens[start:start + bs]))
+                hashes.append(parent)
+        return hashes
 
     def _matchable(self, request: Request, needs_logits: bool) -> int:
         """Tokens a prefix hit may cover: whole blocks, short of the last token if needed."""
@@ -134,8 +145,7 @@ class BlockManager:
         table = hits + [self._pop_free() for _ in
                         range(self.blocks_needed(request.num_tokens) - len(hits))]
         self.tables[request.request_id] = table
-        self.hashed[request.request_id] = (
-            len(hits), self.blocks[hits[-1]].block_hash if hits else None)
+        self.hashed[request.request_id] = len(hits)
         request.block_ids = table
         return len(hits) * self.block_size
 
@@ -156,22 +166,22 @@ class BlockManager:
             return
         rid = request.request_id
         table = self.tables[rid]
-        done, parent = self.hashed[rid]
+        done = self.hashed[rid]
         full = min(request.num_computed_tokens // self.block_size, len(table))
         if full <= done:
             return
+        hashes = self._chain_hashes(request, full)
         tokens = request.token_ids_range(done * self.block_size, full * self.block_size)
         for i in range(done, full):
             chunk = tuple(tokens[(i - done) * self.block_size:(i - done + 1) * self.block_size])
-            parent = chain_hash(parent, chunk)
             block = self.blocks[table[i]]
             # If the same content is already cached in another block, ours stays unhashed;
             # the chain still continues from the content hash so later blocks match.
-            if block.block_hash is None and parent not in self.hash_to_block:
-                block.block_hash, block.token_ids = parent, chunk
-                self.hash_to_block[parent] = block.block_id
-                self._event(True, parent)
-        self.hashed[rid] = (full, parent)
+            if block.block_hash is None and hashes[i] not in self.hash_to_block:
+                block.block_hash, block.token_ids = hashes[i], chunk
+                self.hash_to_block[hashes[i]] = block.block_id
+                self._event(True, hashes[i])
+        self.hashed[rid] = full
 
     # ---- release -------------------------------------------------------------------------
     def free(self, request: Request) -> None:
