@@ -76,7 +76,9 @@ class KVConnectorBase_Worker(ABC):  # noqa: N801
 
     @abstractmethod
     def wait_for_save(self) -> None:
-        """Producer: bound how far sends lag the forward (called at the end of a step)."""
+        """Producer: the sends started so far no longer read the cache. The engine calls it
+        before each forward (the next one may write blocks a send still reads), not at the
+        end of the step that started them: that step's tokens go out without waiting."""
 
     @abstractmethod
     def get_finished(self) -> "FinishedTransfers":

@@ -150,21 +150,22 @@ class PDProducer:
         return True
 
     def wait_for_save(self) -> None:
-        """Every payload of this step released by the pipe: zero-copy views point into the
-        cache, which the next step may write. A send that failed, or is still pending after
-        the timeout, fails its request: the FIN tells the consumer to recompute at once."""
-        if self._deferred:  # answers that came during the forward: send before waiting
+        """Every payload sent so far released by the pipe: zero-copy views point into the
+        cache, which the next forward may write (the engine calls this before it). A send
+        that failed, or is still pending after the timeout, fails its request: the FIN tells
+        the consumer to recompute at once."""
+        if self._deferred:  # answers that came meanwhile: send before waiting
             self._flush_deferred()
         self._settle_sends()
-        if self._meta is not None and ttft_trace.enabled():
-            for spec in self._meta.sends:
-                ttft_trace.mark(spec.request_id, "saved")
 
     def _settle_sends(self) -> None:
         if not self._step_futures:
             return
         done, pending = wait([f for _, _, f in self._step_futures],
                              timeout=self.config.kv_transfer_timeout)
+        if ttft_trace.enabled():
+            for rid in {rid for rid, _, _ in self._step_futures}:
+                ttft_trace.mark(rid, "saved")
         bad = [(rid, peer) for rid, peer, f in self._step_futures
                if f in pending or f.cancelled() or f.exception() is not None]
         if pending:

@@ -83,8 +83,8 @@ def phases(evs: list[dict[str, Any]]) -> tuple[str, dict[str, float]] | None:
         if l0 is not None and ln is not None and saved is not None:
             out["P step->layer0"] = l0 - first_chunk
             out["P layer0->N"] = ln - l0
+            out["P layerN->tok1"] = tok1 - ln  # sampling; the sends settle meanwhile
             out["P layerN->saved"] = saved - ln
-            out["P saved->tok1"] = tok1 - saved
         if d_first is not None and fin is not None and kv is not None:
             out["P tok1->FIN"] = fin - tok1
             out["FIN->D kv_ready"] = kv - fin

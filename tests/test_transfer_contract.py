@@ -144,3 +144,42 @@ def test_a_peer_whose_send_failed_is_relinked_from_scratch():
     prod.connect_peer(peer)  # what the peer linker does next
     assert peer in prod.peers()
     prod.close(), cons.close()
+
+
+def test_first_token_does_not_wait_for_the_sends(tiny_model) -> None:
+    """P settles a step's sends before the next forward writes the cache, not before the
+    step's tokens are sampled: within each step, no wait_for_save after a save_kv_layer; the
+    sends are settled before any later forward; outputs stay exact with chunked prefill (a
+    chunk's sends still in flight while the next chunk is scheduled)."""
+    from pd_cluster import SamplingParams
+    from tests.pd_helpers import (colocated_tokens, engine, prompts_of_lengths, run_in_process,
+                                  submit_pair)
+    model = tiny_model()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = prompts_of_lengths([45, 70])
+    want = colocated_tokens(model, prompts, [params] * 2)
+    d = engine(model, "consumer", block_size=8)
+    p = engine(model, "producer", block_size=8, max_num_batched_tokens=32)
+    calls: list[str] = []
+    conn = p.runner.connector
+    for name in ("save_kv_layer", "wait_for_save"):
+        real = getattr(conn, name)
+        setattr(conn, name, lambda *a, _real=real, _name=name: (calls.append(_name),
+                                                                 _real(*a))[1])
+    real_step = p.runner.run_step
+    p.runner.run_step = lambda step: (calls.append("step"), real_step(step))[1]
+    try:
+        for i, prompt in enumerate(prompts):
+            submit_pair(p, d, f"r{i}", prompt, params, d.kv_endpoint())
+        got = run_in_process(p, d)
+        assert [got["r0"], got["r1"]] == want
+        steps = "".join({"step": "|", "save_kv_layer": "s", "wait_for_save": "w"}[c]
+                        for c in calls).split("|")
+        saving = [s for s in steps if "s" in s]
+        assert len(saving) >= 4  # 115 tokens in 32-token chunks
+        assert all("w" not in s[s.index("s"):] for s in saving)  # never after a save
+        assert all(nxt.startswith("w") for s, nxt in zip(steps, steps[1:]) if "s" in s and
+                   "s" in nxt)  # settled before the next forward that saves again
+        p.check_no_leaks(), d.check_no_leaks()
+    finally:
+        p.close(), d.close()

@@ -117,14 +117,18 @@ class ModelRunner:
         """This rank's part of a step: the connector's loads and saves around one forward, and
         the logits of each of ``step.logit_rows``'s groups (full vocabulary, on every rank)."""
         conn = self.connector
-        if conn is not None and step.kv_meta is not None:
-            conn.bind_connector_metadata(step.kv_meta)
-            if conn.loads_layerwise:
-                conn.start_load_kv(self.kv_caches)
+        if conn is not None:
+            # The previous step's sends may still read the cache (zero-copy views of its
+            # blocks): they settle before this forward writes it, not at the end of their own
+            # step, so that step's tokens (P's first token) did not wait for its KV to leave.
+            if not step.empty:
+                conn.wait_for_save()
+            if step.kv_meta is not None:
+                conn.bind_connector_metadata(step.kv_meta)
+                if conn.loads_layerwise:
+                    conn.start_load_kv(self.kv_caches)
         try:
             logits = self._forward(step) if not step.empty else []
-            if conn is not None:
-                conn.wait_for_save()
         finally:
             if conn is not None:
                 conn.clear_connector_metadata()
