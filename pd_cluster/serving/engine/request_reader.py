@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from pd_cluster.driver.messages import EngineRequest, decode_request, encode
-from pd_cluster.serving.engine.output_sender import bind_session_socket, unlink_quietly
+from pd_cluster.serving.engine.session_sockets import bind_session_socket, unlink_quietly
 
 logger = logging.getLogger(__name__)
 
