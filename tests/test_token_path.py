@@ -1,151 +1,43 @@
-"""The token path engine -> proxy over ZMQ (no Ray, no model): the engine side's OutputSender
-driven as the engine actor drives it, the proxy side's TokenChannel, inboxes and Dispatcher.
+"""The token path, proxy side (no Ray, no model): the TokenChannel reading the engines'
+frames, the inboxes and the Dispatcher over FakeEngineActors (token_path_fakes.py), each with
+a real OutputSender. The engine side alone: test_token_path_sender.py.
 
-Deltas under load (order, no gaps, one message per step at most), a gap failing only its leg,
+Deltas under load (order, no gaps, one frame per step at most), a gap failing only its leg,
 a slow client costing its leg's output and not a queue per step (coalescing), a proxy that
-goes away (closed, or gone without a word) and a new one that attaches, an engine that dies.
+goes away (closed, or gone without a word) and a new one that attaches, an engine that dies,
+a malformed frame.
 """
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import pytest
-import ray.exceptions
 
-from pd_cluster.driver.messages import EngineDelta, EngineInfo, EngineRequest, decode_request
+from pd_cluster.driver.messages import EngineDelta
 from pd_cluster.sampling_params import SamplingParams
-from pd_cluster.serving.cluster.cluster_config import ProxyConfig
+from pd_cluster.serving.engine.frame_socket import frame
 from pd_cluster.serving.engine.null_engine import token_id
-from pd_cluster.serving.engine.output_sender import OutputSender, sweep_stale_ipc
-from pd_cluster.serving.observability.metrics import ProxyMetrics
-from pd_cluster.serving.routing.dispatch import Dispatcher
-from pd_cluster.serving.routing.engine_pool import EnginePool
 from pd_cluster.serving.routing.inbox import AttemptInbox
-from pd_cluster.serving.routing.legs import EngineFailed, GenerateJob, Leg, LegKind
+from pd_cluster.serving.routing.legs import EngineFailed, GenerateJob
 from pd_cluster.serving.routing.token_channel import TokenChannel
+from tests.token_path_fakes import (FakeEngineActor, Remote, attached, make_leg,
+                                    pool_and_dispatcher, until)
 
-PARAMS = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-
-
-class _Remote:
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
-
-    def remote(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-
-class FakeEngineActor:
-    """What the engine actor does with its OutputSender, minus Ray and the model: ``submit``
-    starts a generator thread that emits one token per step for its request (an engine step
-    per ``step_seconds``); ``emit`` sends hand-made deltas."""
-
-    def __init__(self, name: str = "colocated-0", **sender_kw: Any):
-        self.name, self.role, self.aborted = name, "colocated", []
-        self.loop = asyncio.get_running_loop()
-        self.sessions: dict[str, asyncio.Future] = {}
-        self.sender = OutputSender("127.0.0.1", self._abort, lambda d: None, self._closed,
-                                   **sender_kw)
-        self.dead: BaseException | None = None
-        self.handle = SimpleNamespace(
-            open_output=_Remote(self.open_output), watch_output=_Remote(self.watch_output),
-            close_output=_Remote(self.close_output), submit=_Remote(self.submit),
-            abort=_Remote(self.abort), health=_Remote(self.health))
-        self._stop: set[str] = set()
-        self.step_seconds = 0.0
-
-    async def health(self) -> dict[str, Any]:
-        return EngineInfo(self.name, self.role, "i0", 1, "127.0.0.1", None, 4096).to_dict()
-
-    async def open_output(self, session: str, node_id: str) -> str:
-        endpoint = await asyncio.wrap_future(self.sender.open(session, ipc=node_id == "here"))
-        self.sessions.setdefault(session, self.loop.create_future())
-        return endpoint
-
-    async def watch_output(self, session: str) -> str:
-        return await asyncio.shield(self.sessions[session])
-
-    async def close_output(self, session: str) -> None:
-        self.sender.close(session)
-
-    async def abort(self, ids: list[str]) -> None:
-        self._abort(ids)
-
-    def _abort(self, ids: list[str]) -> None:
-        self.aborted.extend(ids)
-        self._stop.update(ids)
-
-    def _closed(self, session: str, why: str) -> None:
-        def done() -> None:
-            fut = self.sessions.pop(session, None)
-            if fut is not None and not fut.done():
-                if self.dead is not None:
-                    fut.set_exception(self.dead)
-                else:
-                    fut.set_result(why)
-        self.loop.call_soon_threadsafe(done)
-
-    async def submit(self, data: bytes) -> str | None:
-        req = decode_request(data)
-        self.sender.route(req.request_id, req.output_session)
-        threading.Thread(target=self._generate, args=(req, self.step_seconds),
-                         daemon=True).start()
-        return None
-
-    def _generate(self, req: EngineRequest, step_seconds: float) -> None:
-        rid, start = req.request_id, len(req.resume_token_ids)
-        n = req.params.max_tokens
-        for seq, i in enumerate(range(start, n)):
-            if rid in self._stop:
-                return
-            time.sleep(step_seconds)
-            done = i == n - 1
-            self.sender.emit([EngineDelta(rid, seq, [token_id(i)], f"t{i} ", done,
-                                          "length" if done else None, emit_time=time.time())])
-
-    def die(self) -> None:
-        """The actor is gone: its watch call fails as Ray's does."""
-        self.dead = ray.exceptions.ActorDiedError()
-        for fut in self.sessions.values():
-            if not fut.done():
-                fut.set_exception(self.dead)
-        self._stop.update(self.sender._routes)  # its engine stops producing
-
-    def emit(self, deltas: list[EngineDelta]) -> None:
-        self.sender.emit(deltas)
-
-
-def _leg(engine: Any, rid: str) -> Leg:
-    return Leg(SimpleNamespace(name=engine.name), EngineRequest(rid, [1, 2, 3], PARAMS), 1,
-               LegKind.WHOLE)
-
-
-async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.005)
-
-
-async def _attached(engine: FakeEngineActor, node_id: str = "here") -> TokenChannel:
-    channel = TokenChannel(5.0, node_id=node_id)
-    await channel.attach(engine, "i0")
-    return channel
+__all__ = ["FakeEngineActor"]  # test_admission.py takes it from here
 
 
 @pytest.mark.parametrize("node_id", ["here", "elsewhere"], ids=["ipc", "tcp"])
 def test_deltas_under_load_arrive_in_order_one_message_per_step(node_id: str) -> None:
     async def go() -> None:
         engine = FakeEngineActor()
-        channel = await _attached(engine, node_id)
+        channel = await attached(engine, node_id)
         endpoint = next(iter(engine.sender._sessions.values())).endpoint
-        assert endpoint.startswith("ipc://" if node_id == "here" else "tcp://127.0.0.1:")
-        legs = [_leg(engine, f"r{i}") for i in range(64)]
+        assert endpoint.startswith("unix://" if node_id == "here" else "tcp://127.0.0.1:")
+        legs = [make_leg(engine, f"r{i}") for i in range(64)]
         inbox = AttemptInbox()
         for leg in legs:
             assert channel.register(leg, inbox)
@@ -154,7 +46,7 @@ def test_deltas_under_load_arrive_in_order_one_message_per_step(node_id: str) ->
         for step in range(steps):  # an engine step: one delta for every request
             engine.emit([EngineDelta(leg.request.request_id, step, [token_id(step)], "x",
                                      step == steps - 1) for leg in legs])
-        await _until(lambda: all(leg.finished for leg in legs))
+        await until(lambda: all(leg.finished for leg in legs))
         for leg in legs:
             assert leg.failure is None
             assert leg.token_ids == [token_id(i) for i in range(steps)]
@@ -162,7 +54,7 @@ def test_deltas_under_load_arrive_in_order_one_message_per_step(node_id: str) ->
         assert channel.counters["deltas"] == 64 * steps
         assert 1 <= channel.counters["messages"] <= steps  # one per step, fewer if behind
         # (the output thread counts a message after sending it: the proxy may count it first)
-        await _until(lambda: engine.sender.counters["output_messages"]
+        await until(lambda: engine.sender.counters["output_messages"]
                      == channel.counters["messages"])
         await channel.close()
         engine.sender.stop()
@@ -172,8 +64,8 @@ def test_deltas_under_load_arrive_in_order_one_message_per_step(node_id: str) ->
 def test_a_gap_or_a_repeat_fails_that_leg_only() -> None:
     async def go() -> None:
         engine = FakeEngineActor()
-        channel = await _attached(engine)
-        gap, repeat, fine = (_leg(engine, r) for r in ("gap", "repeat", "fine"))
+        channel = await attached(engine)
+        gap, repeat, fine = (make_leg(engine, r) for r in ("gap", "repeat", "fine"))
         inbox = AttemptInbox()
         for leg in (gap, repeat, fine):
             channel.register(leg, inbox)
@@ -182,7 +74,7 @@ def test_a_gap_or_a_repeat_fails_that_leg_only() -> None:
                      EngineDelta("fine", 0, [1])])
         engine.emit([EngineDelta("gap", 2, [3]), EngineDelta("repeat", 0, [1]),
                      EngineDelta("fine", 1, [2], finished=True, finish_reason="length")])
-        await _until(lambda: fine.finished and gap.failure and repeat.failure)
+        await until(lambda: fine.finished and gap.failure and repeat.failure)
         assert isinstance(gap.failure, EngineFailed) and "expected 1" in str(gap.failure)
         assert isinstance(repeat.failure, EngineFailed) and "expected 1" in str(repeat.failure)
         assert fine.failure is None and fine.token_ids == [1, 2]
@@ -195,7 +87,7 @@ def test_a_gap_or_a_repeat_fails_that_leg_only() -> None:
 def test_an_inbox_wakes_for_deltas_and_times_out_at_its_deadline() -> None:
     async def go() -> None:
         inbox = AttemptInbox()
-        leg = _leg(SimpleNamespace(name="e"), "r")
+        leg = make_leg(SimpleNamespace(name="e"), "r")
         deadline = time.monotonic() + 0.3
         asyncio.get_running_loop().call_later(0.02, inbox.delta, leg,
                                               EngineDelta("r", 0, [7], "a"))
@@ -209,23 +101,11 @@ def test_an_inbox_wakes_for_deltas_and_times_out_at_its_deadline() -> None:
     asyncio.run(go())
 
 
-def _pool_and_dispatcher(engines: list[FakeEngineActor], channel: TokenChannel,
-                         stream_interval: int = 1
-                         ) -> tuple[EnginePool, Dispatcher, ProxyMetrics]:
-    pool = EnginePool([(e.name, e.role, e.handle) for e in engines], ProxyConfig())
-    for st in pool.engines:
-        st.healthy, st.incarnation = True, "i0"
-    pool.token_channel = channel
-    metrics = ProxyMetrics(lambda: pool.engines)
-    return pool, Dispatcher(pool, "colocated", metrics, 0, 2, channel,
-                            stream_interval), metrics
-
-
 def test_a_slow_client_gets_everything_new_in_one_event() -> None:
     async def go() -> None:
         engine = FakeEngineActor()
         channel = TokenChannel(5.0, node_id="here")
-        pool, disp, _ = _pool_and_dispatcher([engine], channel)
+        pool, disp, _ = pool_and_dispatcher([engine], channel)
         await channel.attach(pool.engines[0], "i0")
         n = 500
         job = GenerateJob("slow", [1, 2, 3], SamplingParams(temperature=0, max_tokens=n,
@@ -234,7 +114,7 @@ def test_a_slow_client_gets_everything_new_in_one_event() -> None:
         first = await anext(events)
         # The client reads nothing while the engine produces the rest: what the proxy holds
         # for it is the leg's output, not one queued item per engine step.
-        await _until(lambda: channel.counters["deltas"] >= n)
+        await until(lambda: channel.counters["deltas"] >= n)
         rest = [ev async for ev in events]
         assert len(rest) == 1, [len(ev.token_ids) for ev in rest]
         tokens = first.token_ids + rest[0].token_ids
@@ -250,17 +130,17 @@ def test_proxy_restart_aborts_the_old_sessions_work_and_the_new_one_streams() ->
         engine = FakeEngineActor()
         engine.step_seconds = 0.002
         old = TokenChannel(5.0, node_id="here")
-        _, disp, _ = _pool_and_dispatcher([engine], old)
+        _, disp, _ = pool_and_dispatcher([engine], old)
         await old.attach(disp.pool.engines[0], "i0")
         job = GenerateJob("long", [1], SamplingParams(max_tokens=100_000, ignore_eos=True),
                           1e18)
         events = disp.stream(job)
         await anext(events)  # streaming, then this proxy goes away with it running
         await old.close()
-        await _until(lambda: "long" in engine.aborted)
+        await until(lambda: "long" in engine.aborted)
         assert not engine.sender._routes  # nothing routed to the closed session any more
         new = TokenChannel(5.0, node_id="here")
-        _, disp2, _ = _pool_and_dispatcher([engine], new)
+        _, disp2, _ = pool_and_dispatcher([engine], new)
         await new.attach(disp2.pool.engines[0], "i0")
         assert new.session != old.session
         job2 = GenerateJob("after", [1], SamplingParams(max_tokens=20, ignore_eos=True), 1e18)
@@ -272,27 +152,68 @@ def test_proxy_restart_aborts_the_old_sessions_work_and_the_new_one_streams() ->
     asyncio.run(go())
 
 
-def test_a_proxy_gone_without_a_word_costs_the_engine_a_bounded_backlog() -> None:
+def test_a_proxy_gone_without_a_word_closes_its_session_and_aborts_its_work() -> None:
+    """The proxy process dies (no close_output): the kernel closes its connection, and the
+    engine closes the session and aborts what it ran at once, not after a timeout."""
     async def go() -> None:
-        engine = FakeEngineActor(backlog_messages=10_000, backlog_seconds=0.3)
+        engine = FakeEngineActor(backlog_seconds=60.0)
         engine.step_seconds = 0.001
-        channel = await _attached(engine)
-        leg = _leg(engine, "orphan")
+        channel = await attached(engine)
+        leg = make_leg(engine, "orphan")
         channel.register(leg, AttemptInbox())
-        engine.sender.route("orphan", channel.session)
         await engine.submit(msgspec.msgpack.encode(msgspec.structs.replace(
             leg.request, output_session=channel.session)))
-        await _until(lambda: len(leg.token_ids) > 5)
+        await until(lambda: len(leg.token_ids) > 5)
         watch = asyncio.ensure_future(engine.watch_output(channel.session))
         for link in list(channel._links.values()):  # the proxy process is gone: no close
             for t in link.tasks:
                 t.cancel()
-            link.sock.close(linger=0)
-        why = await asyncio.wait_for(watch, 10)
-        assert "nothing accepted" in why
+            link.stream.close()
+        why = await asyncio.wait_for(watch, 5)
+        assert "closed the connection" in why
         assert engine.aborted == ["orphan"]
         assert engine.sender.counters["output_sessions_dropped"] == 1
+        assert not engine.sender._routes and not engine.sender._sessions
         engine.sender.stop()
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xff\xff\xff", frame(b"\xc1")],
+                         ids=["length", "msgpack"])
+def test_a_malformed_frame_fails_the_link_and_its_legs_migrate_exactly(garbage: bytes) -> None:
+    """A frame length over the cap, or a payload msgpack cannot decode: the stream cannot be
+    re-synchronised, so the link fails like a lost one: the request migrates and finishes
+    exactly, the engine closes the session and aborts its work, nothing hangs or leaks."""
+    async def go() -> None:
+        a, b = FakeEngineActor("colocated-0"), FakeEngineActor("colocated-1")
+        a.step_seconds = b.step_seconds = 0.002
+        lost: list[tuple[str, bool]] = []
+        channel = TokenChannel(5.0, lambda e, why, dead: lost.append((e.name, dead)),
+                               node_id="here")
+        pool, disp, metrics = pool_and_dispatcher([a, b], channel)
+        for st in pool.engines:
+            await channel.attach(st, "i0")
+        pool.routers["colocated"].pick = lambda candidates, *_: candidates[0]  # a first
+        job = GenerateJob("m", [1], SamplingParams(max_tokens=60, ignore_eos=True), 1e18)
+        tokens: list[int] = []
+        injected = False
+        async for ev in disp.stream(job):
+            tokens += ev.token_ids
+            if len(tokens) >= 10 and not injected:
+                injected = True
+                s = a.sender._sessions[channel.session]
+                with s.lock:  # between two frames: what follows cannot be read any more
+                    s.conn.send(garbage)
+        assert tokens == [token_id(i) for i in range(60)]
+        assert channel.counters["malformed"] == 1
+        assert metrics.migrations._value.get() == 1
+        assert lost == [("colocated-0", False)]
+        await until(lambda: not a.sender._sessions)  # the engine saw the proxy hang up
+        assert set(a.aborted) == {"m"}  # by the dispatcher, and by the closed session
+        assert not a.sender._routes and not b.sender._routes  # nothing held on either
+        await channel.close()
+        a.sender.stop()
+        b.sender.stop()
     asyncio.run(go())
 
 
@@ -303,7 +224,7 @@ def test_an_engine_dying_mid_stream_migrates_its_requests_exactly() -> None:
         lost: list[tuple[str, bool]] = []
         channel = TokenChannel(5.0, lambda e, why, dead: lost.append((e.name, dead)),
                                node_id="here")
-        pool, disp, metrics = _pool_and_dispatcher([a, b], channel)
+        pool, disp, metrics = pool_and_dispatcher([a, b], channel)
         for st in pool.engines:
             await channel.attach(st, "i0")
         pool.routers["colocated"].pick = lambda candidates, *_: candidates[0]  # a first
@@ -331,7 +252,7 @@ def test_stream_interval_chunks_and_a_migration_stay_exact() -> None:
         a, b = FakeEngineActor("colocated-0"), FakeEngineActor("colocated-1")
         a.step_seconds = b.step_seconds = 0.001
         channel = TokenChannel(5.0, node_id="here")
-        pool, disp, metrics = _pool_and_dispatcher([a, b], channel, stream_interval=4)
+        pool, disp, metrics = pool_and_dispatcher([a, b], channel, stream_interval=4)
         for st in pool.engines:
             await channel.attach(st, "i0")
         pool.routers["colocated"].pick = lambda candidates, *_: candidates[0]  # a first
@@ -363,7 +284,7 @@ def test_concurrent_health_checks_open_one_link() -> None:
             opened.append(session)
             await asyncio.sleep(0.05)
             return await engine.open_output(session, node_id)
-        engine.handle.open_output = _Remote(slow_open)
+        engine.handle.open_output = Remote(slow_open)
         channel = TokenChannel(5.0, node_id="here")
         await asyncio.gather(channel.attach(engine, "i0"), channel.attach(engine, "i0"))
         assert len(opened) == 1 and channel.linked(engine, "i0")
@@ -417,8 +338,8 @@ def test_a_client_that_stops_reading_gets_the_rest_in_one_chunk() -> None:
                  "server": ("proxy", 80), "client": ("client", 1234)}
         call = asyncio.ensure_future(app(scope, receive, send))
         try:
-            await _until(lambda: bool(chunks))
-            await _until(lambda: channel_deltas(state) >= n)  # the engine finished meanwhile
+            await until(lambda: bool(chunks))
+            await until(lambda: channel_deltas(state) >= n)  # the engine finished meanwhile
             reading.set()
             await asyncio.wait_for(call, 30)
         finally:
@@ -435,33 +356,3 @@ def test_a_client_that_stops_reading_gets_the_rest_in_one_chunk() -> None:
 
 def channel_deltas(state: Any) -> int:
     return state.pool.token_channel.counters["deltas"]
-
-
-def test_ipc_files_of_dead_engines_are_swept_and_a_stopped_sender_leaves_none(tmp_path) -> None:
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    paths = {k: str(tmp_path / f"pd-out-{pid}-{k}")
-             for k, pid in (("dead", dead.pid), ("live", os.getpid()))}
-    socks = []
-    for path in paths.values():
-        sock = socket.socket(socket.AF_UNIX)
-        sock.bind(path)
-        socks.append(sock)
-    (tmp_path / f"pd-out-{dead.pid}-notasocket").write_text("")
-    assert sweep_stale_ipc(str(tmp_path)) == [paths["dead"]]
-    assert sorted(os.listdir(tmp_path)) == sorted(
-        [f"pd-out-{os.getpid()}-live", f"pd-out-{dead.pid}-notasocket"])
-    for sock in socks:
-        sock.close()
-
-    sender = OutputSender("127.0.0.1", lambda ids: None, lambda d: None)
-    endpoint = sender.open("s", ipc=True).result(10)
-    path = endpoint.removeprefix("ipc://")
-    assert os.path.exists(path)
-    sender.stop()
-    assert not os.path.exists(path)

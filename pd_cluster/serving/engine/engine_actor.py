@@ -4,9 +4,10 @@ The actor is async: its event loop serves submissions, control calls and health 
 the engine itself runs on the EngineLoop thread (the same driver a stand-alone engine process
 uses). Tokens do not travel as Ray calls: the proxy opens an output session (``open_output``)
 and sends requests tagged with it over the session's request socket (``open_requests``,
-request_reader.py); each engine step's deltas go out to it as one ZMQ message
-from the output thread (output_sender.py). ``watch_output`` is the one call the proxy keeps
-open per engine: it fails at once when the actor dies, and returns when the session closes.
+request_reader.py); each engine step's deltas go out to it as one length-prefixed frame on
+a stream socket, written by the engine thread itself (output_sender.py). ``watch_output`` is
+the one call the proxy keeps open per engine: it fails at once when the actor dies, and
+returns when the session closes.
 
 The previous path stays for comparison (scripts/bench_proxy.py) and for callers without a
 session: ``generate`` streams one request's deltas as a Ray streaming generator
@@ -146,8 +147,9 @@ class EngineActor:
 
     # ---- the token path: output sessions ---------------------------------------------------
     async def open_output(self, session: str, proxy_node_id: str) -> str:
-        """Bind (or find) ``session``'s PUSH socket: ipc if the proxy runs on this node, tcp
-        on this node's address otherwise. Returns the endpoint the proxy connects to."""
+        """Listen (or find the listener) for ``session``'s token stream: a unix socket if the
+        proxy runs on this node, tcp on this node's address otherwise. Returns the endpoint
+        the proxy connects to (``unix://<path>`` or ``tcp://<host>:<port>``)."""
         self._bind_loop()
         endpoint = await asyncio.wrap_future(
             self.output.open(session, ipc=proxy_node_id == self.node_id))
@@ -238,7 +240,7 @@ class EngineActor:
             self.streams.bind(self._aio)
 
     def _emit(self, deltas: list[EngineDelta]) -> None:
-        self.output.emit(deltas)  # the engine thread: a queue put, the output thread sends
+        self.output.emit(deltas)  # the engine thread writes the frames itself, non-blocking
 
     def _session_closed_threadsafe(self, session: str, why: str) -> None:
         with self._lock:

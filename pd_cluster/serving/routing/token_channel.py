@@ -1,22 +1,27 @@
-"""The proxy's end of the token path: one PULL socket per engine, one reader per socket.
+"""The proxy's end of the token path: one stream connection per engine, read by a Protocol.
 
 The proxy opens one output session on every engine incarnation (``attach``, from the health
-check that first sees it) and connects a PULL socket to the endpoint the engine bound for it
-(ipc on the proxy's node, tcp elsewhere). Its reader, an event-loop callback on the socket's
-file descriptor (no task hop between a message and the streams it wakes), takes each message
-(one engine step: the numbered deltas of every request) and hands each delta to the inbox of
-the leg it belongs to. The other way, one PUSH socket per engine carries this session's
-requests and aborts (``submit``/``abort``; the engine's end is engine/request_reader.py), so
-no Ray call is made per request and an abort never overtakes its request.
+check that first sees it) and connects to the socket the engine listens on for it (unix on
+the proxy's node, tcp elsewhere). The connection's Protocol cuts what arrives into frames
+(4-byte length + msgpack: one engine step's numbered deltas of every request of this
+session; engine/frame_socket.py) and hands each delta to the inbox of the leg it belongs to
+in ``data_received`` itself, no task hop; a proxy that fell behind gets many frames in one
+read and applies them all before the clients' streams run, so each client gets one coalesced
+chunk. A frame that cannot be read (a length over the cap, a payload msgpack cannot decode)
+leaves the stream unsynchronised: the link fails as a lost one does. The other way, one ZMQ
+PUSH socket per engine carries this session's requests and aborts (``submit``/``abort``; the
+engine's end is engine/request_reader.py), so no Ray call is made per request and an abort
+never overtakes its request.
 
 A watcher keeps one Ray call open per engine (``watch_output``): it fails the moment the actor
-dies, and returns when the engine closed the session; either way every leg still open on that
-engine fails with EngineFailed (the dispatcher retries or migrates it), as it does when the
-health check finds the engine down or restarted.
+dies, and returns when the engine closed the session; either way, or when the connection
+drops, every leg still open on that engine fails with EngineFailed (the dispatcher retries or
+migrates it), as it does when the health check finds the engine down or restarted.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -26,17 +31,15 @@ import msgspec
 import zmq
 
 from pd_cluster.driver.messages import EngineDelta, EngineRequest
+from pd_cluster.serving.engine.frame_socket import FrameParser, MalformedFrame
 from pd_cluster.serving.engine.request_reader import abort_message, request_message
+from pd_cluster.serving.engine.session_sockets import parse_endpoint
 from pd_cluster.serving.routing.inbox import AttemptInbox
 from pd_cluster.serving.routing.legs import EngineFailed, Leg
 
 logger = logging.getLogger(__name__)
 
 _decoder = msgspec.msgpack.Decoder(list[EngineDelta])
-# Messages a reader takes in one turn of the event loop once one arrived: everything already
-# queued is applied before the clients' streams run, so a proxy that fell behind sends each
-# client one coalesced chunk instead of one per engine step (and catches up).
-_DRAIN = 256
 _REQUEST_HWM = 4096  # requests and aborts queued for an engine that is not reading them
 
 
@@ -44,7 +47,7 @@ _REQUEST_HWM = 4096  # requests and aborts queued for an engine that is not read
 class _Link:
     engine: Any  # EngineState
     incarnation: str
-    sock: zmq.Socket
+    stream: "_Stream | None" = None
     requests: zmq.Socket | None = None  # PUSH: requests and aborts (None: over Ray calls)
     legs: dict[str, tuple[Leg, AttemptInbox]] = field(default_factory=dict)  # by request id
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -81,16 +84,28 @@ class TokenChannel:
             endpoint = await asyncio.wait_for(
                 engine.handle.open_output.remote(self.session, self.node_id), self._timeout)
             requests = await self._request_socket(engine)  # before any socket that could leak
-            sock = self._ctx.socket(zmq.PULL)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)
-            link = _Link(engine, incarnation, sock, requests)
+            link = _Link(engine, incarnation, requests=requests)
+            try:
+                link.stream = await asyncio.wait_for(self._connect(link, endpoint),
+                                                     self._timeout)
+            except BaseException:
+                if requests is not None:
+                    requests.close(linger=0)
+                raise
             self._links[engine.name] = link
-            loop = asyncio.get_running_loop()
-            loop.add_reader(sock.FD, self._read, link)
-            loop.call_soon(self._read, link)  # the FD is edge-triggered: drain what is there
             link.tasks = [asyncio.create_task(self._watch(link))]
+            if link.stream.lost:  # dropped before it was linked: fail it the usual way
+                self._connection_lost(link)
             logger.info("%s: token path %s", engine.name, endpoint)
+
+    async def _connect(self, link: _Link, endpoint: str) -> _Stream:
+        kind, addr = parse_endpoint(endpoint)
+        loop = asyncio.get_running_loop()
+        if kind == "unix":
+            _, stream = await loop.create_unix_connection(lambda: _Stream(self, link), addr)
+        else:
+            _, stream = await loop.create_connection(lambda: _Stream(self, link), *addr)
+        return stream
 
     def detach(self, engine: Any, why: str, dead: bool) -> None:
         """Stop reading ``engine``; every leg open on it fails."""
@@ -100,8 +115,8 @@ class TokenChannel:
         for t in link.tasks:
             if t is not asyncio.current_task():  # the watcher may be the one detaching
                 t.cancel()
-        asyncio.get_running_loop().remove_reader(link.sock.FD)
-        link.sock.close(linger=0)
+        if link.stream is not None:
+            link.stream.close()
         if link.requests is not None:
             link.requests.close(linger=0)
         for leg, inbox in link.legs.values():
@@ -174,27 +189,11 @@ class TokenChannel:
             if entry is not None and entry[0] is leg:
                 del link.legs[leg.request.request_id]
 
-    # ---- reading ------------------------------------------------------------------------------
-    def _read(self, link: _Link) -> None:
-        if link.sock.closed:
-            return
-        for _ in range(_DRAIN):
-            try:
-                frame = link.sock.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return  # drained: the FD signals again when a message arrives
-            self._apply(link, frame)
-        asyncio.get_running_loop().call_soon(self._read, link)  # more: after the streams run
-
-    def _apply(self, link: _Link, frame: zmq.Frame) -> None:
+    # ---- reading (the _Stream protocol's callbacks) --------------------------------------------
+    def _apply(self, link: _Link, payload: memoryview) -> None:
+        """One frame: one engine step's deltas (raises msgspec's errors: malformed)."""
+        deltas = _decoder.decode(payload)
         legs, counters = link.legs, self.counters
-        try:
-            deltas = _decoder.decode(frame.buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            # Dropped whole: a leg it carried deltas for sees a gap at its next delta.
-            counters["malformed"] += 1
-            logger.warning("%s: malformed token message dropped: %s", link.engine.name, e)
-            return
         counters["messages"] += 1
         counters["deltas"] += len(deltas)
         for d in deltas:
@@ -207,6 +206,26 @@ class TokenChannel:
             if d.finished or leg.failure is not None:
                 legs.pop(d.request_id, None)
 
+    def _malformed(self, link: _Link, error: Exception) -> None:
+        # The stream cannot be re-synchronised: its legs fail (and migrate) as on a lost link.
+        self.counters["malformed"] += 1
+        self._lose(link, f"malformed frame: {error}"[:300], dead=False)
+
+    def _connection_lost(self, link: _Link) -> None:
+        """The engine's end closed. The watcher says why at once (the actor died: dead, and
+        its legs migrate at once; or the engine closed the session); should it not, the link
+        fails after the handshake timeout."""
+        if self._links.get(link.engine.name) is link:
+            asyncio.get_running_loop().call_later(self._timeout, self._lose, link,
+                                                  "connection lost", False)
+
+    def _lose(self, link: _Link, why: str, dead: bool) -> None:
+        if self._links.get(link.engine.name) is not link:
+            return
+        logger.warning("%s: token path lost: %s", link.engine.name, why)
+        self.detach(link.engine, why, dead)
+        self._on_lost(link.engine, f"token path: {why}", dead)
+
     async def _watch(self, link: _Link) -> None:
         try:
             why = await link.engine.handle.watch_output.remote(self.session)
@@ -215,11 +234,40 @@ class TokenChannel:
             raise
         except Exception as e:  # noqa: BLE001 - the actor died (or its call failed)
             why, dead = f"{type(e).__name__}: {e}"[:300], _is_actor_death(e)
-        if self._links.get(link.engine.name) is not link:
+        self._lose(link, why, dead)
+
+
+class _Stream(asyncio.Protocol):
+    """One engine's token stream: every complete frame is applied as it is read."""
+
+    def __init__(self, channel: TokenChannel, link: _Link):
+        self._channel, self._link = channel, link
+        self._parser = FrameParser()
+        self._on_frame = functools.partial(channel._apply, link)
+        self._transport: asyncio.BaseTransport | None = None
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.lost:
             return
-        logger.warning("%s: token path lost: %s", link.engine.name, why)
-        self.detach(link.engine, why, dead)
-        self._on_lost(link.engine, f"token path: {why}", dead)
+        try:
+            self._parser.feed(data, self._on_frame)
+        except (MalformedFrame, msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.close()
+            self._channel._malformed(self._link, e)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.lost:
+            self.lost = True
+            self._channel._connection_lost(self._link)
+
+    def close(self) -> None:
+        self.lost = True
+        if self._transport is not None:
+            self._transport.close()
 
 
 def _is_actor_death(e: BaseException) -> bool:

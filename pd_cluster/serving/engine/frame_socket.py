@@ -1,0 +1,174 @@
+"""Length-prefixed frames over a stream socket, both ends of the token path.
+
+A frame is a 4-byte big-endian length and that many bytes of payload (the msgpack of one
+engine step's deltas for one session). The engine's end is a ``FrameSession``: the socket a
+proxy session connects to, and the bytes the kernel has not taken yet. ``send`` runs on the
+engine thread and never blocks: while nothing is pending it writes straight to the socket
+(no thread hop, no I/O thread: the proxy's loop wakes on the kernel's readiness alone), and
+what the kernel does not take (EAGAIN, a partial write, no proxy connected yet) goes to
+``pending``, which the output thread flushes when the socket is writable; later frames queue
+behind it, so the order holds. The proxy's end is a ``FrameParser``: it cuts what the socket
+delivered into frames, keeping a partial tail for the next read.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from typing import Callable
+
+HEADER = struct.Struct(">I")
+MAX_FRAME = 64 << 20  # bytes: a longer length means the stream is corrupt, not a big step
+_COMPACT = 1 << 20  # pending: bytes sent before the buffer is compacted
+
+
+class MalformedFrame(ValueError):
+    """The stream cannot be cut into frames any more (a length over MAX_FRAME)."""
+
+
+def frame(payload: bytes) -> bytes:
+    return HEADER.pack(len(payload)) + payload
+
+
+class FrameParser:
+    """Feed it what a stream socket delivered; it calls ``on_frame`` with each complete
+    payload (a memoryview valid during the call) and keeps the partial tail."""
+
+    def __init__(self, max_frame: int = MAX_FRAME):
+        self._max = max_frame
+        self._tail = bytearray()
+        self._need = 0  # total bytes the tail's frame needs (0: its header is incomplete)
+
+    def feed(self, data: bytes, on_frame: Callable[[memoryview], None]) -> None:
+        """Raises MalformedFrame (and whatever ``on_frame`` raises)."""
+        if self._tail:
+            self._tail += data
+            if len(self._tail) < max(self._need, HEADER.size):
+                return  # a frame still arriving: no copy until it is complete
+            if not self._need:
+                self._need = self._check(HEADER.unpack_from(self._tail)[0]) + HEADER.size
+                if len(self._tail) < self._need:
+                    return
+            data = bytes(self._tail)
+            self._tail.clear()
+            self._need = 0
+        end, pos = len(data), 0
+        with memoryview(data) as view:
+            while end - pos >= HEADER.size:
+                n = self._check(HEADER.unpack_from(data, pos)[0])
+                if end - pos - HEADER.size < n:
+                    self._need = HEADER.size + n
+                    break
+                pos += HEADER.size
+                with view[pos:pos + n] as payload:
+                    on_frame(payload)
+                pos += n
+        if pos < end:
+            self._tail += data[pos:]
+
+    def _check(self, n: int) -> int:
+        if n > self._max:
+            raise MalformedFrame(f"frame length {n} over {self._max} bytes")
+        return n
+
+
+class FrameSession:
+    """One proxy session's end on the engine: its listener until the proxy connects, then
+    the connection. ``send`` from any thread; ``accept``/``flush``/``close`` from the output
+    thread. Every field below the lock is read and written under it."""
+
+    def __init__(self, listener: socket.socket, endpoint: str, ipc_path: str | None):
+        self.endpoint, self.ipc_path = endpoint, ipc_path
+        self.lock = threading.Lock()
+        self.listener: socket.socket | None = listener
+        self.conn: socket.socket | None = None
+        self.pending = bytearray()
+        self._sent = 0  # bytes of ``pending`` already written
+        self.stalled_since: float | None = None  # pending and no progress since (None: empty)
+        self.overflow = False  # pending went over its bound: the output thread closes it
+        self.closed = False
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self.pending) - self._sent
+
+    def send(self, payload: bytes, max_pending: int) -> bool:
+        """Queue one frame, writing it at once when nothing waits before it. True when the
+        output thread has new work (pending started, or went over ``max_pending``)."""
+        head = HEADER.pack(len(payload))
+        with self.lock:
+            if self.closed or self.overflow:
+                return False  # its requests are (being) aborted
+            was_idle = not self.pending_bytes
+            if self.conn is not None and was_idle:
+                data = head + payload
+                try:
+                    n = self.conn.send(data)
+                except BlockingIOError:
+                    n = 0
+                except OSError:  # the proxy went away: the output thread sees it and closes
+                    n = 0
+                if n == len(data):
+                    return False
+                self.pending += memoryview(data)[n:]
+            else:
+                self.pending += head
+                self.pending += payload
+            if was_idle:
+                self.stalled_since = time.monotonic()
+            if self.pending_bytes > max_pending:
+                self.overflow = True
+                self.pending.clear()  # the session closes: free the memory now
+                self._sent = 0
+                return True
+            return was_idle
+
+    def accept(self) -> bool:
+        """The proxy connected: take its connection (TCP_NODELAY: frames are latency),
+        close the listener (one proxy per session) and write what waited. False: nothing
+        to accept after all."""
+        with self.lock:
+            if self.listener is None or self.closed:
+                return False
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return False
+            conn.setblocking(False)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.listener.close()
+            self.listener, self.conn = None, conn
+        self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Write what the socket takes now. Raises OSError when the proxy is gone."""
+        with self.lock:
+            if self.conn is None or not self.pending_bytes:
+                return
+            with memoryview(self.pending) as view, view[self._sent:] as rest:
+                try:
+                    n = self.conn.send(rest)
+                except BlockingIOError:
+                    n = 0
+            if n:
+                self._sent += n
+                self.stalled_since = time.monotonic()
+            if self._sent == len(self.pending):
+                self.pending.clear()
+                self._sent, self.stalled_since = 0, None
+            elif self._sent > _COMPACT:
+                del self.pending[:self._sent]
+                self._sent = 0
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            for sock in (self.listener, self.conn):
+                if sock is not None:
+                    sock.close()
+            self.listener = self.conn = None
+            self.pending.clear()
+            self._sent = 0
