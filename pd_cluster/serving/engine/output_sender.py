@@ -34,7 +34,7 @@ from pd_cluster.serving.engine.session_sockets import (listen_session_socket, sw
 logger = logging.getLogger(__name__)
 
 _MAX_SESSIONS = 16  # proxies that may stream from one engine at once (restarts included)
-_BACKLOG_BYTES = 256 << 20  # per session: bytes the proxy has not read (beyond the kernel's)
+_BACKLOG_BYTES = 64 << 20  # per session, beyond the kernel's buffer: ~10 s of a busy proxy
 _BACKLOG_SECONDS = 10.0  # a session that takes nothing for this long is closed
 _IDLE_WAIT = 1.0  # s: the output thread's longest wait (it also wakes on every command)
 _ERRORS = select.POLLERR | select.POLLHUP | select.POLLNVAL
