@@ -1,13 +1,12 @@
-"""The proxy's end of the token path: one stream connection per engine, read by a Protocol.
+"""The proxy's end of the token path: one stream connection per engine, read on the loop.
 
 The proxy opens one output session on every engine incarnation (``attach``, from the health
 check that first sees it) and connects to the socket the engine listens on for it (unix on
-the proxy's node, tcp elsewhere). The connection's Protocol cuts what arrives into frames
-(4-byte length + msgpack: one engine step's numbered deltas of every request of this
-session; engine/frame_socket.py) and hands each delta to the inbox of the leg it belongs to
-in ``data_received`` itself, no task hop; a proxy that fell behind gets many frames in one
-read and applies them all before the clients' streams run, so each client gets one coalesced
-chunk. A frame that cannot be read (a length over the cap, a payload msgpack cannot decode)
+the proxy's node, tcp elsewhere). Its FrameReader (frame_reader.py) cuts what arrives into
+frames (4-byte length + msgpack: one engine step's numbered deltas of every request of this
+session; engine/frame_socket.py) and ``_apply`` hands each delta to the inbox of the leg it
+belongs to as it is read, no task hop; a proxy that fell behind applies everything waiting
+before the clients' streams run, so each client gets one coalesced chunk. A frame that cannot be read (a length over the cap, a payload msgpack cannot decode)
 leaves the stream unsynchronised: the link fails as a lost one does. The other way, one ZMQ
 PUSH socket per engine carries this session's requests and aborts (``submit``/``abort``; the
 engine's end is engine/request_reader.py), so no Ray call is made per request and an abort
@@ -31,9 +30,8 @@ import msgspec
 import zmq
 
 from pd_cluster.driver.messages import EngineDelta, EngineRequest
-from pd_cluster.serving.engine.frame_socket import FrameParser, MalformedFrame
 from pd_cluster.serving.engine.request_reader import abort_message, request_message
-from pd_cluster.serving.engine.session_sockets import parse_endpoint
+from pd_cluster.serving.routing.frame_reader import FrameReader
 from pd_cluster.serving.routing.inbox import AttemptInbox
 from pd_cluster.serving.routing.legs import EngineFailed, Leg
 
@@ -47,7 +45,7 @@ _REQUEST_HWM = 4096  # requests and aborts queued for an engine that is not read
 class _Link:
     engine: Any  # EngineState
     incarnation: str
-    stream: "_Stream | None" = None
+    stream: FrameReader | None = None
     requests: zmq.Socket | None = None  # PUSH: requests and aborts (None: over Ray calls)
     legs: dict[str, tuple[Leg, AttemptInbox]] = field(default_factory=dict)  # by request id
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -98,14 +96,11 @@ class TokenChannel:
                 self._connection_lost(link)
             logger.info("%s: token path %s", engine.name, endpoint)
 
-    async def _connect(self, link: _Link, endpoint: str) -> _Stream:
-        kind, addr = parse_endpoint(endpoint)
-        loop = asyncio.get_running_loop()
-        if kind == "unix":
-            _, stream = await loop.create_unix_connection(lambda: _Stream(self, link), addr)
-        else:
-            _, stream = await loop.create_connection(lambda: _Stream(self, link), *addr)
-        return stream
+    async def _connect(self, link: _Link, endpoint: str) -> FrameReader:
+        on = functools.partial
+        return await FrameReader.connect(endpoint, on(self._apply, link),
+                                         on(self._malformed, link),
+                                         on(self._connection_lost, link))
 
     def detach(self, engine: Any, why: str, dead: bool) -> None:
         """Stop reading ``engine``; every leg open on it fails."""
@@ -189,7 +184,7 @@ class TokenChannel:
             if entry is not None and entry[0] is leg:
                 del link.legs[leg.request.request_id]
 
-    # ---- reading (the _Stream protocol's callbacks) --------------------------------------------
+    # ---- reading (the FrameReader's callbacks) ---------------------------------------------------
     def _apply(self, link: _Link, payload: memoryview) -> None:
         """One frame: one engine step's deltas (raises msgspec's errors: malformed)."""
         deltas = _decoder.decode(payload)
@@ -235,39 +230,6 @@ class TokenChannel:
         except Exception as e:  # noqa: BLE001 - the actor died (or its call failed)
             why, dead = f"{type(e).__name__}: {e}"[:300], _is_actor_death(e)
         self._lose(link, why, dead)
-
-
-class _Stream(asyncio.Protocol):
-    """One engine's token stream: every complete frame is applied as it is read."""
-
-    def __init__(self, channel: TokenChannel, link: _Link):
-        self._channel, self._link = channel, link
-        self._parser = FrameParser()
-        self._on_frame = functools.partial(channel._apply, link)
-        self._transport: asyncio.BaseTransport | None = None
-        self.lost = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        if self.lost:
-            return
-        try:
-            self._parser.feed(data, self._on_frame)
-        except (MalformedFrame, msgspec.DecodeError, msgspec.ValidationError) as e:
-            self.close()
-            self._channel._malformed(self._link, e)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.lost:
-            self.lost = True
-            self._channel._connection_lost(self._link)
-
-    def close(self) -> None:
-        self.lost = True
-        if self._transport is not None:
-            self._transport.close()
 
 
 def _is_actor_death(e: BaseException) -> bool:
