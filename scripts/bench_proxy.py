@@ -6,18 +6,20 @@ request, as fast as it can.
 Each token's text is the wall-clock time the engine emitted it (hex microseconds), so the
 client measures, per token, emit -> received over HTTP: token path + dispatcher + proxy + SSE.
 Two proxies serve the same engine: one reads tokens the previous way (one Ray streaming call
-per request, ``proxy.token_transport: ray``), one over ZMQ (one message per engine step,
-``zmq``, the default). Each runs 1..256 streams of 256 tokens, twice: with the engine stepping
-every 5 ms like a real decode engine (latency without a backlog), then as fast as it can
-(throughput). A third proxy (``zmq/N``, ``--stream-interval N``, default 4; 1: none) sends
-at least N tokens per chunk (``proxy.stream_interval``). Wall-clock tokens/s on a small
+per request, ``proxy.token_transport: ray``), one over the engine's token stream (one
+length-prefixed msgpack frame per engine step on a unix or tcp socket; the transport keeps
+its name ``zmq``, the default: requests still go over ZMQ). Each runs 1..256 streams of 256
+tokens, twice: with the engine stepping every 5 ms like a real decode engine (latency without
+a backlog), then as fast as it can (throughput). A third proxy (``zmq/N``,
+``--stream-interval N``, default 4; 1: none) sends at least N tokens per chunk
+(``proxy.stream_interval``). Wall-clock tokens/s on a small
 shared machine measure the whole box (client, proxy, engine and Ray share the cores), so each
 level also reads the CPU time the proxy, the engine and the client (this process: raw
 sockets, no HTTP library per chunk) spent per streamed token, and the tokens per SSE chunk.
 Printed last: per path ``proxy_overhead_ms_p50``/``_p99`` (paced, per token, 1 stream), the
 best streamed tokens/s and CPU microseconds per token, then
 ``proxy_cpu_per_token_ratio_ray_over_zmq=``, ``stream_tokens_per_s_over_published=`` (each
-path's best over the 24,713 tok/s published before), the ZMQ path's
+path's best over the 24,713 tok/s published before), the ``zmq`` path's
 ``proxy_overhead_ms_p50=`` and ``stream_tokens_per_s_ratio_zmq_over_ray=`` (best level of
 each).
 
