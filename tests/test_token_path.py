@@ -17,14 +17,13 @@ import msgspec
 import pytest
 
 from pd_cluster.driver.messages import EngineDelta
-from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.engine.frame_socket import frame
 from pd_cluster.serving.engine.null_engine import token_id
 from pd_cluster.serving.routing.inbox import AttemptInbox
-from pd_cluster.serving.routing.legs import EngineFailed, GenerateJob
+from pd_cluster.serving.routing.legs import EngineFailed
 from pd_cluster.serving.routing.token_channel import TokenChannel
-from tests.token_path_fakes import (FakeEngineActor, Remote, attached, make_leg,
-                                    pool_and_dispatcher, until)
+from tests.token_path_fakes import (FakeEngineActor, Remote, TwoEngines, attached, make_leg,
+                                    until)
 
 __all__ = ["FakeEngineActor"]  # test_admission.py takes it from here
 
@@ -133,35 +132,21 @@ def test_a_malformed_frame_fails_the_link_and_its_legs_migrate_exactly(garbage: 
     re-synchronised, so the link fails like a lost one: the request migrates and finishes
     exactly, the engine closes the session and aborts its work, nothing hangs or leaks."""
     async def go() -> None:
-        a, b = FakeEngineActor("colocated-0"), FakeEngineActor("colocated-1")
-        a.step_seconds = b.step_seconds = 0.002
-        lost: list[tuple[str, bool]] = []
-        channel = TokenChannel(5.0, lambda e, why, dead: lost.append((e.name, dead)),
-                               node_id="here")
-        pool, disp, metrics = pool_and_dispatcher([a, b], channel)
-        for st in pool.engines:
-            await channel.attach(st, "i0")
-        pool.routers["colocated"].pick = lambda candidates, *_: candidates[0]  # a first
-        job = GenerateJob("m", [1], SamplingParams(max_tokens=60, ignore_eos=True), 1e18)
-        tokens: list[int] = []
-        injected = False
-        async for ev in disp.stream(job):
-            tokens += ev.token_ids
-            if len(tokens) >= 10 and not injected:
-                injected = True
-                s = a.sender._sessions[channel.session]
-                with s.lock:  # between two frames: what follows cannot be read any more
-                    s.conn.send(garbage)
-        assert tokens == [token_id(i) for i in range(60)]
-        assert channel.counters["malformed"] == 1
-        assert metrics.migrations._value.get() == 1
-        assert lost == [("colocated-0", False)]
-        await until(lambda: not a.sender._sessions)  # the engine saw the proxy hang up
-        assert set(a.aborted) == {"m"}  # by the dispatcher, and by the closed session
-        assert not a.sender._routes and not b.sender._routes  # nothing held on either
-        await channel.close()
-        a.sender.stop()
-        b.sender.stop()
+        two = TwoEngines()
+
+        def inject() -> None:
+            s = two.a.sender._sessions[two.channel.session]
+            with s.lock:  # between two frames: what follows cannot be read any more
+                s.conn.send(garbage)
+        events = await two.stream(60, 10, inject)
+        assert [t for ev in events for t in ev] == [token_id(i) for i in range(60)]
+        assert two.channel.counters["malformed"] == 1
+        assert two.metrics.migrations._value.get() == 1
+        assert two.lost == [("colocated-0", False)]
+        await until(lambda: not two.a.sender._sessions)  # the engine saw the proxy hang up
+        assert set(two.a.aborted) == {"m"}  # by the dispatcher, and by the closed session
+        assert not two.a.sender._routes and not two.b.sender._routes  # nothing held on either
+        await two.close()
     asyncio.run(go())
 
 

@@ -14,7 +14,7 @@ from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.engine.null_engine import token_id
 from pd_cluster.serving.routing.legs import GenerateJob
 from pd_cluster.serving.routing.token_channel import TokenChannel
-from tests.token_path_fakes import FakeEngineActor, pool_and_dispatcher, until
+from tests.token_path_fakes import FakeEngineActor, TwoEngines, pool_and_dispatcher, until
 
 
 def test_a_slow_client_gets_everything_new_in_one_event() -> None:
@@ -70,28 +70,14 @@ def test_proxy_restart_aborts_the_old_sessions_work_and_the_new_one_streams() ->
 
 def test_an_engine_dying_mid_stream_migrates_its_requests_exactly() -> None:
     async def go() -> None:
-        a, b = FakeEngineActor("colocated-0"), FakeEngineActor("colocated-1")
-        a.step_seconds = b.step_seconds = 0.002
-        lost: list[tuple[str, bool]] = []
-        channel = TokenChannel(5.0, lambda e, why, dead: lost.append((e.name, dead)),
-                               node_id="here")
-        pool, disp, metrics = pool_and_dispatcher([a, b], channel)
-        for st in pool.engines:
-            await channel.attach(st, "i0")
-        pool.routers["colocated"].pick = lambda candidates, *_: candidates[0]  # a first
-        job = GenerateJob("m", [1], SamplingParams(max_tokens=60, ignore_eos=True), 1e18)
-        tokens: list[int] = []
-        async for ev in disp.stream(job):
-            tokens += ev.token_ids
-            if len(tokens) >= 10 and a.dead is None:
-                a.die()
+        two = TwoEngines()
+        events = await two.stream(60, 10, two.a.die)
+        tokens = [t for ev in events for t in ev]
         assert tokens == [token_id(i) for i in range(60)]  # nothing lost, nothing repeated
-        assert metrics.migrations._value.get() == 1
-        assert lost == [("colocated-0", True)] and not pool.engines[0].healthy
-        assert b.sender._routes == {}  # finished: nothing held for it on the new engine
-        await channel.close()
-        a.sender.stop()
-        b.sender.stop()
+        assert two.metrics.migrations._value.get() == 1
+        assert two.lost == [("colocated-0", True)] and not two.pool.engines[0].healthy
+        assert two.b.sender._routes == {}  # finished: nothing held for it on the new engine
+        await two.close()
     asyncio.run(go())
 
 
@@ -100,27 +86,13 @@ def test_stream_interval_chunks_and_a_migration_stay_exact() -> None:
     carries at least 4 tokens; tokens held in a leg whose engine dies are not lost (the
     request resumes from what the client has) and none is sent twice."""
     async def go() -> None:
-        a, b = FakeEngineActor("colocated-0"), FakeEngineActor("colocated-1")
-        a.step_seconds = b.step_seconds = 0.001
-        channel = TokenChannel(5.0, node_id="here")
-        pool, disp, metrics = pool_and_dispatcher([a, b], channel, stream_interval=4)
-        for st in pool.engines:
-            await channel.attach(st, "i0")
-        pool.routers["colocated"].pick = lambda candidates, *_: candidates[0]  # a first
-        job = GenerateJob("si", [1], SamplingParams(max_tokens=61, ignore_eos=True), 1e18)
-        sizes: list[int] = []
-        tokens: list[int] = []
-        async for ev in disp.stream(job):
-            sizes.append(len(ev.token_ids))
-            tokens += ev.token_ids
-            if len(tokens) >= 9 and a.dead is None:
-                a.die()
-        assert tokens == [token_id(i) for i in range(61)]
+        two = TwoEngines(step_seconds=0.001, stream_interval=4)
+        events = await two.stream(61, 9, two.a.die)
+        sizes = [len(ev) for ev in events]
+        assert [t for ev in events for t in ev] == [token_id(i) for i in range(61)]
         assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]), sizes
-        assert metrics.migrations._value.get() == 1
-        await channel.close()
-        a.sender.stop()
-        b.sender.stop()
+        assert two.metrics.migrations._value.get() == 1
+        await two.close()
     asyncio.run(go())
 
 

@@ -18,7 +18,7 @@ from pd_cluster.serving.engine.output_sender import OutputSender
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.dispatch import Dispatcher
 from pd_cluster.serving.routing.engine_pool import EnginePool
-from pd_cluster.serving.routing.legs import Leg, LegKind
+from pd_cluster.serving.routing.legs import GenerateJob, Leg, LegKind
 from pd_cluster.serving.routing.token_channel import TokenChannel
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
@@ -140,3 +140,41 @@ def pool_and_dispatcher(engines: list[FakeEngineActor], channel: TokenChannel,
     metrics = ProxyMetrics(lambda: pool.engines)
     return pool, Dispatcher(pool, "colocated", metrics, 0, 2, channel,
                             stream_interval), metrics
+
+
+class TwoEngines:
+    """Engines ``a`` (picked first) and ``b`` behind one TokenChannel and Dispatcher; ``lost``
+    records what the channel told the pool (engine name, dead)."""
+
+    def __init__(self, step_seconds: float = 0.002, stream_interval: int = 1):
+        self.a, self.b = FakeEngineActor("colocated-0"), FakeEngineActor("colocated-1")
+        self.a.step_seconds = self.b.step_seconds = step_seconds
+        self.lost: list[tuple[str, bool]] = []
+        self.channel = TokenChannel(5.0, lambda e, why, dead: self.lost.append((e.name, dead)),
+                                    node_id="here")
+        self.pool, self.disp, self.metrics = pool_and_dispatcher(
+            [self.a, self.b], self.channel, stream_interval)
+        self.pool.routers["colocated"].pick = lambda candidates, *_: candidates[0]
+
+    async def stream(self, n: int, fault_after: int, fault: Callable[[], None]
+                     ) -> list[list[int]]:
+        """Stream request "m" of ``n`` tokens; ``fault()`` once the client has
+        ``fault_after`` of them. Returns the streamed events' token ids."""
+        for st in self.pool.engines:
+            await self.channel.attach(st, "i0")
+        job = GenerateJob("m", [1], SamplingParams(max_tokens=n, ignore_eos=True), 1e18)
+        events: list[list[int]] = []
+        got, faulted = 0, False
+        async for ev in self.disp.stream(job):
+            events.append(ev.token_ids)
+            got += len(ev.token_ids)
+            if got >= fault_after and not faulted:
+                faulted = True
+                fault()
+        return events
+
+    async def close(self) -> None:
+        await self.channel.close()
+        self.a.sender.stop()
+        self.b.sender.stop()
+
