@@ -188,6 +188,18 @@ def test_ipc_files_of_dead_engines_are_swept_and_a_stopped_sender_leaves_none(tm
     sender = OutputSender("127.0.0.1", lambda ids: None, lambda d: None)
     endpoint = sender.open("s", ipc=True).result(10)
     path = endpoint.removeprefix("unix://")
-    assert os.path.exists(path)
+    assert os.stat(path).st_mode & 0o777 == 0o600  # no other local user may connect
     sender.stop()
     assert not os.path.exists(path)
+
+
+def test_request_socket_files_are_owner_only(tmp_path) -> None:
+    import zmq
+
+    from pd_cluster.serving.engine.session_sockets import bind_session_socket
+    sock, endpoint, path = bind_session_socket(zmq.Context.instance(), zmq.PULL, True,
+                                               "127.0.0.1", str(tmp_path))
+    try:
+        assert endpoint == f"ipc://{path}" and os.stat(path).st_mode & 0o777 == 0o600
+    finally:
+        sock.close(linger=0)

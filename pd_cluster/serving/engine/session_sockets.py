@@ -16,6 +16,10 @@ import zmq
 
 IPC_PREFIX = "pd-out-"  # ipc socket files: pd-out-<pid>-<random>
 _LISTEN_BACKLOG = 4  # one proxy connects per session; a few spare for a racing reconnect
+# Socket files: only this user's processes (the cluster's) may connect to a session, so no
+# other local user can read its token stream or submit requests. (Over tcp a session is not
+# authenticated yet: API keys and authenticated channels are the next step.)
+_OWNER_ONLY = 0o600
 
 
 def new_ipc_path(ipc_dir: str) -> str:
@@ -34,6 +38,7 @@ def bind_session_socket(ctx: zmq.Context, kind: int, ipc: bool, host: str, ipc_d
             path = new_ipc_path(ipc_dir)
             endpoint = f"ipc://{path}"
             sock.bind(endpoint)
+            os.chmod(path, _OWNER_ONLY)
             return sock, endpoint, path
         url_host = f"[{host}]" if ":" in host else host
         port = sock.bind_to_random_port(f"tcp://{url_host}")
@@ -59,6 +64,8 @@ def listen_session_socket(ipc: bool, host: str, ipc_dir: str
         path, addr = None, (host, 0)
     try:
         sock.bind(addr)
+        if path is not None:
+            os.chmod(path, _OWNER_ONLY)
         sock.listen(_LISTEN_BACKLOG)
         sock.setblocking(False)
         if path is None:
