@@ -7,8 +7,8 @@ output as they arrive (inbox.py; a gap or repeat fails the leg), and the client 
 has not been sent yet (stream_diff.py). An engine failure before anything was sent retries on
 another pair; after that the request migrates: another engine resumes from what was sent.
 
-Deltas arrive over the engines' ZMQ token path (token_channel.py) or, without a channel, over
-one Ray streaming call per leg (the previous path, kept to compare them).
+Deltas arrive over the engines' token path (token_channel.py: frames on a socket) or, without
+a channel, over one Ray streaming call per leg (the previous path, kept to compare them).
 """
 from __future__ import annotations
 
