@@ -1,4 +1,5 @@
-"""Deterministic block hashes (the same in every process) and the block manager's cache events."""
+"""Deterministic block hashes (the same in every process, each block hashed once per request)
+and the block manager's cache events."""
 from __future__ import annotations
 
 import subprocess
@@ -73,3 +74,40 @@ def test_cache_events_overflow_is_a_reset() -> None:
     assert not bm.take_events().reset  # the next batch starts clean
     bm.free(r)
     bm.check_no_leaks()
+
+
+def _admit(mgr: BlockManager, r: Request) -> int:
+    assert mgr.can_allocate(r)
+    r.num_computed_tokens = mgr.allocate(r)
+    return r.num_computed_tokens
+
+
+def _compute_all(mgr: BlockManager, r: Request) -> None:
+    r.num_computed_tokens = r.num_tokens
+    mgr.cache_full_blocks(r)
+
+
+def test_each_block_is_hashed_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admission asks for the prefix hits three times (num_cached_tokens, can_allocate,
+    allocate) and caching asks again as blocks fill: every full block is hashed once."""
+    import pd_cluster.engine.block_manager as bm
+    real, calls = bm.chain_hash, []
+    monkeypatch.setattr(bm, "chain_hash",
+                        lambda parent, tokens: calls.append(tokens) or real(parent, tokens))
+    mgr = BlockManager(num_blocks=16, block_size=BS)
+    a = Request("a", list(range(100, 113)), SamplingParams(max_tokens=8))
+    assert mgr.num_cached_tokens(a) == 0
+    _admit(mgr, a)
+    _compute_all(mgr, a)
+    a.output_token_ids += [7, 8, 9]  # the fourth block fills with output
+    _compute_all(mgr, a)
+    assert len(calls) == 4 and len(set(calls)) == 4
+    calls.clear()
+    # the same prompt: its own hashes (once each), three blocks hit
+    b = Request("b", list(range(100, 113)), SamplingParams(max_tokens=8))
+    assert mgr.num_cached_tokens(b) == 3 * BS
+    assert _admit(mgr, b) == 3 * BS
+    assert len(calls) == 3
+    for r in (a, b):
+        mgr.free(r)
+    mgr.check_no_leaks()

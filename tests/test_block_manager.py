@@ -312,27 +312,3 @@ def test_a_block_released_more_often_than_taken_is_an_error() -> None:
     bm.free(r)
     with pytest.raises(BlockTableError, match="released more often than taken"):
         bm.free(ghost)
-
-
-def test_each_block_is_hashed_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Admission asks for the prefix hits three times (num_cached_tokens, can_allocate,
-    allocate) and caching asks again as blocks fill: every full block is hashed once."""
-    real, calls = bm_mod.chain_hash, []
-    monkeypatch.setattr(bm_mod, "chain_hash",
-                        lambda parent, tokens: calls.append(tokens) or real(parent, tokens))
-    bm = BlockManager(num_blocks=16, block_size=BS)
-    a = req(toks(13))
-    assert bm.num_cached_tokens(a) == 0
-    admit(bm, a)
-    compute_all(bm, a)
-    a.output_token_ids += [7, 8, 9]  # the fourth block fills with output
-    compute_all(bm, a)
-    assert len(calls) == 4 and len(set(calls)) == 4
-    calls.clear()
-    b = req(toks(13))  # the same prompt: its own hashes (once each), three blocks hit
-    assert bm.num_cached_tokens(b) == 3 * BS
-    assert admit(bm, b) == 3 * BS
-    assert len(calls) == 3
-    for r in (a, b):
-        bm.free(r)
-    bm.check_no_leaks()
