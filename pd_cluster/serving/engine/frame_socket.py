@@ -40,8 +40,9 @@ class FrameParser:
         self._tail = bytearray()
         self._need = 0  # total bytes the tail's frame needs (0: its header is incomplete)
 
-    def feed(self, data: bytes, on_frame: Callable[[memoryview], None]) -> None:
-        """Raises MalformedFrame (and whatever ``on_frame`` raises)."""
+    def feed(self, data: bytes | memoryview, on_frame: Callable[[memoryview], None]) -> None:
+        """Raises MalformedFrame (and whatever ``on_frame`` raises). ``data`` is not kept
+        after the call (a partial tail is copied), so a reused receive buffer may be passed."""
         if self._tail:
             self._tail += data
             if len(self._tail) < max(self._need, HEADER.size):
@@ -96,25 +97,20 @@ class FrameSession:
     def send(self, payload: bytes, max_pending: int) -> bool:
         """Queue one frame, writing it at once when nothing waits before it. True when the
         output thread has new work (pending started, or went over ``max_pending``)."""
-        head = HEADER.pack(len(payload))
+        data = frame(payload)
         with self.lock:
             if self.closed or self.overflow:
                 return False  # its requests are (being) aborted
             was_idle = not self.pending_bytes
+            n = 0
             if self.conn is not None and was_idle:
-                data = head + payload
                 try:
                     n = self.conn.send(data)
-                except BlockingIOError:
-                    n = 0
-                except OSError:  # the proxy went away: the output thread sees it and closes
+                except OSError:  # EAGAIN; or the proxy went away: the output thread closes
                     n = 0
                 if n == len(data):
                     return False
-                self.pending += memoryview(data)[n:]
-            else:
-                self.pending += head
-                self.pending += payload
+            self.pending += memoryview(data)[n:]
             if was_idle:
                 self.stalled_since = time.monotonic()
             if self.pending_bytes > max_pending:
