@@ -52,6 +52,16 @@ def colocated_tokens(model: str, prompts: list[list[int]], params: list[Sampling
     return [o.outputs[0].token_ids for o in outs]
 
 
+def drain(p: LLMEngine, d: LLMEngine, rounds: int = 200) -> None:
+    """Let the producer see the last ACKs (its blocks are freed on the step after)."""
+    for _ in range(rounds):
+        if not p.has_unfinished_requests() and not d.has_unfinished_requests():
+            return
+        p.step()
+        d.step()
+        time.sleep(0.005)
+
+
 def engine(model: str, role: str | None, timeout: float = 10.0, **args: Any) -> LLMEngine:
     kv = kv_config(role, timeout) if role else None
     return LLMEngine(EngineConfig(model=model, kv_transfer=kv, **args))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.pd_helpers import colocated_tokens, engine, prompts_of_lengths, run_in_process, submit_pair
+from tests.pd_helpers import (colocated_tokens, drain, engine, prompts_of_lengths,
+                               run_in_process, submit_pair)
 from connectors.tp_topology import Route, num_feeders, routes_for
 from pd_cluster.sampling_params import SamplingParams
 
@@ -44,23 +45,12 @@ def test_pd_across_tp_sizes_equals_colocated(tiny_model, p_size: int, d_size: in
         want_bytes = blocks * 8 * per_token // kv_heads * heads_per_rank * d_size
         assert stats["kv_bytes_received"] == want_bytes
         assert p.stats()["kv_bytes_sent"] == want_bytes
-        _drain(p, d)
+        drain(p, d)
         p.check_no_leaks()
         d.check_no_leaks()
     finally:
         p.close()
         d.close()
-
-
-def _drain(p, d, rounds: int = 200) -> None:
-    """Let the producer see the last ACKs (its blocks are freed on the step after)."""
-    import time
-    for _ in range(rounds):
-        if not p.has_unfinished_requests() and not d.has_unfinished_requests():
-            return
-        p.step()
-        d.step()
-        time.sleep(0.005)
 
 
 @pytest.mark.parametrize("p_size, d_size, heads, want", [

@@ -91,8 +91,9 @@ class BlockManager:
             return []
         hits: list[int] = []
         n = self._matchable(request, needs_logits) // self.block_size
-        for i, h in enumerate(self._chain_hashes(request, n)[:n]):
-            block_id = self.hash_to_block.get(h)
+        hashes = self._chain_hashes(request, n)
+        for i in range(n):
+            block_id = self.hash_to_block.get(hashes[i])
             if block_id is None or self.blocks[block_id].token_ids != tuple(
                     request.token_ids_range(i * self.block_size, (i + 1) * self.block_size)):
                 break
