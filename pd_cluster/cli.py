@@ -30,7 +30,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
-    from pd_cluster.model_maker_cli import add_make_model_args, run_make_model
+    from pd_cluster.checkpoints.maker_cli import add_make_model_args, run_make_model
     p = sub.add_parser("make-model", help="write a deterministic tiny HF checkpoint + tokenizer")
     add_make_model_args(p)
     p.set_defaults(run=run_make_model)

@@ -15,7 +15,7 @@ from pd_cluster.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any):
         if model is None:
-            from pd_cluster.model_maker import default_model_path
+            from pd_cluster.checkpoints.maker import default_model_path
             model = str(default_model_path())
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
         self._ids = itertools.count()

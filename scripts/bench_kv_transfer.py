@@ -133,7 +133,7 @@ def ttft_runs(model_name: str, prompt_tokens: int, repeats: int,
     from pd_cluster import SamplingParams
     from pd_cluster.config import EngineConfig
     from pd_cluster.engine.engine_process import EngineProcess
-    from pd_cluster.model_maker import default_model_path
+    from pd_cluster.checkpoints.maker import default_model_path
     model = str(default_model_path(model_name))
     prompt = [4 + (i * 37) % 250 for i in range(prompt_tokens)]  # ids every preset's vocab has
     params = SamplingParams(temperature=0, max_tokens=1)
@@ -178,7 +178,7 @@ def kv_bytes_per_token(model_name: str) -> float:
     """From the config alone: per layer, MLA caches one latent (kv_lora_rank) and one rope key
     (qk_rope_head_dim) per token; GQA caches K and V for each KV head."""
     from pd_cluster.config import EngineConfig, read_hf_config
-    from pd_cluster.model_maker import default_model_path
+    from pd_cluster.checkpoints.maker import default_model_path
     model = str(default_model_path(model_name))
     cfg = read_hf_config(model)
     if cfg.get("kv_lora_rank"):

@@ -71,7 +71,7 @@ def parse_args() -> argparse.Namespace:
 def smoke_model() -> str:
     import tempfile
 
-    from pd_cluster.model_maker import make_model
+    from pd_cluster.checkpoints.maker import make_model
     out = os.path.join(tempfile.mkdtemp(prefix="bench-offline-smoke-"), "model")
     return str(make_model(out, arch="llama", vocab_size=512, hidden_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, intermediate_size=128))
@@ -215,7 +215,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from pd_cluster.llm import LLM
-    from pd_cluster.model_maker import default_model_path
+    from pd_cluster.checkpoints.maker import default_model_path
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from pd_cluster.model_maker import (PRESETS, build_config, build_tokenizer,  # noqa: E402
+from pd_cluster.checkpoints.maker import (PRESETS, build_config, build_tokenizer,  # noqa: E402
                                     save_checkpoint)
 from story_grammar import corpus  # noqa: E402
 

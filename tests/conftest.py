@@ -81,7 +81,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
         key = tuple(sorted(spec.items()))
         with lock:
             if key not in cache:
-                from pd_cluster.model_maker import make_model
+                from pd_cluster.checkpoints.maker import make_model
 
                 name = "-".join(f"{k}={v}" for k, v in sorted(overrides.items())) or "default"
                 out = root / name.replace("/", "_")

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from pd_cluster import LLM, SamplingParams
-from pd_cluster.model_maker import (CHAT_TEMPLATE, MAKER_FILE, PRESETS, default_model_path,
+from pd_cluster.checkpoints.maker import (CHAT_TEMPLATE, MAKER_FILE, PRESETS, default_model_path,
                                     param_count)
 from tests.conftest import assert_greedy_matches, hf_greedy
 

@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from pd_cluster.model_maker import make_model
+    from pd_cluster.checkpoints.maker import make_model
     return str(make_model(tmp_path_factory.mktemp("reuse") / "m", arch="llama", num_layers=3))
 
 

@@ -1,6 +1,6 @@
 """Every served family, token-exact with HF fp32 (issue 18), at TP 1 and TP 2 (Gloo).
 
-Each family's tiny checkpoint is made by transformers itself (pd_cluster.model_maker presets
+Each family's tiny checkpoint is made by transformers itself (pd_cluster.checkpoints.maker presets
 ``tiny-<family>``: the family's HF class, random weights, small windows). Checked per family:
 the logits of one prefill against HF's (catches what greedy cannot see, e.g. final soft-capping),
 then greedy generation through the engine with prompts shorter and longer than every window,
@@ -16,7 +16,7 @@ import torch
 
 from pd_cluster.attention import AttentionMetadata, create_backend
 from pd_cluster.llm import LLM
-from pd_cluster.model_maker import PRESETS, make_model
+from pd_cluster.checkpoints.maker import PRESETS, make_model
 from pd_cluster.models.context import ForwardContext
 from pd_cluster.models.loader import load_model
 from pd_cluster.sampling_params import SamplingParams

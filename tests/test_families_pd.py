@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pd_cluster import SamplingParams
-from pd_cluster.model_maker import PRESETS, make_model
+from pd_cluster.checkpoints.maker import PRESETS, make_model
 from tests.conftest import assert_greedy_matches, hf_greedy
 from tests.pd_helpers import colocated_tokens, pd_tokens
 from tests.conftest import random_prompt

@@ -88,7 +88,7 @@ def test_hello_compares_every_layer_spec_naming_both_engines() -> None:
 
 
 def test_launch_between_latent_and_standard_engines_fails(tiny_model, tmp_path) -> None:
-    from pd_cluster.model_maker import make_model
+    from pd_cluster.checkpoints.maker import make_model
     mla = str(make_model(tmp_path / "mla", arch="deepseek_v3", hidden_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=4, config_overrides=dict(
                              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,

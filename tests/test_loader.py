@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pd_cluster.model_maker import make_model
+from pd_cluster.checkpoints.maker import make_model
 from pd_cluster.models.loader import checkpoint_files, load_model
 
 SMALL = dict(arch="qwen2", num_layers=2, hidden_size=64, intermediate_size=128)

@@ -18,7 +18,7 @@ import torch
 from pd_cluster.attention import AttentionMetadata
 from pd_cluster.engine.kv_spec import LatentAttentionSpec
 from pd_cluster.llm import LLM
-from pd_cluster.model_maker import make_model
+from pd_cluster.checkpoints.maker import make_model
 from pd_cluster.sampling_params import SamplingParams
 from tests.conftest import assert_greedy_matches, hf_greedy, random_prompt
 from tests.pd_helpers import colocated_tokens, engine, run_in_process, submit_pair
@@ -148,7 +148,7 @@ def test_tp2_greedy_matches_hf(mla_model) -> None:
 
 
 def test_model_maker_preset_is_deepseek_shaped(tmp_path: Path) -> None:
-    from pd_cluster.model_maker import PRESETS
+    from pd_cluster.checkpoints.maker import PRESETS
     from pd_cluster.models.families import spec_from_config
     import json
 

@@ -1,4 +1,4 @@
-"""Tests for pd_cluster.model_maker: offline, deterministic HF checkpoints used as test oracles."""
+"""Tests for pd_cluster.checkpoints.maker: offline, deterministic HF checkpoints used as test oracles."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from pd_cluster import checkpoint_writer, model_maker as mm
-from pd_cluster import model_maker_cli as cli
-from pd_cluster.model_maker import default_model_path, make_model, param_count, preset_names
+from pd_cluster.checkpoints import maker as mm, writer as checkpoint_writer
+from pd_cluster.checkpoints import maker_cli as cli
+from pd_cluster.checkpoints.maker import default_model_path, make_model, param_count, preset_names
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [
@@ -88,7 +88,7 @@ def test_same_args_byte_identical_and_seed_matters(tmp_path: Path) -> None:
 @pytest.mark.slow  # a fresh interpreter re-imports torch+transformers (several seconds)
 def test_cli_in_subprocess_is_byte_identical_to_in_process(tmp_path: Path) -> None:
     # A fresh interpreter (different hash seeds, fresh RNG state) must produce the same bytes.
-    code = ("import argparse, sys; from pd_cluster import model_maker_cli as cli; p = argparse.ArgumentParser(); "
+    code = ("import argparse, sys; from pd_cluster.checkpoints import maker_cli as cli; p = argparse.ArgumentParser(); "
             "cli.add_make_model_args(p); sys.exit(cli.run_make_model(p.parse_args(sys.argv[1:])))")
     out = tmp_path / "cli"
     r = subprocess.run([sys.executable, "-c", code, "--out", str(out), "--arch", "mistral", "--seed", "7",

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pd_cluster.llm import LLM
-from pd_cluster.model_maker import build_tokenizer, save_checkpoint
+from pd_cluster.checkpoints.maker import build_tokenizer, save_checkpoint
 from pd_cluster.sampling_params import SamplingParams
 from tests.conftest import assert_greedy_matches, edit_config, hf_greedy, random_prompt
 from tests.pd_helpers import colocated_tokens, pd_tokens

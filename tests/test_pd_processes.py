@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from pd_cluster.model_maker import make_model
+    from pd_cluster.checkpoints.maker import make_model
     return str(make_model(tmp_path_factory.mktemp("pdp") / "m", arch="qwen2", num_layers=4))
 
 
@@ -60,7 +60,7 @@ def test_two_processes_match_colocated(model, pipe, transport, block_size, chunk
 
 
 def test_first_layer_arrives_before_producer_forward_ends(tmp_path):
-    from pd_cluster.model_maker import make_model
+    from pd_cluster.checkpoints.maker import make_model
     deep = str(make_model(tmp_path / "deep", num_layers=12, hidden_size=128, intermediate_size=512,
                           num_heads=4, num_kv_heads=4))
     p, d = start_pair(deep, "tcp", 16, 4096)

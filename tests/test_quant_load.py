@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pd_cluster.llm import LLM
-from pd_cluster.model_maker import build_tokenizer, make_model, save_checkpoint
+from pd_cluster.checkpoints.maker import build_tokenizer, make_model, save_checkpoint
 from pd_cluster.models.loader import load_model
 from pd_cluster.sampling_params import SamplingParams
 from tests.conftest import assert_greedy_matches, edit_config, hf_greedy, random_prompt

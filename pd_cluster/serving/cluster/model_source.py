@@ -19,7 +19,7 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 def is_preset(model: str) -> bool:
-    from pd_cluster.model_maker import PRESETS
+    from pd_cluster.checkpoints.maker import PRESETS
     return model in PRESETS
 
 
@@ -39,7 +39,7 @@ def resolve_model(model: str, node: str | None = None) -> str:
     """The local checkpoint directory for ``model`` on this node; ValueError naming the node."""
     where = node or socket.gethostname()
     if is_preset(model):
-        from pd_cluster.model_maker import default_model_path
+        from pd_cluster.checkpoints.maker import default_model_path
         return str(default_model_path(model))
     path = Path(model).expanduser()
     if path.is_dir():

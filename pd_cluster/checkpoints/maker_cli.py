@@ -5,8 +5,8 @@ import argparse
 import sys
 from typing import Any
 
-from pd_cluster.model_maker import ARCHS, make_model, param_count
-from pd_cluster.model_presets import PRESETS, preset_names
+from pd_cluster.checkpoints.maker import ARCHS, make_model, param_count
+from pd_cluster.checkpoints.presets import PRESETS, preset_names
 
 
 def add_make_model_args(parser: argparse.ArgumentParser) -> None:

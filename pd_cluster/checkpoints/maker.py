@@ -7,7 +7,7 @@ The built-in default, preset ``tiny-llama``, is the exception: it is trained to 
 English by scripts/train_tiny_model.py (with this module's tokenizer pipeline, config and
 writer) and shipped in ``pd_cluster/assets/tiny-llama`` rather than generated.
 
-Tokenizer: byte-level BPE trained on ``_corpus.CORPUS``; ids 0..3 are ``<unk> <s> </s> <pad>``.
+Tokenizer: byte-level BPE trained on ``corpus.CORPUS``; ids 0..3 are ``<unk> <s> </s> <pad>``.
 ``encode``/``__call__`` add NO special tokens (no BOS/EOS) with or without add_special_tokens,
 so ``decode(encode(s)) == s`` (for NFC text, e.g. any ASCII). The chat template adds none either.
 If the corpus cannot supply ``vocab_size`` BPE tokens (it tops out near 1.7k), the tokenizer is
@@ -24,11 +24,11 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from ._corpus import CORPUS
+from .corpus import CORPUS
 # Re-exported: callers import the checkpoint writer and the presets from here.
-from .checkpoint_writer import (CHAT_TEMPLATE, MAKER_FILE, param_count,  # noqa: F401
+from .writer import (CHAT_TEMPLATE, MAKER_FILE, param_count,  # noqa: F401
                                 save_checkpoint)
-from .model_presets import ASSETS, PRESETS, TRAINED_PRESETS, preset_names, trained_model_path  # noqa: F401
+from .presets import ASSETS, PRESETS, TRAINED_PRESETS, preset_names, trained_model_path  # noqa: F401
 
 # Bump when anything that changes the generated files changes; cached presets are regenerated.
 GENERATOR_VERSION = 1
@@ -89,7 +89,7 @@ def _validate(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num
 
 def build_tokenizer(vocab_size: int, texts: Iterable[str] | None = None) -> tuple[Any, int]:
     """(PreTrainedTokenizerFast, number of trained non-padding tokens) for vocab_size, trained
-    on ``texts`` (default: the built-in ``_corpus.CORPUS``)."""
+    on ``texts`` (default: the built-in ``corpus.CORPUS``)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -1,5 +1,5 @@
 """The named model presets (sizes and config overrides per family) and where the trained ones
-ship: ``make-model --preset NAME`` and ``default_model_path(NAME)`` (model_maker.py) read these.
+ship: ``make-model --preset NAME`` and ``default_model_path(NAME)`` (maker.py) read these.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # Presets whose weights are trained by scripts/train_tiny_model.py and shipped in ASSETS/<name>.
 TRAINED_PRESETS = ("tiny-llama",)
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
 def trained_model_path(name: str) -> Path:

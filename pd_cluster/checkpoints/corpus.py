@@ -2,7 +2,7 @@
 
 Plain ASCII prose on varied topics, so byte-level BPE learns common English
 words, punctuation and digits. Changing this text changes every generated
-tokenizer (and hence token ids), so bump ``model_maker.GENERATOR_VERSION`` too.
+tokenizer (and hence token ids), so bump ``maker.GENERATOR_VERSION`` too.
 """
 
 CORPUS = """\
