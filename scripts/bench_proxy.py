@@ -1,27 +1,25 @@
 #!/usr/bin/env python
-"""The proxy alone, both token paths in one run: real engine actor, dispatcher and HTTP proxy,
-but an engine that computes nothing (NullEngine) and emits one token per step for every
-request, as fast as it can.
+"""The proxy alone: real engine actor, dispatcher and HTTP proxy, but an engine that computes
+nothing (NullEngine) and emits one token per step for every request, as fast as it can.
 
 Each token's text is the wall-clock time the engine emitted it (hex microseconds), so the
 client measures, per token, emit -> received over HTTP: token path + dispatcher + proxy + SSE.
-Two proxies serve the same engine: one reads tokens the previous way (one Ray streaming call
-per request, ``proxy.token_transport: ray``), one over the engine's token stream (one
-length-prefixed msgpack frame per engine step on a unix or tcp socket; the transport keeps
-its name ``zmq``, the default: requests still go over ZMQ). Each runs 1..256 streams of 256
-tokens, twice: with the engine stepping every 5 ms like a real decode engine (latency without
-a backlog), then as fast as it can (throughput). A third proxy (``zmq/N``,
-``--stream-interval N``, default 4; 1: none) sends at least N tokens per chunk
-(``proxy.stream_interval``). Wall-clock tokens/s on a small
-shared machine measure the whole box (client, proxy, engine and Ray share the cores), so each
-level also reads the CPU time the proxy, the engine and the client (this process: raw
-sockets, no HTTP library per chunk) spent per streamed token, and the tokens per SSE chunk.
+Two proxies serve the same engine, alternating per level: ``stream`` (one length-prefixed
+msgpack frame per engine step on a unix or tcp socket, every token forwarded at once) and
+``stream/N`` (``--stream-interval N``, default 4; 1: none), which sends at least N tokens per
+chunk (``proxy.stream_interval``). Each runs 1..256 streams of 256 tokens, twice: with the
+engine stepping every 5 ms like a real decode engine (latency without a backlog), then as fast
+as it can (throughput). Wall-clock tokens/s on a small shared machine measure the whole box
+(client, proxy, engine and Ray share the cores), so each level also reads the CPU time the
+proxy, the engine and the client (this process: raw sockets, no HTTP library per chunk) spent
+per streamed token, and the tokens per SSE chunk. The baseline is the published figure of the
+token path's predecessor (one Ray streaming call per request, removed): 24,713 tok/s through
+one proxy (_PUBLISHED; README's bench_proxy rows measured both side by side, 3-5x apart).
 Printed last: per path ``proxy_overhead_ms_p50``/``_p99`` (paced, per token, 1 stream), the
 best streamed tokens/s and CPU microseconds per token, then
-``proxy_cpu_per_token_ratio_ray_over_zmq=``, ``stream_tokens_per_s_over_published=`` (each
-path's best over the 24,713 tok/s published before), the ``zmq`` path's
-``proxy_overhead_ms_p50=`` and ``stream_tokens_per_s_ratio_zmq_over_ray=`` (best level of
-each).
+``stream_tokens_per_s_ratio_stream_N_over_stream=`` (when N > 1), ``proxy_overhead_ms_p50=``
+(the ``stream`` path) and ``stream_tokens_per_s_over_published=`` (its best over the
+published baseline).
 
   python scripts/bench_proxy.py            # a few minutes on 2 CPUs
   python scripts/bench_proxy.py --quick    # levels 1 and 16, 64 tokens
@@ -48,11 +46,11 @@ _STEP_MS = 5.0  # the paced engine's step
 _PUBLISHED = 24_713  # tok/s through one proxy, published before the token path moved off Ray
 
 
-def paths(stream_interval: int) -> dict[str, tuple[str, int]]:
-    """Proxy paths compared: name -> (token transport, stream interval)."""
-    out = {"ray": ("ray", 1), "zmq": ("zmq", 1)}
+def paths(stream_interval: int) -> dict[str, int]:
+    """Proxies compared: name -> their proxy.stream_interval."""
+    out = {"stream": 1}
     if stream_interval > 1:
-        out[f"zmq/{stream_interval}"] = ("zmq", stream_interval)
+        out[f"stream/{stream_interval}"] = stream_interval
     return out
 
 
@@ -67,8 +65,7 @@ def pid_of(actor: Any) -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
 
 
-def start(namespace: str, compared: dict[str, tuple[str, int]]
-          ) -> tuple[dict[str, str], list[Any]]:
+def start(namespace: str, compared: dict[str, int]) -> tuple[dict[str, str], list[Any]]:
     """One NullEngine actor and one proxy per path: {path: url}, actors."""
     import ray
 
@@ -76,26 +73,25 @@ def start(namespace: str, compared: dict[str, tuple[str, int]]
     from pd_cluster.serving.cluster.proxy_actor import proxy_actor_class
     from pd_cluster.serving.engine.null_engine import null_engine_actor_class
 
-    def config(transport: str, stream_interval: int = 1) -> Any:
+    def config(stream_interval: int = 1) -> Any:
         return parse_config({"mode": "colocated", "colocated": {"replicas": 1, "num_cpus": 1},
                              "engine": {"device": "cpu", "num_kv_blocks": 16},
                              "proxy": {"port": 0, "max_inflight": 1024,
                                        "request_timeout": 300.0,
-                                       "token_transport": transport,
                                        "stream_interval": stream_interval},
                              "ray": {"namespace": namespace}})
 
     ray.init(address="local", num_cpus=4, namespace=namespace, include_dashboard=False,
              log_to_driver=False)
-    specs = config("zmq").engine_specs()
+    specs = config().engine_specs()
     engines = [null_engine_actor_class().options(name=s.name, namespace=namespace, num_cpus=1)
                .remote(s.to_dict()) for s in specs]
     ray.get([e.ready.remote() for e in engines], timeout=300)
     proxies = {t: proxy_actor_class().options(name=f"proxy-{t.replace('/', '-')}",
                                               namespace=namespace, num_cpus=0,
                                               max_concurrency=4).remote(
-        config(*how).to_dict(), [{"name": s.name, "role": s.role} for s in specs], namespace)
-        for t, how in compared.items()}
+        config(interval).to_dict(), [{"name": s.name, "role": s.role} for s in specs],
+        namespace) for t, interval in compared.items()}
     urls = {t: ray.get(p.url.remote(), timeout=300) for t, p in proxies.items()}
     return urls, [*proxies.values(), *engines]
 
@@ -181,10 +177,10 @@ async def level(url: str, streams: int, tokens: int) -> dict[str, float]:
 
 def run(urls: dict[str, str], engines: list[Any], pids: dict[str, int], levels: list[int],
         tokens: int) -> dict[str, dict[str, list[dict[str, float]]]]:
-    """Per transport: its paced (latency) and unpaced (throughput) rows. ``pids``: the proxy
-    process of each transport, and the engine's ("engine")."""
+    """Per path: its paced (latency) and unpaced (throughput) rows. ``pids``: the proxy
+    process of each path, and the engine's ("engine")."""
     import ray
-    header = f"{'path':>5} {'streams':>8} {'tokens/s':>10} {'p50 ms':>8} {'p99 ms':>8} " \
+    header = f"{'path':>8} {'streams':>8} {'tokens/s':>10} {'p50 ms':>8} {'p99 ms':>8} " \
              f"{'mean ms':>8} {'tok/chunk':>9} {'proxy us/tok':>12} {'engine us/tok':>13} " \
              f"{'client us/tok':>13}"
     out: dict[str, dict[str, list[dict[str, float]]]] = {t: {"paced": [], "unpaced": []}
@@ -194,14 +190,14 @@ def run(urls: dict[str, str], engines: list[Any], pids: dict[str, int], levels: 
         ray.get([e.pace.remote(step / 1e3) for e in engines])
         print(f"{title}\n{header}", flush=True)
         for n in levels:
-            for t, url in urls.items():  # the paths alternate: same machine load for both
+            for t, url in urls.items():  # the paths alternate: same machine load for each
                 cpu0 = {k: cpu_seconds(pids[k]) for k in (t, "engine", "client")}
                 row = asyncio.run(level(url, n, tokens))
                 total = n * tokens
                 for k, name in ((t, "proxy"), ("engine", "engine"), ("client", "client")):
                     row[f"{name}_cpu_us"] = (cpu_seconds(pids[k]) - cpu0[k]) * 1e6 / total
                 out[t][key].append(row)
-                print(f"{t:>5} {n:>8} {row['tokens_per_s']:>10.0f} {row['p50_ms']:>8.2f} "
+                print(f"{t:>8} {n:>8} {row['tokens_per_s']:>10.0f} {row['p50_ms']:>8.2f} "
                       f"{row['p99_ms']:>8.2f} {row['mean_ms']:>8.2f} "
                       f"{row['tokens_per_chunk']:>9.1f} "
                       f"{row['proxy_cpu_us']:>12.1f} {row['engine_cpu_us']:>13.1f} "
@@ -216,12 +212,12 @@ def main() -> None:
     mode.add_argument("--smoke", action="store_true", help="levels 1 and 4, 16 tokens (CI)")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--stream-interval", type=int, default=4,
-                    help="a third proxy, zmq with this proxy.stream_interval (1: none)")
+                    help="a second proxy with this proxy.stream_interval (1: none)")
     args = ap.parse_args()
     levels, tokens = ([1, 4], 16) if args.smoke else ([1, 16], 64) if args.quick else \
         ([1, 4, 16, 64, 256], args.tokens)
     import ray
-    print("starting Ray, one engine actor (no model) and a proxy per token path ...",
+    print("starting Ray, one engine actor (no model) and a proxy per path ...",
           flush=True)
     compared = paths(args.stream_interval)
     urls, actors = start(f"bench-proxy-{os.getpid()}", compared)
@@ -248,17 +244,15 @@ def main() -> None:
               f"proxy_cpu_us_per_token_{t}={cpu[t]:.1f}  "
               f"engine_cpu_us_per_token_{t}={top['engine_cpu_us']:.1f}  "
               f"client_cpu_us_per_token_{t}={top['client_cpu_us']:.1f}")
-    print(f"proxy_cpu_per_token_ratio_ray_over_zmq={cpu['ray'] / max(cpu['zmq'], 1e-9):.2f}  "
-          f"(at each path's best unpaced level: one proxy core streams "
-          f"{1e6 / max(cpu['zmq'], 1e-9):.0f} vs {1e6 / max(cpu['ray'], 1e-9):.0f} tokens/s)")
-    print(f"stream_tokens_per_s_over_published=" + "  ".join(
-        f"{t}:{best[t] / _PUBLISHED:.2f}" for t in compared) +
-        f"  (best tokens/s per path over the {_PUBLISHED} tok/s published before)")
-    ref = next((r for r in rows["zmq"]["paced"] if r["streams"] == _REF_LEVEL),
-               rows["zmq"]["paced"][-1])
-    print(f"proxy_overhead_ms_p50={ref['p50_ms']:.2f}  (zmq path, per token, emit -> client, "
-          f"{ref['streams']} stream, engine stepping every {_STEP_MS:.0f} ms)")
-    print(f"stream_tokens_per_s_ratio_zmq_over_ray={best['zmq'] / best['ray']:.2f}")
+    if len(compared) > 1:
+        other = next(t for t in compared if t != "stream")
+        print(f"stream_tokens_per_s_ratio_{other.replace('/', '_')}_over_stream="
+              f"{best[other] / best['stream']:.2f}")
+    ref = next((r for r in rows["stream"]["paced"] if r["streams"] == _REF_LEVEL),
+               rows["stream"]["paced"][-1])
+    print(f"proxy_overhead_ms_p50={ref['p50_ms']:.2f}  (stream path, per token, emit -> "
+          f"client, {ref['streams']} stream, engine stepping every {_STEP_MS:.0f} ms)")
+    print(f"stream_tokens_per_s_over_published={best['stream'] / _PUBLISHED:.2f}")
 
 
 if __name__ == "__main__":

@@ -107,8 +107,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: list) -> dict[str, Any]:
         from pd_cluster.serving.cluster.cluster_config import load_config
         from pd_cluster.serving.cluster.launcher import launch
         path, proxy = MODES[mode]
-        over: dict[str, Any] = {"proxy": {"port": 0, "token_transport": args.token_transport,
-                                          **proxy},
+        over: dict[str, Any] = {"proxy": {"port": 0, **proxy},
                                 "ray": {"namespace": f"bench-{mode}"},
                                 "engine": {"max_model_len": args.max_model_len,
                                            "num_kv_blocks": args.num_kv_blocks}}
@@ -192,9 +191,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-tpot-ms", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="write latency CDFs to this PNG")
-    p.add_argument("--token-transport", default="zmq", choices=("zmq", "ray"),
-                   help="how tokens reach the proxy (proxy.token_transport; ray: the previous "
-                        "path, one Ray streaming call per request)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--smoke", action="store_true",
                    help="a few-second tiny load (CI, scripts/gpu_check.sh --cpu): 8 requests, "

@@ -98,7 +98,7 @@ def test_over_the_inflight_bound_requests_queue_then_get_429_with_retry_after() 
                 metrics = (await http.get("/metrics")).text
         finally:
             await state.pool.close()
-            engine.sender.stop()
+            engine.stop()
         served = [r for r in rs if r.status_code == 200]
         refused = [r for r in rs if r.status_code == 429]
         assert len(served) == 5 and len(refused) == 3, [r.status_code for r in rs]

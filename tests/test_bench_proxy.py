@@ -1,5 +1,5 @@
-"""scripts/bench_proxy.py --smoke runs both token paths against the null engine and prints
-its figures last; the null engine keeps LLMEngine's request interface (the benchmark crashed
+"""scripts/bench_proxy.py --smoke runs the token path (two stream intervals) against the null
+engine and prints its figures last; the null engine keeps LLMEngine's request interface (the benchmark crashed
 when that interface grew and the fake did not)."""
 from __future__ import annotations
 
@@ -23,13 +23,16 @@ def test_null_engine_takes_what_llm_engine_takes() -> None:
             [(p.name, p.kind, p.default) for p in real], name
 
 
-def test_bench_proxy_smoke_compares_both_token_paths() -> None:
+def test_bench_proxy_smoke_measures_the_token_path() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_proxy.py"), "--smoke"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
-    for path in ("ray", "zmq"):  # a row per path and level, paced and unpaced
+    for path in ("stream", "stream/4"):  # a row per path and level, paced and unpaced
         assert sum(bool(re.match(rf"\s*{path}\s+[14]\s+\d+", ln)) for ln in lines) == 4, path
+    ratio = re.fullmatch(r"stream_tokens_per_s_ratio_stream_4_over_stream=(\d+\.\d\d)",
+                         lines[-3])
+    assert ratio is not None and float(ratio.group(1)) > 0, lines[-3]
     assert re.fullmatch(r"proxy_overhead_ms_p50=\d+\.\d\d .*", lines[-2]), lines[-2]
-    ratio = re.fullmatch(r"stream_tokens_per_s_ratio_zmq_over_ray=(\d+\.\d\d)", lines[-1])
-    assert ratio is not None and float(ratio.group(1)) > 0, lines[-1]
+    published = re.fullmatch(r"stream_tokens_per_s_over_published=(\d+\.\d\d)", lines[-1])
+    assert published is not None and float(published.group(1)) > 0, lines[-1]

@@ -8,8 +8,7 @@ import ray.exceptions
 
 from pd_cluster.serving.api.errors import APIError
 from pd_cluster.driver.messages import EngineDelta, EngineRequest, decode_request, encode
-from tests.test_serving_dispatch import (FakeEngine, Script, _Gen, _Method, d_ok, delta, make,
-                                         p_ok, run)
+from tests.test_serving_dispatch import FakeEngine, Script, _Gen, d_ok, delta, make, p_ok, run
 
 
 def test_a_lost_or_repeated_delta_fails_the_leg_instead_of_being_merged() -> None:
@@ -20,8 +19,7 @@ def test_a_lost_or_repeated_delta_fails_the_leg_instead_of_being_merged() -> Non
             inc = super()._increment(d)
             return msgspec.structs.replace(inc, seq=inc.seq + 1) if inc.seq == 1 else inc
 
-    gappy = FakeEngine(d_ok)
-    gappy.generate = _Method(lambda req: GapGen(d_ok(decode_request(req))))
+    gappy = FakeEngine(d_ok, gen=GapGen)
     disp, pool, metrics = make({"prefill-0": FakeEngine(lambda r: [0.05] + p_ok(r)),
                                 "decode-0": gappy, "decode-1": FakeEngine(d_ok)},
                                retries=2)

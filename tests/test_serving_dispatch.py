@@ -1,7 +1,10 @@
-"""The proxy's P/D orchestration and routing, against scripted fake engines (no Ray, no model)."""
+"""The proxy's P/D orchestration and routing, against scripted fake engines (no Ray, no
+model) that answer over the real token path: each fake has an OutputSender and a
+RequestReader (tests/token_path_fakes.py), the Dispatcher reads them through a TokenChannel."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import traceback
 from typing import Any, Callable
@@ -15,24 +18,15 @@ from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.cluster.cluster_config import ProxyConfig
 from pd_cluster.serving.routing.dispatch import Dispatcher, GenerateJob
 from pd_cluster.serving.routing.engine_pool import EnginePool
+from pd_cluster.serving.routing.legs import StreamEvent
+from pd_cluster.serving.routing.token_channel import TokenChannel
 from pd_cluster.serving.api.errors import APIError
-from pd_cluster.driver.messages import EngineDelta, EngineRequest, decode_request, encode
+from pd_cluster.driver.messages import ERROR_ENGINE, EngineDelta, EngineRequest
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.router import create_router, router_names
+from tests.token_path_fakes import FakeEngineActor, until
 
 Script = list[Any]  # EngineDelta | BaseException | float (sleep seconds)
-
-
-class _Ref:
-    def __init__(self, item: Any):
-        self.item = item
-
-    def __await__(self):
-        async def get() -> Any:
-            if isinstance(self.item, BaseException):
-                raise self.item
-            return self.item
-        return get().__await__()
 
 
 class _Gen:
@@ -40,23 +34,17 @@ class _Gen:
     deltas numbered from 0, never emitting text that a later step cuts (stop strings); a
     resumed request's output starts after what it was given."""
 
-    def __init__(self, script: Script, request: EngineRequest | None = None):
+    def __init__(self, script: Script, request: EngineRequest):
         self.items = list(script)
         deltas = [i for i in script if isinstance(i, EngineDelta)]
         self.final_text = deltas[-1].text if deltas else ""
-        self.tokens = len(request.resume_token_ids) if request else 0
-        self.chars = request.resume_text_len if request else 0
+        self.tokens = len(request.resume_token_ids)
+        self.chars = request.resume_text_len
         self.seq = 0
 
-    async def __anext__(self) -> _Ref:
-        while self.items and isinstance(self.items[0], float):
-            await asyncio.sleep(self.items.pop(0))
-        if not self.items:
-            raise StopAsyncIteration
-        item = self.items.pop(0)
-        if isinstance(item, BaseException):
-            raise item
-        return _Ref(encode([self._increment(item)]))
+    def __iter__(self) -> Any:
+        for item in self.items:
+            yield self._increment(item) if isinstance(item, EngineDelta) else item
 
     def _increment(self, d: EngineDelta) -> EngineDelta:
         stable = len(os.path.commonprefix([d.text, self.final_text]))
@@ -67,42 +55,55 @@ class _Gen:
         return inc
 
 
-class _Method:
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
+class FakeEngine(FakeEngineActor):
+    """A script per request, played on the token path: a float sleeps, a delta is emitted (one
+    engine step each: the next waits until the proxy has read it), an exception is the
+    engine's death (its watch call fails as Ray's does, the proxy's link to it is lost). An
+    assert inside a script would only look like an engine failure (and trigger a retry): it
+    is recorded in ``failures``, and ``run`` fails the test on it."""
 
-    def options(self, **_kw: Any) -> "_Method":
-        return self
-
-    def remote(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-
-class FakeEngine:
-    """A script per request. An assert inside a script runs under the dispatcher's ``except
-    Exception`` (it would only look like an engine failure and trigger a retry): it is recorded
-    in ``failures``, and ``run`` fails the test on it."""
-
-    def __init__(self, script: Callable[[EngineRequest], Script]):
+    def __init__(self, script: Callable[[EngineRequest], Script], gen: type[_Gen] = _Gen):
+        super().__init__()
+        self.script, self.gen = script, gen
         self.requests: list[EngineRequest] = []
-        self.aborted: list[str] = []
         self.failures: list[str] = []
+        self.playing: set[asyncio.Task] = set()
+        self.sent = 0  # frames written to the proxy
+        self.read: Callable[[], int] = lambda: 0  # frames the proxy read (set by ``play``)
+        self.handle.fake = self
 
-        def generate(req: bytes) -> _Gen:
-            r = decode_request(req)
-            self.requests.append(r)
-            try:
-                items = script(r)
-            except AssertionError:
-                self.failures.append(f"{r.request_id}: {traceback.format_exc(limit=-1).strip()}")
-                raise
-            return _Gen(items, r)
+    def accept(self, req: EngineRequest) -> None:
+        self.requests.append(req)
+        try:
+            items: Script = list(self.gen(self.script(req), req))
+        except AssertionError:
+            self.failures.append(f"{req.request_id}: {traceback.format_exc(limit=-1).strip()}")
+            items = [EngineDelta(req.request_id, finished=True, error="script assert failed",
+                                 error_type=ERROR_ENGINE)]
+        self.sender.route(req.request_id, req.output_session)
+        task = asyncio.get_running_loop().create_task(self._play(req.request_id, items))
+        self.playing.add(task)
+        task.add_done_callback(self.playing.discard)
 
-        def abort(ids: list[str]) -> _Ref:
-            self.aborted.extend(ids)
-            return _Ref(None)
+    def _abort(self, ids: list[str]) -> None:
+        super()._abort(ids)
+        for rid in ids:  # an aborted request's output goes nowhere (nor is it aborted again)
+            self.sender._routes.pop(rid, None)
 
-        self.generate, self.abort = _Method(generate), _Method(abort)
+    async def _play(self, rid: str, items: Script) -> None:
+        for item in items:
+            # The previous step's frame reached the proxy first (as a real step takes time).
+            await until(lambda: self.read() >= self.sent or rid in self._stop)
+            if rid in self._stop:  # aborted (or this engine died)
+                return
+            if isinstance(item, float):
+                await asyncio.sleep(item)
+            elif isinstance(item, BaseException):
+                self.die()
+                return
+            elif rid in self.sender._routes:  # else its session closed
+                self.sent += 1
+                self.sender.emit([item])
 
 
 def delta(rid: str, text: str, ids: list[int], reason: str | None = None, **kw: Any) -> EngineDelta:
@@ -120,7 +121,9 @@ def d_ok(req: EngineRequest) -> Script:
 
 
 def make(engines: dict[str, FakeEngine], mode: str = "disaggregated", retries: int = 2):
-    pool = EnginePool([(n, n.split("-")[0], e) for n, e in engines.items()],
+    for name, e in engines.items():
+        e.name, e.role = name, name.split("-")[0]
+    pool = EnginePool([(n, e.role, e.handle) for n, e in engines.items()],
                       ProxyConfig(routing="round_robin"))
     for st in pool.engines:
         st.healthy, st.incarnation = True, "i0"
@@ -128,26 +131,50 @@ def make(engines: dict[str, FakeEngine], mode: str = "disaggregated", retries: i
     for st in pool.engines:  # every producer linked to every consumer, as after launch
         if st.role == "prefill":
             st.kv_peers = {d.kv_endpoint: d.incarnation for d in pool.engines if d.kv_endpoint}
+    channel = TokenChannel(5.0, pool.mark_failed, node_id="here")
+    pool.token_channel = channel
     metrics = ProxyMetrics(lambda: pool.engines)
-    return Dispatcher(pool, mode, metrics, retries), pool, metrics
+    return Dispatcher(pool, mode, metrics, channel, retries), pool, metrics
+
+
+def play(dispatcher: Dispatcher, job: GenerateJob) -> list[StreamEvent]:
+    """The job's events, its engines attached to the dispatcher's token channel first; then
+    (also when the request failed) every script has ended or was aborted, and the channel and
+    the engines' sockets are closed."""
+    fakes = [st.handle.fake for st in dispatcher.pool.engines]
+    channel, read = dispatcher.channel, collections.Counter[str]()
+    apply = channel._apply
+
+    def counted(link: Any, payload: memoryview) -> None:  # frames read, per engine
+        read[link.engine.name] += 1
+        apply(link, payload)
+    channel._apply = counted  # type: ignore[method-assign]
+    for f in fakes:
+        f.read = lambda name=f.name: read[name]
+
+    async def go() -> list[StreamEvent]:
+        for st in dispatcher.pool.engines:
+            await dispatcher.channel.attach(st, "i0")
+        try:
+            return [e async for e in dispatcher.stream(job)]
+        finally:
+            await until(lambda: not any(f.playing for f in fakes))
+            await dispatcher.channel.close()
+            for f in fakes:
+                f.stop()
+    try:
+        return asyncio.run(go())
+    finally:  # also when the request failed: a failed script assert is the test's failure
+        failures = [f for fake in fakes for f in fake.failures]
+        if failures:
+            raise AssertionError("asserts in fake engines' scripts failed:\n" +
+                                 "\n".join(failures))
 
 
 def run(dispatcher: Dispatcher, max_tokens: int = 3, **params: Any) -> list[tuple]:
     job = GenerateJob("cmpl-1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=max_tokens,
                                                           **params), deadline=1e18)
-
-    async def go() -> list[tuple]:
-        out = [(e.text, e.token_ids, e.finish_reason) async for e in dispatcher.stream(job)]
-        await asyncio.sleep(0.05)  # let fire-and-forget aborts land
-        return out
-    try:
-        return asyncio.run(go())
-    finally:  # also when the request failed: a failed script assert is the test's failure
-        failures = [f for st in dispatcher.pool.engines
-                    for f in getattr(st.handle, "failures", [])]
-        if failures:
-            raise AssertionError("asserts in fake engines' scripts failed:\n" +
-                                 "\n".join(failures))
+    return [(e.text, e.token_ids, e.finish_reason) for e in play(dispatcher, job)]
 
 
 def test_first_token_from_p_rest_from_d() -> None:
@@ -284,10 +311,7 @@ def test_output_waits_for_the_prompt_logprobs_from_p() -> None:
     disp, pool, _ = make({"prefill-0": slow_p, "decode-0": fast_d})
     job = GenerateJob("cmpl-1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3,
                                                           prompt_logprobs=1), deadline=1e18)
-
-    async def go() -> list:
-        return [e async for e in disp.stream(job)]
-    events = asyncio.run(go())
+    events = play(disp, job)
     assert [(e.text, e.token_ids, e.finish_reason) for e in events] == [
         ("a", [5], None), ("bc", [6, 7], "length")]
     assert events[0].prompt_logprobs == plp and events[1].prompt_logprobs is None

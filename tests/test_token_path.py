@@ -55,7 +55,7 @@ def test_deltas_under_load_arrive_in_order_one_message_per_step(node_id: str) ->
         await until(lambda: engine.sender.counters["output_messages"]
                      == channel.counters["messages"])
         await channel.close()
-        engine.sender.stop()
+        engine.stop()
     asyncio.run(go())
 
 
@@ -78,7 +78,7 @@ def test_a_gap_or_a_repeat_fails_that_leg_only() -> None:
         assert fine.failure is None and fine.token_ids == [1, 2]
         assert gap.token_ids == [1] and repeat.token_ids == [1]  # nothing merged past the gap
         await channel.close()
-        engine.sender.stop()
+        engine.stop()
     asyncio.run(go())
 
 
@@ -121,7 +121,7 @@ def test_a_proxy_gone_without_a_word_closes_its_session_and_aborts_its_work() ->
         assert engine.aborted == ["orphan"]
         assert engine.sender.counters["output_sessions_dropped"] == 1
         assert not engine.sender._routes and not engine.sender._sessions
-        engine.sender.stop()
+        engine.stop()
     asyncio.run(go())
 
 
@@ -166,5 +166,5 @@ def test_concurrent_health_checks_open_one_link() -> None:
         await asyncio.gather(channel.attach(engine, "i0"), channel.attach(engine, "i0"))
         assert len(opened) == 1 and channel.linked(engine, "i0")
         await channel.close()
-        engine.sender.stop()
+        engine.stop()
     asyncio.run(go())

@@ -37,7 +37,7 @@ def test_a_slow_client_gets_everything_new_in_one_event() -> None:
         assert tokens == [token_id(i) for i in range(n)]
         assert rest[0].finish_reason == "length"
         await channel.close()
-        engine.sender.stop()
+        engine.stop()
     asyncio.run(go())
 
 
@@ -64,7 +64,7 @@ def test_proxy_restart_aborts_the_old_sessions_work_and_the_new_one_streams() ->
         assert tokens == [token_id(i) for i in range(20)]
         await events.aclose()
         await new.close()
-        engine.sender.stop()
+        engine.stop()
     asyncio.run(go())
 
 
@@ -147,7 +147,7 @@ def test_a_client_that_stops_reading_gets_the_rest_in_one_chunk() -> None:
             await asyncio.wait_for(call, 30)
         finally:
             await state.pool.close()
-            engine.sender.stop()
+            engine.stop()
         events = [json.loads(c[6:]) for c in chunks if c.startswith(b"data: {")]
         assert len(events) == 2, [len(e["choices"][0]["text"]) for e in events]
         text = "".join(e["choices"][0]["text"] for e in events)

@@ -51,7 +51,7 @@ class Proxy:
         self.channel = TokenChannel(5.0, self.pool.mark_failed)
         self.pool.token_channel = self.channel
         self.metrics = ProxyMetrics(lambda: self.pool.engines)
-        self.dispatcher = Dispatcher(self.pool, "colocated", self.metrics, 1, 2, self.channel)
+        self.dispatcher = Dispatcher(self.pool, "colocated", self.metrics, self.channel, 1, 2)
 
     async def tokens(self, rid: str, n: int, on_token: Any = None) -> list[int]:
         job = GenerateJob(rid, [1, 2, 3], SamplingParams(max_tokens=n, ignore_eos=True),

@@ -41,7 +41,7 @@ class _Proxy:
     def __init__(self, ipc: bool = True, connect: bool = True, **sender_kw: Any):
         self.aborted: list[str] = []
         self.closed: list[str] = []
-        self.sender = OutputSender("127.0.0.1", self.aborted.extend, lambda d: None,
+        self.sender = OutputSender("127.0.0.1", self.aborted.extend,
                                    lambda session, why: self.closed.append(why), **sender_kw)
         self.endpoint = self.sender.open("s", ipc=ipc).result(10)
         self.sock: socket.socket | None = None
@@ -185,7 +185,7 @@ def test_ipc_files_of_dead_engines_are_swept_and_a_stopped_sender_leaves_none(tm
     for sock in socks:
         sock.close()
 
-    sender = OutputSender("127.0.0.1", lambda ids: None, lambda d: None)
+    sender = OutputSender("127.0.0.1", lambda ids: None)
     endpoint = sender.open("s", ipc=True).result(10)
     path = endpoint.removeprefix("unix://")
     assert os.stat(path).st_mode & 0o777 == 0o600  # no other local user may connect

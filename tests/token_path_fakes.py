@@ -15,6 +15,7 @@ from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.cluster.cluster_config import ProxyConfig
 from pd_cluster.serving.engine.null_engine import token_id
 from pd_cluster.serving.engine.output_sender import OutputSender
+from pd_cluster.serving.engine.request_reader import RequestReader
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.dispatch import Dispatcher
 from pd_cluster.serving.routing.engine_pool import EnginePool
@@ -33,20 +34,21 @@ class Remote:
 
 
 class FakeEngineActor:
-    """What the engine actor does with its OutputSender, minus Ray and the model: ``submit``
-    starts a generator thread that emits one token per step for its request (an engine step
-    per ``step_seconds``); ``emit`` sends hand-made deltas."""
+    """What the engine actor does with its OutputSender and RequestReader, minus Ray and the
+    model: a request (over the session's request socket, or ``submit``) starts a generator
+    thread that emits one token per step for it (an engine step per ``step_seconds``);
+    ``emit`` sends hand-made deltas. Bound to the event loop that opens its first session."""
 
-    def __init__(self, name: str = "colocated-0", **sender_kw: Any):
-        self.name, self.role, self.aborted = name, "colocated", []
-        self.loop = asyncio.get_running_loop()
+    def __init__(self, name: str = "colocated-0", role: str = "colocated", **sender_kw: Any):
+        self.name, self.role, self.aborted = name, role, []
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.sessions: dict[str, asyncio.Future] = {}
-        self.sender = OutputSender("127.0.0.1", self._abort, lambda d: None, self._closed,
-                                   **sender_kw)
+        self.readers: dict[str, RequestReader] = {}
+        self.sender = OutputSender("127.0.0.1", self._abort, self._closed, **sender_kw)
         self.dead: BaseException | None = None
         self.handle = SimpleNamespace(
             open_output=Remote(self.open_output), watch_output=Remote(self.watch_output),
-            close_output=Remote(self.close_output), submit=Remote(self.submit),
+            close_output=Remote(self.close_output), open_requests=Remote(self.open_requests),
             abort=Remote(self.abort), health=Remote(self.health))
         self._stop: set[str] = set()
         self.step_seconds = 0.0
@@ -55,9 +57,18 @@ class FakeEngineActor:
         return EngineInfo(self.name, self.role, "i0", 1, "127.0.0.1", None, 4096).to_dict()
 
     async def open_output(self, session: str, node_id: str) -> str:
+        self.loop = asyncio.get_running_loop()
         endpoint = await asyncio.wrap_future(self.sender.open(session, ipc=node_id == "here"))
         self.sessions.setdefault(session, self.loop.create_future())
         return endpoint
+
+    async def open_requests(self, session: str, node_id: str) -> str:
+        reader = self.readers.get(session)
+        if reader is None:
+            reader = self.readers[session] = RequestReader(
+                session, node_id == "here", "127.0.0.1", self.sender.ipc_dir, self.accept,
+                self._abort)
+        return reader.endpoint
 
     async def watch_output(self, session: str) -> str:
         return await asyncio.shield(self.sessions[session])
@@ -74,20 +85,33 @@ class FakeEngineActor:
 
     def _closed(self, session: str, why: str) -> None:
         def done() -> None:
+            reader = self.readers.pop(session, None)
+            if reader is not None:
+                reader.close()
             fut = self.sessions.pop(session, None)
             if fut is not None and not fut.done():
                 if self.dead is not None:
                     fut.set_exception(self.dead)
                 else:
                     fut.set_result(why)
-        self.loop.call_soon_threadsafe(done)
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(done)
 
-    async def submit(self, data: bytes) -> str | None:
-        req = decode_request(data)
+    async def submit(self, data: bytes) -> None:
+        """A request as the request socket would bring it (some tests send one by hand)."""
+        self.accept(decode_request(data))
+
+    def accept(self, req: EngineRequest) -> None:
         self.sender.route(req.request_id, req.output_session)
         threading.Thread(target=self._generate, args=(req, self.step_seconds),
                          daemon=True).start()
-        return None
+
+    def stop(self) -> None:
+        """Close its sockets (the end of a test)."""
+        for reader in self.readers.values():
+            reader.close()
+        self.readers.clear()
+        self.sender.stop()
 
     def _generate(self, req: EngineRequest, step_seconds: float) -> None:
         rid, start = req.request_id, len(req.resume_token_ids)
@@ -138,7 +162,7 @@ def pool_and_dispatcher(engines: list[FakeEngineActor], channel: TokenChannel,
         st.healthy, st.incarnation = True, "i0"
     pool.token_channel = channel
     metrics = ProxyMetrics(lambda: pool.engines)
-    return pool, Dispatcher(pool, "colocated", metrics, 0, 2, channel,
+    return pool, Dispatcher(pool, "colocated", metrics, channel, 0, 2,
                             stream_interval), metrics
 
 
@@ -175,6 +199,6 @@ class TwoEngines:
 
     async def close(self) -> None:
         await self.channel.close()
-        self.a.sender.stop()
-        self.b.sender.stop()
+        self.a.stop()
+        self.b.stop()
 

@@ -32,12 +32,10 @@ class ProxyState:
                                  or hf.get("max_position_embeddings", 2048))
         self.pool = EnginePool(engines, cfg.proxy)
         self.metrics = ProxyMetrics(lambda: self.pool.engines, cfg.model_name)
-        channel = None
-        if cfg.proxy.token_transport == "zmq":
-            channel = TokenChannel(cfg.proxy.health_check_timeout, self.pool.mark_failed)
-            self.pool.token_channel = channel
-        self.dispatcher = Dispatcher(self.pool, cfg.mode, self.metrics, cfg.proxy.max_retries,
-                                     cfg.proxy.max_migrations, channel,
+        channel = TokenChannel(cfg.proxy.health_check_timeout, self.pool.mark_failed)
+        self.pool.token_channel = channel
+        self.dispatcher = Dispatcher(self.pool, cfg.mode, self.metrics, channel,
+                                     cfg.proxy.max_retries, cfg.proxy.max_migrations,
                                      cfg.proxy.stream_interval)
         self.admission = Admission(cfg.proxy.max_inflight, cfg.proxy.max_queue, self.metrics)
         self.inflight = 0  # requests in the proxy, queued ones included

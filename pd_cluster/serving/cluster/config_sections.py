@@ -72,9 +72,6 @@ class ProxyConfig(ConfigSection):
     # Requests waiting for an in-flight slot (first come, first served; their wait counts in
     # their TTFT); beyond it a request gets 429 with Retry-After.
     max_queue: int = Field(1024, ge=0)
-    # How tokens reach the proxy: "zmq", one message per engine step from each engine's
-    # output thread; "ray", one Ray streaming call per request (the previous path).
-    token_transport: Literal["zmq", "ray"] = "zmq"
     # Tokens per streamed chunk at least (as vLLM's stream_interval): the first token and the
     # last chunk go at once; fewer, larger chunks cost the proxy and the client less per token.
     stream_interval: int = Field(1, ge=1)
@@ -102,6 +99,14 @@ class ProxyConfig(ConfigSection):
     max_migrations: int = Field(2, ge=0)
     max_restarts: int = 3
     log_stats_interval: float = 10.0  # s between per-engine stats lines in the log (0: off)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: object) -> object:
+        if isinstance(data, dict) and "token_transport" in data:
+            raise ValueError("token_transport: removed; tokens always travel on the engines' "
+                             "token stream (one frame per engine step): delete this key")
+        return data
 
     @field_validator("port")
     @classmethod

@@ -7,11 +7,7 @@ and sends requests tagged with it over the session's request socket (``open_requ
 request_reader.py); each engine step's deltas go out to it as one length-prefixed frame on
 a stream socket, written by the engine thread itself (output_sender.py). ``watch_output`` is
 the one call the proxy keeps open per engine: it fails at once when the actor dies, and
-returns when the session closes.
-
-The previous path stays for comparison (scripts/bench_proxy.py) and for callers without a
-session: ``generate`` streams one request's deltas as a Ray streaming generator
-(ray_streams.py).
+returns when the session closes. There is no other token path.
 """
 from __future__ import annotations
 
@@ -21,13 +17,12 @@ import os
 import sys
 import threading
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from pd_cluster.driver.engine_loop import EngineLoop
 from pd_cluster.driver.messages import (ERROR_ENGINE, EngineDelta, EngineInfo, EngineRequest,
-                                        EngineSpec, decode_request)
+                                        EngineSpec)
 from pd_cluster.serving.engine.output_sender import OutputSender
-from pd_cluster.serving.engine.ray_streams import RayStreams
 from pd_cluster.serving.engine.request_reader import RequestReader
 
 logger = logging.getLogger(__name__)
@@ -60,8 +55,7 @@ class EngineActor:
         self._sessions: dict[str, asyncio.Future[str]] = {}  # open output session -> closed
         self._readers: dict[str, RequestReader] = {}  # session -> its requests' socket
         self.loop = EngineLoop(self.engine, self._emit, self._on_fatal, threads)
-        self.streams = RayStreams(self.loop)
-        self.output = OutputSender(self.node_ip, self.loop.abort, self.streams.emit_threadsafe,
+        self.output = OutputSender(self.node_ip, self.loop.abort,
                                    self._session_closed_threadsafe)
         self.loop.start()
         logger.info("%s ready (kv endpoint %s)", self.spec.name, self.kv_endpoint)
@@ -187,16 +181,6 @@ class EngineActor:
                                           finish_reason="abort", error_type=ERROR_ENGINE,
                                           error=f"submit refused: {refused}")])
 
-    async def submit(self, request: bytes) -> str | None:
-        """Start a request whose deltas go to its output session. None when accepted (a
-        request the engine rejects is answered by an error delta on the session); otherwise
-        why it was not submitted."""
-        try:
-            req = decode_request(request)
-        except ValueError as e:
-            return f"malformed request: {e}"
-        return self._start(req)
-
     def _start(self, req: EngineRequest) -> str | None:
         closed = self._sessions.get(req.output_session)
         if closed is None or closed.done():
@@ -206,17 +190,6 @@ class EngineActor:
         self.output.route(req.request_id, req.output_session)
         self.loop.submit(req)
         return None
-
-    # ---- requests over Ray (the previous token path) -----------------------------------------
-    async def generate(self, request: bytes) -> AsyncIterator[bytes]:
-        """Stream the request's EngineDeltas until it finishes (ray_streams.py)."""
-        self._bind_loop()
-        gen = self.streams.generate(request)
-        try:
-            async for item in gen:
-                yield item
-        finally:  # the consumer went away: the request's stream ends (and aborts) now
-            await gen.aclose()
 
     async def abort(self, request_ids: list[str]) -> None:
         self.loop.abort(request_ids)
@@ -237,7 +210,6 @@ class EngineActor:
         if self._aio is None:
             with self._lock:
                 self._aio = asyncio.get_running_loop()
-            self.streams.bind(self._aio)
 
     def _emit(self, deltas: list[EngineDelta]) -> None:
         self.output.emit(deltas)  # the engine thread writes the frames itself, non-blocking

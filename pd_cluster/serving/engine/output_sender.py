@@ -44,16 +44,13 @@ class OutputSender:
     """``emit`` on the engine thread; ``open``/``close``/``route`` from anywhere."""
 
     def __init__(self, host: str, abort: Callable[[list[str]], None],
-                 local: Callable[[list[EngineDelta]], None],
                  closed: Callable[[str, str], None] = lambda session, why: None,
                  backlog_bytes: int = _BACKLOG_BYTES,
                  backlog_seconds: float = _BACKLOG_SECONDS):
         """``host``: this node's address (tcp sessions listen there); ``abort``: aborts
-        requests of a closed session; ``local``: gets the deltas of requests that have no
-        session (those streamed over a Ray call); ``closed(session, why)``: a session
-        closed; ``backlog_*``: how much a session whose proxy reads nothing may hold, and
-        how long."""
-        self._host, self._abort, self._local, self._closed = host, abort, local, closed
+        requests of a closed session; ``closed(session, why)``: a session closed;
+        ``backlog_*``: how much a session whose proxy reads nothing may hold, and how long."""
+        self._host, self._abort, self._closed = host, abort, closed
         self.ipc_dir = tempfile.gettempdir()
         sweep_stale_ipc(self.ipc_dir)  # left by engines that crashed (no shutdown ran)
         self._backlog_bytes, self._backlog_seconds = backlog_bytes, backlog_seconds
@@ -72,12 +69,10 @@ class OutputSender:
     def emit(self, deltas: list[EngineDelta]) -> None:
         """Engine thread: one step's deltas, one frame per session, written at once."""
         per_session: dict[str, list[EngineDelta]] = {}
-        local: list[EngineDelta] = []
         routes = self._routes
         for d in deltas:
             session = routes.get(d.request_id)
-            if session is None:
-                local.append(d)
+            if session is None:  # its session closed (and aborted it): nobody reads it
                 continue
             if d.finished:
                 routes.pop(d.request_id, None)
@@ -90,8 +85,6 @@ class OutputSender:
             self.counters["output_messages"] += 1
             if s.send(encode(ds), self._backlog_bytes):
                 self._wake()
-        if local:
-            self._local(local)
 
     def route(self, request_id: str, session: str) -> None:
         """Before the request is submitted: its deltas go to ``session``."""

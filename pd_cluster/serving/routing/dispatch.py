@@ -7,8 +7,8 @@ output as they arrive (inbox.py; a gap or repeat fails the leg), and the client 
 has not been sent yet (stream_diff.py). An engine failure before anything was sent retries on
 another pair; after that the request migrates: another engine resumes from what was sent.
 
-Deltas arrive over the engines' token path (token_channel.py: frames on a socket) or, without
-a channel, over one Ray streaming call per leg (the previous path, kept to compare them).
+Deltas arrive over the engines' token path (token_channel.py: frames on a socket), the one
+path tokens take; requests go out on the same channel.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
-from pd_cluster.driver.messages import decode_deltas, encode
 from pd_cluster.serving.api.errors import APIError, internal_error, timeout_error
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.engine_pool import EnginePool, NoHealthyEngine
@@ -36,8 +35,8 @@ __all__ = ["Dispatcher", "GenerateJob", "StreamEvent"]
 
 
 class Dispatcher:
-    def __init__(self, pool: EnginePool, mode: str, metrics: ProxyMetrics, max_retries: int,
-                 max_migrations: int = 0, channel: TokenChannel | None = None,
+    def __init__(self, pool: EnginePool, mode: str, metrics: ProxyMetrics,
+                 channel: TokenChannel, max_retries: int, max_migrations: int = 0,
                  stream_interval: int = 1):
         self.pool, self.metrics, self.channel = pool, metrics, channel
         self.stream_interval = stream_interval  # tokens per event at least (after the first)
@@ -110,8 +109,9 @@ class Dispatcher:
         inbox = AttemptInbox()
         for leg in legs:
             self.pool.acquire(leg.engine, leg.work)
-        tasks = [asyncio.create_task(self._feed(leg, inbox, job.deadline)) for leg in legs]
         try:
+            for leg in legs:
+                self._start(leg, inbox)
             while True:
                 try:
                     changed = await inbox.changed(job.deadline)
@@ -130,14 +130,10 @@ class Dispatcher:
                         # P failed after its token went out: D prefills by itself
         finally:
             inbox.close()
-            for t in tasks:
-                t.cancel()
             for leg in legs:
-                if self.channel is not None:
-                    self.channel.unregister(leg)
+                self.channel.unregister(leg)
                 self.pool.release(leg.engine, leg.work)
-                if not leg.finished and not (self.channel is not None
-                                             and self.channel.abort(leg)):
+                if not leg.finished and not self.channel.abort(leg):
                     # abort on every engine still holding the request
                     asyncio.ensure_future(_quietly(leg.engine.handle.abort.remote(
                         [leg.request.request_id])))
@@ -171,52 +167,16 @@ class Dispatcher:
         return events
 
     # ---- where a leg's deltas come from -------------------------------------------------------
-    async def _feed(self, leg: Leg, inbox: AttemptInbox, deadline: float) -> None:
-        """Start the leg on its engine and route its deltas to ``inbox``; every failure to
-        do so ends up there too."""
+    def _start(self, leg: Leg, inbox: AttemptInbox) -> None:
+        """Route the leg's deltas to ``inbox`` and send its request to its engine, both over
+        the token channel; a failure to do so ends up in ``inbox`` too."""
         try:
-            if self.channel is None:  # the previous path: one Ray streaming call per leg
-                await asyncio.wait_for(_stream_over_ray(leg, inbox),
-                                       max(deadline - time.monotonic(), 0.001))
-                return
             if not self.channel.register(leg, inbox):
                 raise EngineFailed(leg.engine, "no token path to it (yet)", dead=False)
             request = msgspec.structs.replace(leg.request, output_session=self.channel.session)
-            if self.channel.submit(leg, request):  # over the engine's request socket
-                return
-            refused = await asyncio.wait_for(leg.engine.handle.submit.remote(encode(request)),
-                                             max(deadline - time.monotonic(), 0.001))
-            if refused:
-                raise EngineFailed(leg.engine, f"submit refused: {refused}", dead=False)
-        except asyncio.CancelledError:
-            raise
-        except asyncio.TimeoutError:
-            inbox.fail(leg, timeout_error(f"{leg.engine.name}: no output in time"))
-        except StopAsyncIteration:
-            inbox.fail(leg, EngineFailed(leg.engine, "stream ended early", dead=False))
-        except (EngineFailed, APIError) as e:
+            self.channel.submit(leg, request)  # over the engine's request socket
+        except EngineFailed as e:
             inbox.fail(leg, e)
-        except Exception as e:  # noqa: BLE001 - classified: actor death vs anything else
-            inbox.fail(leg, EngineFailed(leg.engine, f"{type(e).__name__}: {e}",
-                                         dead=_is_actor_death(e)))
-
-
-async def _stream_over_ray(leg: Leg, inbox: AttemptInbox) -> None:
-    gen = leg.engine.handle.generate.options(num_returns="streaming").remote(
-        encode(leg.request))
-    while True:
-        batch = decode_deltas(await (await gen.__anext__()))
-        if not batch:
-            raise EngineFailed(leg.engine, "empty delta batch", dead=False)
-        inbox.deltas(leg, batch)
-        if batch[-1].finished or leg.failure is not None:
-            return
-        await asyncio.sleep(0)  # one item per turn of the loop, as a real Ray stream yields
-
-
-def _is_actor_death(e: BaseException) -> bool:
-    import ray.exceptions
-    return isinstance(e, ray.exceptions.RayActorError)
 
 
 async def _quietly(ref: Any, timeout: float = 10.0) -> None:

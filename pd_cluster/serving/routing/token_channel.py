@@ -47,7 +47,7 @@ class _Link:
     engine: Any  # EngineState
     incarnation: str
     stream: FrameReader | None = None
-    requests: zmq.Socket | None = None  # PUSH: requests and aborts (None: over Ray calls)
+    requests: zmq.Socket | None = None  # PUSH: requests and aborts
     legs: dict[str, tuple[Leg, AttemptInbox]] = field(default_factory=dict)  # by request id
     tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -88,8 +88,7 @@ class TokenChannel:
                 link.stream = await asyncio.wait_for(self._connect(link, endpoint),
                                                      self._timeout)
             except BaseException:
-                if requests is not None:
-                    requests.close(linger=0)
+                requests.close(linger=0)
                 raise
             self._links[engine.name] = link
             link.tasks = [asyncio.create_task(self._watch(link))]
@@ -137,20 +136,17 @@ class TokenChannel:
         link.legs[leg.request.request_id] = (leg, inbox)
         return True
 
-    def submit(self, leg: Leg, request: EngineRequest) -> bool:
+    def submit(self, leg: Leg, request: EngineRequest) -> None:
         """Send ``request`` (``leg``'s, tagged with this session) over the engine's request
-        socket. False: the engine takes requests over Ray calls (no such socket). Raises
-        EngineFailed when the engine does not take them (its queue is full or the link gone)."""
+        socket. Raises EngineFailed when the engine does not take it (its queue is full or
+        the link is gone)."""
         link = self._links.get(leg.engine.name)
-        if link is None:
+        if link is None or link.requests is None:
             raise EngineFailed(leg.engine, "token path lost", dead=False)
-        if link.requests is None:
-            return False
         try:
             link.requests.send(request_message(request), zmq.NOBLOCK)
         except zmq.ZMQError as e:  # Again: _REQUEST_HWM unread, the engine is not reading
             raise EngineFailed(leg.engine, f"request not taken: {e}", dead=False) from None
-        return True
 
     def abort(self, leg: Leg) -> bool:
         """Abort ``leg`` on its engine after its request, over the same socket. False: that
@@ -164,14 +160,10 @@ class TokenChannel:
             return False
         return True
 
-    async def _request_socket(self, engine: Any) -> zmq.Socket | None:
-        """A PUSH socket to the engine's request reader; None when the engine has none (it
-        takes requests over Ray calls: test doubles, engines of an older version)."""
-        open_requests = getattr(engine.handle, "open_requests", None)
-        if open_requests is None:
-            return None
-        endpoint = await asyncio.wait_for(open_requests.remote(self.session, self.node_id),
-                                          self._timeout)
+    async def _request_socket(self, engine: Any) -> zmq.Socket:
+        """A PUSH socket to the engine's request reader (engine/request_reader.py)."""
+        endpoint = await asyncio.wait_for(
+            engine.handle.open_requests.remote(self.session, self.node_id), self._timeout)
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, _REQUEST_HWM)
