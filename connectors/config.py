@@ -19,7 +19,7 @@ class KVTransferConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     role: Literal["producer", "consumer", "both"] = "both"  # prefill / decode / both
-    connector: str = "pd"
+    connector: str = "pd"  # a registered KV connector name
     pipe: str = "zmq"  # a registered pipe name (connectors/pipes/<name>_pipe.py)
     kv_transfer_timeout: float = Field(30.0, gt=0)  # a transfer's bound: fallback / free after
     max_staging_bytes: int = Field(256 * MiB, gt=0)  # consumer: early arrivals held at most

@@ -1,4 +1,7 @@
-"""`pd-cluster` command line: one subcommand per job, each registered with its own module."""
+"""pd-cluster: a prefill/decode disaggregated LLM serving cluster. `pd-cluster serve MODEL`
+serves a model on this machine; `pd-cluster launch --config FILE` starts a cluster from a YAML.
+
+One subcommand per job, each registered with its own module."""
 from __future__ import annotations
 
 import argparse
@@ -12,9 +15,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="offline generation demo on the built-in (or given) model")
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in tiny model)")
     p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (0: greedy)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     p.set_defaults(run=_run_generate)
 
 
@@ -39,18 +43,43 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
 def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     try:
         from pd_cluster.serving.cluster.cli_cluster import add_cluster_commands
+        from pd_cluster.serving.cluster.serve_cli import add_serve_command
     except ImportError:  # serving extras not importable: the offline commands still work
         return
+    add_serve_command(sub)
     add_cluster_commands(sub)
 
 
+def _add_config_reference(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("config-reference",
+                       help="print (or write) the cluster YAML reference, docs/configuration.md")
+    p.add_argument("--out", default=None, help="write it to this file instead of stdout")
+    p.set_defaults(run=_run_config_reference)
+
+
+def _run_config_reference(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pd_cluster.serving.cluster.config_reference import render
+    text = render()
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_generate, _add_make_model, _add_cluster_commands]
+    _add_cluster_commands, _add_generate, _add_make_model, _add_config_reference]
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pd_cluster import __version__
     parser = argparse.ArgumentParser(prog="pd-cluster", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--version", action="version", version=f"pd-cluster {__version__}")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=_LOG_LEVELS,
+                        help="log messages at this level and above (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in _COMMANDS:
         add(sub)
@@ -59,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args) or 0)

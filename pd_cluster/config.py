@@ -5,14 +5,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from connectors.config import KVTransferConfig
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16}
+if TYPE_CHECKING:  # torch loads with an engine, not with the config (fast CLI checks)
+    import torch
+
+# dtype names the config accepts -> torch attribute names
+_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+           "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 class EngineArgs(BaseModel):
@@ -21,22 +25,22 @@ class EngineArgs(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on CUDA
-    device: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    device: str = "auto"  # auto (CUDA if present), cpu, cuda or cuda:N
+    seed: int = 0  # seeds the engine's sampling RNG
+    block_size: int = 16  # tokens per KV cache block (a power of two in [8, 128])
+    max_num_seqs: int = 64  # requests in one step's batch at most
+    max_num_batched_tokens: int = 2048  # tokens (prompt + decode) in one step at most
     # While any request decodes, at most this many prompt tokens per step (chunked prefill
     # does the rest), so a long local prefill does not stall running decodes' inter-token
     # latency. None: no cap beyond max_num_batched_tokens.
     max_prefill_tokens_per_step: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    num_kv_blocks: int | None = None
+    num_kv_blocks: int | None = None  # KV cache blocks per rank (null: sized from memory)
     kv_cache_memory: int = 256 * 1024 * 1024  # CPU budget in bytes when num_kv_blocks is unset
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory an engine may use
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt's cached prefix
     attention_backend: str = "auto"  # auto | torch | triton
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # tokenizer directory (null: the model's own)
     # Ranks per engine (one device each); the KV budget (num_kv_blocks, kv_cache_memory,
     # gpu_memory_utilization) is per rank.
     tensor_parallel_size: int = 1
@@ -99,16 +103,18 @@ class EngineConfig(EngineArgs):
         return cls(model=model, **kwargs)
 
     @property
-    def torch_device(self) -> torch.device:
+    def torch_device(self) -> "torch.device":
+        import torch
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, _DTYPES[self.dtype])
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:

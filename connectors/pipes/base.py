@@ -11,10 +11,12 @@ import importlib
 import pkgutil
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if TYPE_CHECKING:  # torch loads with a pipe, not with the config (fast CLI checks)
+    import torch
 
 MiB = 1 << 20
 
@@ -39,7 +41,7 @@ class PipeConfig(BaseModel):
     """One pipe's settings (the ``kv_transfer`` keys that belong to the transport)."""
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    transport: Literal["tcp", "ipc"] = "tcp"
+    transport: Literal["tcp", "ipc"] = "tcp"  # ZMQ transport: tcp, or ipc (one host)
     host: str = "127.0.0.1"               # address listen() binds and advertises (tcp)
     interface: str = ""                   # instead of host: this node's address on that NIC
     cidr: str = ""                        # instead of host: this node's address in that network
@@ -98,7 +100,7 @@ class PipeConfig(BaseModel):
         return cls.model_validate(d)
 
 
-Message = tuple[str, dict, Optional[torch.Tensor]]
+Message = tuple[str, dict, Optional["torch.Tensor"]]
 
 
 class KVPipe(ABC):

@@ -13,14 +13,22 @@ def add_make_model_args(parser: argparse.ArgumentParser) -> None:
     """Flags for `pd-cluster make-model`; size flags default to None = take preset/make_model default."""
     parser.add_argument("--out", required=True, help="output checkpoint directory")
     parser.add_argument("--preset", choices=preset_names(), default=None, help="start from a named preset")
-    parser.add_argument("--arch", choices=ARCHS, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    for flag in ("vocab-size", "hidden-size", "num-layers", "num-heads", "num-kv-heads", "head-dim",
-                 "intermediate-size", "max-position-embeddings"):
-        parser.add_argument(f"--{flag}", type=int, default=None)
-    parser.add_argument("--rope-theta", type=float, default=None)
-    parser.add_argument("--tie-word-embeddings", action="store_true", default=None)
-
+    parser.add_argument("--arch", choices=ARCHS, default=None,
+                        help="model family (default: the preset's, else llama)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="weights' random seed (the same seed writes the same checkpoint)")
+    sizes = {"vocab-size": "tokens in the vocabulary", "hidden-size": "width of the residual "
+             "stream", "num-layers": "decoder layers", "num-heads": "attention (query) heads",
+             "num-kv-heads": "key/value heads (fewer than --num-heads: grouped-query "
+             "attention)", "head-dim": "width of one head (default: hidden / heads)",
+             "intermediate-size": "width of the MLP", "max-position-embeddings":
+             "longest sequence the model's positions cover"}
+    for flag, text in sizes.items():
+        parser.add_argument(f"--{flag}", type=int, default=None,
+                            help=f"{text} (default: the preset's or a tiny size)")
+    parser.add_argument("--rope-theta", type=float, default=None, help="RoPE base frequency")
+    parser.add_argument("--tie-word-embeddings", action="store_true", default=None,
+                        help="the output projection shares the embedding matrix")
 
 def run_make_model(args: argparse.Namespace) -> int:
     """`pd-cluster make-model`: preset (if any) overridden by explicit flags. Returns 2 on bad sizes."""

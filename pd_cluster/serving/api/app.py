@@ -110,8 +110,8 @@ async def _sse(first: tuple[int, StreamEvent] | None,
 async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Response:
     raw = await request.body()
     req = parse_request(ChatCompletionRequest if chat else CompletionRequest, raw)
-    if req.model != state.cfg.model_name:
-        raise model_not_found(req.model)
+    if req.model not in state.cfg.served_names:
+        raise model_not_found(req.model, state.cfg.served_names)
     if chat:
         prompts, param = [state.chat_prompt(req)], "messages"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -226,8 +226,8 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]]) -> FastA
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return ModelList(data=[ModelCard(id=cfg.model_name,
-                                         max_model_len=state.max_model_len)]).model_dump()
+        return ModelList(data=[ModelCard(id=name, max_model_len=state.max_model_len)
+                               for name in cfg.served_names]).model_dump()
 
     @app.get("/health")
     async def health() -> JSONResponse:

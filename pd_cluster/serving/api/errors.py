@@ -28,9 +28,10 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return APIError(400, message, "invalid_request_error", param or param_of(message), code)
 
 
-def model_not_found(model: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist.", "invalid_request_error",
-                    "model", "model_not_found")
+def model_not_found(model: str, served: list[str]) -> APIError:
+    names = ", ".join(f"`{n}`" for n in served)
+    return APIError(404, f"The model `{model}` does not exist; this server serves {names}.",
+                    "invalid_request_error", "model", "model_not_found")
 
 
 def too_many_requests(running: int, queued: int, retry_after: int) -> APIError:

@@ -31,8 +31,8 @@ def add_utility_routes(app: FastAPI, state: Any) -> None:
     from pd_cluster import __version__
 
     def check_model(model: str | None) -> None:
-        if model is not None and model != state.cfg.model_name:
-            raise model_not_found(model)
+        if model is not None and model not in state.cfg.served_names:
+            raise model_not_found(model, state.cfg.served_names)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""`pd-cluster launch | status | stop`."""
+"""`pd-cluster launch | status | stop` (and the foreground run `serve` shares with `launch`)."""
 from __future__ import annotations
 
 import argparse
@@ -72,14 +72,37 @@ def _config_from_args(args: argparse.Namespace) -> "ClusterConfig":
 
 # ---- launch ---------------------------------------------------------------------------------
 def run_launch(args: argparse.Namespace) -> int:
-    from pd_cluster.serving.cluster.launcher import ClusterState, launch
+    return run_cluster(_config_from_args(args), args.address, args.detach, not args.no_progress)
+
+
+def preflight(cfg: "ClusterConfig", address: str | None) -> str | None:
+    """What stops this config from serving, found before Ray starts (in a fraction of a
+    second, not after loading every engine); None when nothing does."""
+    from pd_cluster.serving.cluster.model_source import check_model
+    busy = _port_in_use(cfg.proxy.host, cfg.proxy.port)
+    if busy:
+        return (f"proxy.port {cfg.proxy.port} on {cfg.proxy.host} is not available ({busy}); "
+                f"free it, or pass --port (0: any free port)")
+    if address is None:  # engines on this machine: their model must be here
+        try:
+            check_model(cfg.model)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def run_cluster(cfg: "ClusterConfig", cli_address: str | None, detach: bool,
+                progress: bool) -> int:
+    """Start the cluster; in the foreground, serve until Ctrl-C or SIGTERM, then stop all."""
+    from pd_cluster.serving.cluster.launch_record import ClusterState
     from pd_cluster.serving.cluster.ray_runtime import pid_alive, resolve_address
 
-    cfg = _config_from_args(args)
-    busy = _port_in_use(cfg.proxy.host, cfg.proxy.port)
-    if busy:  # checked before Ray starts: fail in a second, not after loading every engine
-        print(f"error: proxy.port {cfg.proxy.port} on {cfg.proxy.host} is not available "
-              f"({busy}); free it, or pass --port (0: any free port)", file=sys.stderr)
+    if not sys.stdout.isatty():  # a log file or pipe: Ray's actor-line prefixes uncoloured
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    address = resolve_address(cli_address, cfg.ray.address)
+    problem = preflight(cfg, address)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 1
     old = ClusterState.load(cfg.ray.namespace)
     if old is not None and old.launcher_pid != os.getpid() and (
@@ -101,12 +124,12 @@ def run_launch(args: argparse.Namespace) -> int:
 
     _launched = False
     signal.signal(signal.SIGTERM, on_term)
-    address = resolve_address(args.address, cfg.ray.address)
+    from pd_cluster.serving.cluster.launcher import launch
     print(f"launching {cfg.mode} cluster: {_describe(cfg)}; model {cfg.model_name}; "
           f"Ray {'at ' + address if address else 'local'}", flush=True)
     try:
-        cluster = launch(cfg, address=address, detach=args.detach,
-                         progress=not args.no_progress, show_logs=not args.detach)
+        cluster = launch(cfg, address=address, detach=detach, progress=progress,
+                         show_logs=not detach)
     except KeyboardInterrupt:
         print("interrupted; cleaned up", file=sys.stderr)
         return 130
@@ -114,7 +137,7 @@ def run_launch(args: argparse.Namespace) -> int:
         print(f"error: launch failed: {e}", file=sys.stderr)
         return 1
     print(f"pd-cluster serving on {cluster.url}  (OpenAI base_url: {cluster.url}/v1)", flush=True)
-    if args.detach:
+    if detach:
         print(f"detached; `pd-cluster status --namespace {cluster.namespace}` / "
               f"`pd-cluster stop --namespace {cluster.namespace}`", flush=True)
         cluster.runtime.disconnect()  # detached actors (and a started head) live on
@@ -166,7 +189,9 @@ def run_status(args: argparse.Namespace) -> int:
     if url is None:
         st = ClusterState.load(ns)
         if st is None:
-            print(f"no cluster launched in namespace {ns!r} (no launch record); pass --url",
+            print(f"no cluster is running in namespace {ns!r}: start one with `pd-cluster "
+                  f"serve MODEL` (or `pd-cluster launch --config FILE`); a cluster in another "
+                  f"namespace: --namespace NAME; a proxy started elsewhere: --url URL",
                   file=sys.stderr)
             return 1
         url = st.url
@@ -175,7 +200,8 @@ def run_status(args: argparse.Namespace) -> int:
     except (httpx.HTTPError, ValueError) as e:
         moved = _proxy_url_from_ray(ns, st) if args.url is None else None
         if moved is None or moved == url:
-            print(f"cluster at {url} is not reachable: {e}", file=sys.stderr)
+            print(f"the cluster at {url} is not reachable ({e}); if it was stopped, "
+                  f"`pd-cluster stop --namespace {ns}` clears its record", file=sys.stderr)
             return 1
         print(f"the proxy moved: {url} -> {moved} (launch record updated)", file=sys.stderr)
         url = moved

@@ -30,13 +30,20 @@ DECODE_PREFILL_CAP = 64  # tokens: see RoleConfig.max_prefill_tokens_per_step
 
 
 class ClusterConfig(ConfigSection):
-    model: str = "tiny-llama"  # a preset, a checkpoint dir on every node, or an HF repo id
-    served_model_name: str | None = None  # the `model` clients send; default from `model`
+    """A whole cluster: the model, the engines per role, the KV transfer, the proxy, Ray."""
+    # A built-in preset, a checkpoint directory present on every engine's node, or a Hugging
+    # Face repo id (from each node's HF cache, or fetched).
+    model: str = "tiny-llama"
+    # The name(s) clients send as `model` (as vLLM's --served-model-name): the first is the
+    # one responses report, every one is accepted. Unset: `model` exactly as written.
+    served_model_name: str | list[str] | None = None
+    # disaggregated: prefill and decode engines linked by KV transfer; colocated: engines that
+    # do both (no KV transfer; the reference the disaggregated output must equal).
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     prefill: RoleConfig = Field(default_factory=RoleConfig)
     decode: RoleConfig = Field(default_factory=RoleConfig)
     colocated: RoleConfig = Field(default_factory=lambda: RoleConfig(replicas=2))
-    # EngineArgs keys as written (the engines fill in defaults); validated by EngineArgs.
+    # Every engine's settings (the `engine` section below); validated by EngineArgs.
     engine: dict[str, Any] = Field(default_factory=dict)
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
@@ -82,9 +89,26 @@ class ClusterConfig(ConfigSection):
                 f"{int(100 / per_gpu) / 100}")
         return self
 
+    @field_validator("served_model_name")
+    @classmethod
+    def _names(cls, value: str | list[str] | None) -> str | list[str] | None:
+        names = [value] if isinstance(value, str) else value or []
+        if value is not None and (not names or not all(n.strip() for n in names)):
+            raise ValueError("must be a non-empty name or list of names")
+        return value
+
+    @property
+    def served_names(self) -> list[str]:
+        """Every name a request's `model` may give; the first is the one reported."""
+        if self.served_model_name is None:
+            return [served_name(self.model)]
+        if isinstance(self.served_model_name, str):
+            return [self.served_model_name]
+        return list(self.served_model_name)
+
     @property
     def model_name(self) -> str:
-        return self.served_model_name or served_name(self.model)
+        return self.served_names[0]
 
     @property
     def roles(self) -> dict[str, RoleConfig]:

@@ -14,7 +14,9 @@ class ConfigSection(BaseModel):
 
 
 class RoleConfig(ConfigSection):
-    replicas: int = Field(1, ge=1)
+    """One role's engines (the same keys for prefill, decode and colocated): how many, their
+    resources per rank, and where Ray places them."""
+    replicas: int = Field(1, ge=1)  # engines of this role
     # Ranks per engine (tensor parallelism): rank 0 in the engine actor, the others its worker
     # processes on the same node, one device each. num_cpus, num_gpus and the engine's KV
     # budget are per rank; the actor holds tensor_parallel_size x them.
@@ -22,11 +24,11 @@ class RoleConfig(ConfigSection):
     num_cpus: float = Field(1.0, ge=0)  # Ray CPUs per rank; also its torch thread count on CPU
     num_gpus: float = Field(0.0, ge=0)  # 1 per rank on CUDA
     max_restarts: int = Field(3, ge=-1)  # Ray restarts a dead engine this many times (-1: ever)
-    # Placement, all through Ray: custom resources each engine needs (nodes started with
-    # `ray start --resources`), node labels it needs (`ray start --labels`), and how the
-    # role's replicas are laid out (a placement group strategy; null: Ray's default).
+    # Placement, all through Ray. Custom resources each engine needs (nodes started with
+    # `ray start --resources`).
     resources: dict[str, float] = Field(default_factory=dict)
-    node_labels: dict[str, str] = Field(default_factory=dict)
+    node_labels: dict[str, str] = Field(default_factory=dict)  # `ray start --labels` it needs
+    # How the role's replicas are laid out: a placement group strategy (null: Ray's default).
     strategy: Literal["spread", "pack", "strict_spread", "strict_pack"] | None = None
     # Prompt tokens an engine of this role computes per step while it has decodes running
     # (protects their inter-token latency). Unset: the engine section's value, else for decode
@@ -66,7 +68,9 @@ class RoleConfig(ConfigSection):
 
 
 class ProxyConfig(ConfigSection):
-    host: str = "127.0.0.1"
+    """The OpenAI-compatible HTTP proxy: where it listens, admission, routing, failure
+    handling."""
+    host: str = "127.0.0.1"  # address the API listens on (0.0.0.0: every interface)
     port: int = 8000  # 0: any free port (the launcher prints the URL)
     max_inflight: int = Field(256, ge=1)  # requests running at once; more wait in the queue
     # Requests waiting for an in-flight slot (first come, first served; their wait counts in
@@ -91,13 +95,13 @@ class ProxyConfig(ConfigSection):
     cache_events_interval: float = Field(0.25, gt=0)  # s between prefix-cache reports pulled
     cache_index_max_blocks: int = Field(65536, ge=1)  # block hashes remembered per engine
     request_timeout: float = Field(120.0, gt=0)  # bound on every wait for one request
-    health_check_interval: float = Field(2.0, gt=0)
-    health_check_timeout: float = Field(10.0, gt=0)
+    health_check_interval: float = Field(2.0, gt=0)  # s between health checks of each engine
+    health_check_timeout: float = Field(10.0, gt=0)  # s a health check may take before it fails
     unhealthy_threshold: int = Field(2, ge=1)  # failed checks before routing around an engine
     max_retries: int = Field(2, ge=0)  # extra engine pairs tried before any output is sent
     # Times a request may move to another engine when its engine fails mid-stream.
     max_migrations: int = Field(2, ge=0)
-    max_restarts: int = 3
+    max_restarts: int = 3  # Ray restarts a dead proxy this many times (on the launch node)
     log_stats_interval: float = 10.0  # s between per-engine stats lines in the log (0: off)
 
     @model_validator(mode="before")
@@ -125,7 +129,8 @@ class ProxyConfig(ConfigSection):
 
 
 class RayConfig(ConfigSection):
-    address: str | None = None  # None: start a local instance
-    namespace: str = "pd-cluster"
+    """Which Ray cluster runs the engines."""
+    address: str | None = None  # Ray cluster to join (null: start a local instance)
+    namespace: str = "pd-cluster"  # Ray namespace of the cluster's actors (one cluster each)
     num_cpus: float | None = None  # local instance only; default: what the engines need
-    num_gpus: float | None = None
+    num_gpus: float | None = None  # local instance only; default: the GPUs Ray detects

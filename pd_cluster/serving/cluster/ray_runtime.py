@@ -133,7 +133,7 @@ def start_head(port: int, num_cpus: float, num_gpus: float | None, log_path: Pat
     cmd = [*_ray_cli(), "start", "--head", "--block",
            f"--port={port}", f"--temp-dir={head_temp_dir(port)}",
            f"--num-cpus={int(max(1, round(num_cpus)))}",
-           "--disable-usage-stats", "--include-dashboard=false",
+           "--disable-usage-stats", "--include-dashboard=false", "--log-color=false",
            f"--dashboard-agent-listen-port={free_port()}"]
     if num_gpus is not None:
         cmd.append(f"--num-gpus={int(num_gpus)}")

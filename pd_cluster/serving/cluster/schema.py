@@ -22,7 +22,8 @@ _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<",
 _BOUND_KEYS = {"greater_than": "gt", "greater_than_equal": "ge", "less_than": "lt",
                "less_than_equal": "le"}
 # Keys the YAML writes flat although the model nests them (kv_transfer's pipe keys).
-_FLATTENED = {"pipe_config"}
+FLATTENED = {"pipe_config"}
+_FLATTENED = FLATTENED
 
 
 class ConfigError(ValueError):
