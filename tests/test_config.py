@@ -84,6 +84,7 @@ def test_ray_up_cluster_file() -> None:
     ({"proxy": {"routing": "random"}}, "proxy.routing: must be one of"),
     ({"proxy": {"request_timeout": 0}}, "proxy.request_timeout: must be > 0"),
     ({"proxy": {"hots": "0.0.0.0"}}, "proxy.hots: unknown key"),
+    ({"proxy": {"token_transport": "ray"}}, "proxy.token_transport: removed"),
     ({"engine": {"blok_size": 16}}, "engine.blok_size: unknown key"),
     ({"engine": {"block_size": 3}}, "engine.block_size: must be a power of two"),
     ({"engine": {"model": "x"}}, "engine.model:"),

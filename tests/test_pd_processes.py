@@ -131,9 +131,9 @@ def _wait_leak_free(proc: EngineProcess, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            proc.call("check_no_leaks")
+            proc.check_no_leaks()
             return
-        except RuntimeError:
+        except AssertionError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)

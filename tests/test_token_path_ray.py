@@ -97,7 +97,7 @@ def test_engine_killed_mid_stream_migrates_exactly_and_comes_back(actors) -> Non
         await proxy.pool.close()
     asyncio.run(go())
     for h in actors.values():
-        assert ray.get(h.check_no_leaks.remote(), timeout=30) is None
+        ray.get(h.check_no_leaks.remote(), timeout=30)  # raises AssertionError on a leak
 
 
 def test_proxy_restart_while_engines_live(actors) -> None:
@@ -121,7 +121,7 @@ def test_proxy_restart_while_engines_live(actors) -> None:
         await new.pool.close()
     asyncio.run(go())
     for h in actors.values():
-        assert ray.get(h.check_no_leaks.remote(), timeout=30) is None
+        ray.get(h.check_no_leaks.remote(), timeout=30)  # raises AssertionError on a leak
 
 
 def test_requests_and_aborts_go_over_the_session_socket(actors) -> None:
@@ -149,4 +149,31 @@ def test_requests_and_aborts_go_over_the_session_socket(actors) -> None:
         await proxy.pool.close()
     asyncio.run(go())
     for h in actors.values():
-        assert ray.get(h.check_no_leaks.remote(), timeout=30) is None
+        ray.get(h.check_no_leaks.remote(), timeout=30)  # raises AssertionError on a leak
+
+
+def test_check_no_leaks_raises_over_ray_as_the_engine_does(actors) -> None:
+    """One contract: EngineActor.check_no_leaks raises AssertionError (as LLMEngine's does)
+    while a request is held, and returns once it is gone."""
+    async def go() -> None:
+        proxy = Proxy(actors)
+        await proxy.pool.start()
+        job = GenerateJob("held", [1, 2, 3], SamplingParams(max_tokens=100_000,
+                                                            ignore_eos=True),
+                          time.monotonic() + 60)
+        events = proxy.dispatcher.stream(job)
+        await anext(events)
+        holder = next(e for e in proxy.pool.engines if e.inflight)
+        with pytest.raises(AssertionError, match="held"):
+            await asyncio.wait_for(holder.handle.check_no_leaks.remote(), 30)
+        await events.aclose()  # aborts it on the engine
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                await asyncio.wait_for(holder.handle.check_no_leaks.remote(), 30)
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline, "the aborted request is still held"
+                await asyncio.sleep(0.05)
+        await proxy.pool.close()
+    asyncio.run(go())

@@ -21,8 +21,10 @@ from connectors.pipes import wire
 from connectors.pipes.addressing import route_address
 from connectors.pipes.base import PipeError
 from connectors.pipes.sync import settle
+from pd_cluster.ipc_files import sweep_stale
 
 log = logging.getLogger("connectors.pipes.zmq_pipe")
+IPC_PREFIX = "pd-pipe-"  # ipc endpoint files: pd-pipe-<pid>-<random>.sock (ipc_files.py)
 _READ_BURST = 64   # messages read per socket per loop turn, so one peer cannot starve the rest
 
 
@@ -79,8 +81,10 @@ class ZmqPeers:
                 host = route_address()
             addr = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         else:
-            self._ipc_path = os.path.join(c.ipc_dir or tempfile.gettempdir(),
-                                          f"pd-pipe-{os.getpid()}-{uuid.uuid4().hex[:12]}.sock")
+            ipc_dir = c.ipc_dir or tempfile.gettempdir()
+            sweep_stale(ipc_dir, IPC_PREFIX)  # left by engines that were killed (no close ran)
+            self._ipc_path = os.path.join(ipc_dir, f"{IPC_PREFIX}{os.getpid()}-"
+                                                   f"{uuid.uuid4().hex[:12]}.sock")
             addr = f"ipc://{self._ipc_path}"
             s.bind(addr)
         self._router, self._addr = s, addr

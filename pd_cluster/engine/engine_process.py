@@ -4,6 +4,7 @@ Used to run a producer and a consumer engine as two processes (tests, benchmarks
 runs the same driver as the Ray engine actor (EngineLoop: same message types, same error
 semantics) and speaks the same msgspec messages: the parent sends EngineRequests and control
 calls; the child streams EngineDelta batches back on a socket owned by the engine thread.
+The child exits when its parent dies (an aborted test or benchmark leaves no orphan engine).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import argparse
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -21,6 +23,7 @@ from pd_cluster.config import EngineConfig
 
 _READY_TIMEOUT = 120.0
 _CALL_TIMEOUT = 60.0
+_PARENT_CHECK = 0.5  # s between the child's checks that its parent still lives
 
 
 class Control(msgspec.Struct, tag=True, forbid_unknown_fields=True):
@@ -53,7 +56,8 @@ class EngineProcess:
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pd_cluster.engine.engine_process", "--config",
-             config.model_dump_json(), "--control", f"tcp://127.0.0.1:{port}"],
+             config.model_dump_json(), "--control", f"tcp://127.0.0.1:{port}",
+             "--parent-pid", str(os.getpid())],
             env={**os.environ, **(env or {})})
         self._ctl: bytes | None = None  # the child's control identity (its output one differs)
         self.outputs: dict[str, dict[str, Any]] = {}  # per request: assembled from its deltas
@@ -89,6 +93,16 @@ class EngineProcess:
         if reply.error is not None:
             raise RuntimeError(reply.error)
         return reply.result
+
+    def check_no_leaks(self, timeout: float = _CALL_TIMEOUT) -> None:
+        """AssertionError unless no request and no KV block is held (LLMEngine's contract)."""
+        try:
+            self.call("check_no_leaks", timeout)
+        except RuntimeError as e:
+            kind, _, message = str(e).partition(": ")
+            if kind == "AssertionError":
+                raise AssertionError(message) from None
+            raise
 
     def wait_finished(self, request_ids: list[str], timeout: float) -> dict[str, dict[str, Any]]:
         self._wait(lambda: all(self.outputs.get(r, {}).get("finished") for r in request_ids),
@@ -141,6 +155,21 @@ class EngineProcess:
             self._ctl, self.kv_endpoint = ident, reply.result
         else:
             self._replies.append(reply)
+
+
+def exit_with_parent(parent_pid: int, interval: float = _PARENT_CHECK) -> threading.Thread:
+    """Exit this process once ``parent_pid`` is no longer its parent (it died: this process
+    was re-parented), checked every ``interval`` seconds on a daemon thread, whatever the
+    main thread blocks in (loading the model, a recv). Not prctl's PDEATHSIG: that fires when
+    the parent's spawning *thread* ends, which a parent that starts engines from a worker
+    thread would see as its engine dying."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval)
+        os._exit(1)  # no clean-up: its socket files are swept by the next engine to start
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def _serve(config: EngineConfig, control: str) -> None:
@@ -205,7 +234,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
     parser.add_argument("--control", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args()
+    exit_with_parent(args.parent_pid)  # first: the imports and the model load take seconds
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     _serve(EngineConfig.model_validate_json(args.config), args.control)

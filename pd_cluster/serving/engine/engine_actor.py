@@ -114,14 +114,11 @@ class EngineActor:
         return {**out, "incarnation": self.incarnation, "block_size": spec.block_size,
                 "kv_bytes_per_token": spec.block_bytes / spec.block_size}
 
-    async def check_no_leaks(self, timeout: float = 10.0) -> str | None:
-        """None when no request and no KV block is held; otherwise what is left."""
+    async def check_no_leaks(self, timeout: float = 10.0) -> None:
+        """AssertionError unless no request and no KV block is held (LLMEngine's contract;
+        over Ray the caller's ``ray.get`` raises it too)."""
         fut = self.loop.call(lambda engine: engine.check_no_leaks())
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
-        except AssertionError as e:
-            return str(e)
-        return None
+        await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
 
     async def connect_peers(self, peers: dict[str, str], timeout: float = 30.0,
                             stale: list[str] | None = None) -> dict[str, str | None]:

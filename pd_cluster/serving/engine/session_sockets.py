@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import socket
-import stat
 import uuid
 
 import zmq
+
+from pd_cluster.ipc_files import sweep_stale
 
 IPC_PREFIX = "pd-out-"  # ipc socket files: pd-out-<pid>-<random>
 _LISTEN_BACKLOG = 4  # one proxy connects per session; a few spare for a racing reconnect
@@ -100,32 +101,4 @@ def unlink_quietly(path: str | None) -> None:
 def sweep_stale_ipc(directory: str) -> list[str]:
     """Remove the sessions' ipc socket files in ``directory`` whose process is gone (an
     engine that crashed or was killed closes nothing); returns the paths removed."""
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(IPC_PREFIX):
-            continue
-        pid = name[len(IPC_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            if stat.S_ISSOCK(os.lstat(path).st_mode):
-                os.unlink(path)
-                removed.append(path)
-        except OSError:  # another engine swept it first
-            pass
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
+    return sweep_stale(directory, IPC_PREFIX)
