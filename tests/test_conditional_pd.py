@@ -24,7 +24,7 @@ NO_LINK = Link(0, 0.0, 1e9, 0.0)
 
 def test_remote_when_p_is_idle_and_holds_as_much() -> None:
     d = decide(Side(500, 0, 1000.0), Side(500, 0, 1000.0), Link(500, 1e3, 1e9, 0.002), 0.02)
-    assert d.path == REMOTE and d.reason == "remote_cheaper"
+    assert d.path == REMOTE and d.reason == "margin"  # local is 2 ms sooner: under 20 ms
     assert d.remote_s == pytest.approx(0.5 + 0.002 + 500e3 / 1e9)
     assert d.local_s == pytest.approx(0.5)
 
@@ -33,14 +33,22 @@ def test_local_when_p_queue_costs_more_than_the_margin() -> None:
     p_busy = Side(500, 4000, 1000.0)  # 4.5 s of work on P
     d = decide(p_busy, Side(500, 0, 500.0), NO_LINK, 0.02)  # D is slower, yet 1 s
     assert d.path == LOCAL and d.reason == "local_cheaper"
-    assert "remote=4500.0ms" in d.describe() and "local=1000.0ms" in d.describe()
+    assert "local=1000.0ms sooner than remote=4500.0ms" in d.describe()
 
 
 def test_margin_keeps_small_gains_remote() -> None:
     # D would answer 10 ms sooner: not worth prefilling between its decodes (margin 20 ms)
     p, dd = Side(100, 10, 1000.0), Side(100, 0, 1000.0)
-    assert decide(p, dd, NO_LINK, 0.02).path == REMOTE
-    assert decide(p, dd, NO_LINK, 0.0).path == LOCAL
+    d = decide(p, dd, NO_LINK, 0.02)
+    assert d.path == REMOTE and d.reason == "margin"  # the margin decided, not the cost
+    assert d.describe() == ("remote(margin: local=100.0ms sooner than remote=110.0ms by less "
+                            "than the margin 20.0ms)")
+    d = decide(p, dd, NO_LINK, 0.0)
+    assert d.path == LOCAL and d.reason == "local_cheaper"
+    assert d.describe() == ("local(local_cheaper: local=100.0ms sooner than remote=110.0ms by "
+                            "more than the margin 0.0ms)")
+    d = decide(dd, p, NO_LINK, 0.02)
+    assert d.describe() == "remote(remote_cheaper: remote=100.0ms <= local=110.0ms)"
 
 
 def test_cached_prefix_on_d_and_shipping_cost_count() -> None:
@@ -188,8 +196,9 @@ def test_planner_goes_remote_on_an_idle_cluster() -> None:
     job = _job(300)
     legs = planner.plan(job, set(), "r")
     assert [lg.kind for lg in legs] == [LegKind.DECODE, LegKind.PREFILL]
-    assert _count(metrics, REMOTE, "remote_cheaper") == 1
-    assert job.route.startswith("prefill-0->decode-0 remote(remote_cheaper")
+    # Both idle: D alone would skip the KV link's latency, a gain under the margin.
+    assert _count(metrics, REMOTE, "margin") == 1
+    assert job.route.startswith("prefill-0->decode-0 remote(margin: local=")
 
 
 def test_planner_prefills_on_d_when_p_is_backed_up() -> None:

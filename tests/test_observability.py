@@ -1,5 +1,5 @@
 """What an operator sees: one access-log line per request, a periodic stats line per engine,
-and Prometheus series under vLLM's names beside the pd_ ones."""
+and Prometheus series: vLLM's names where vLLM has the series, pd_ for P/D's own."""
 from __future__ import annotations
 
 import logging
@@ -19,7 +19,8 @@ def _engine(name: str, **stats: float) -> SimpleNamespace:
 
 def test_access_log_line_and_vllm_named_metrics(caplog) -> None:
     engines = [_engine("decode-0", num_running=3, num_waiting=1, kv_blocks_used=25,
-                       kv_blocks_total=100)]
+                       kv_blocks_total=100, num_preemptions=2, kv_bytes_sent=5,
+                       prefix_cache_hit_blocks=1, tp_pids="1,2")]
     metrics = ProxyMetrics(lambda: engines, "my-model")
     state = SimpleNamespace(metrics=metrics, inflight=0, cfg=parse_config({}))
     with caplog.at_level(logging.INFO, logger="pd_cluster.access"):
@@ -39,8 +40,18 @@ def test_access_log_line_and_vllm_named_metrics(caplog) -> None:
                    'vllm:time_to_first_token_seconds_count{model_name="my-model"} 1.0',
                    'vllm:request_success_total{finished_reason="length",model_name="my-model"} '
                    '1.0',
-                   "pd_time_to_first_token_seconds_count 1.0"):
+                   'vllm:num_preemptions_total{engine="decode-0",model_name="my-model"} 2.0',
+                   'pd_engine_kv_bytes_sent_total{engine="decode-0",role="decode"} 5.0',
+                   'pd_engine_prefix_cache_hit_blocks_total{engine="decode-0",role="decode"} 1.0'):
         assert series in text, series
+    # One name per series: nothing vLLM exports has a pd_ twin, no cluster-wide sums.
+    for twin in ("pd_time_to_first_token", "pd_inter_token", "pd_e2e", "pd_prompt_tokens",
+                 "pd_generation_tokens", "pd_engine_num_running", "pd_engine_num_waiting ",
+                 "pd_engine_kv_blocks_used", "pd_engine_num_preemptions", "pd_cluster_",
+                 "pd_engine_tp_pids"):
+        assert twin not in text, twin
+    helps = [ln for ln in text.splitlines() if ln.startswith("# HELP")]
+    assert helps and not [h for h in helps if "Engine stat" in h], helps
 
 
 def test_stats_line_per_engine(caplog, monkeypatch) -> None:
@@ -64,3 +75,29 @@ def test_stats_line_per_engine(caplog, monkeypatch) -> None:
     assert caplog.records[-1].getMessage() == (
         "prefill-0 (prefill, 10.0.0.7): running 2, waiting 0, KV 25.0% used, prefix hit 50.0%, "
         "tokens/s 20.0, KV sent MB/s 2.0")
+
+
+def test_every_engine_stat_has_a_series_that_says_what_it_is() -> None:
+    """Each stat an engine reports (a real engine's, its loop's, output and request sockets',
+    the P/D connector's) is exported under vLLM's name or described in engine_series."""
+    import inspect
+    import re
+
+    from connectors.pd_connector import PDConnectorWorker
+    from pd_cluster import LLM
+    from pd_cluster.driver.engine_loop import EngineLoop
+    from pd_cluster.serving.engine.engine_actor import EngineActor
+    from pd_cluster.serving.engine.output_sender import OutputSender
+    from pd_cluster.serving.observability.engine_series import AS_VLLM, ENGINE_SERIES, NOT_SERIES
+    with LLM(num_kv_blocks=16) as llm:
+        keys = set(llm.engine.stats())
+    keys.add("num_active")
+    for source in (inspect.getsource(EngineLoop.__init__), inspect.getsource(OutputSender.__init__),
+                   inspect.getsource(PDConnectorWorker.stats)):
+        keys |= set(re.findall(r'"(\w+)": ', source.split("counters = {", 1)[-1]
+                               if "counters = {" in source else source))
+    reader = inspect.getsource(EngineActor._reader_counters)
+    keys |= {f"session_{k}" for k in re.findall(r'"(\w+)"', reader.split("for k in", 1)[1])}
+    assert {"kv_bytes_sent", "requests_total", "output_messages", "session_requests",
+            "num_running"} <= keys
+    assert keys - AS_VLLM - NOT_SERIES <= set(ENGINE_SERIES), keys - set(ENGINE_SERIES)

@@ -148,10 +148,12 @@ def test_models_health_metrics(cluster, client) -> None:
     h = httpx.get(f"{cluster.url}/health", timeout=10)
     assert h.status_code == 200 and h.json()["status"] == "ok"
     m = httpx.get(f"{cluster.url}/metrics", timeout=10).text
-    for series in ("pd_requests_total{outcome=\"success\"}", "pd_time_to_first_token_seconds",
-                   "pd_inter_token_latency_seconds", "pd_engine_kv_blocks_used",
-                   "pd_engine_num_waiting", "pd_requests_inflight", "pd_engine_healthy"):
+    for series in ("pd_requests_total{outcome=\"success\"}", "vllm:time_to_first_token_seconds",
+                   "vllm:inter_token_latency_seconds", "vllm:kv_cache_usage_perc",
+                   "vllm:num_requests_waiting", "pd_requests_inflight", "pd_engine_healthy",
+                   "pd_engine_kv_bytes_sent_total"):
         assert series in m, series
+    assert "Engine stat" not in m and "pd_cluster_" not in m  # one name, a help that says
 
 
 BAD_INPUTS = [  # (body or raw bytes, path, status, param)

@@ -1,5 +1,5 @@
 """Per-request bookkeeping in the proxy: its admission (a running slot, maybe after a wait in
-the queue), latency and token metrics (pd_ and vllm: series), and one access-log line when the
+the queue), latency and token metrics (vLLM's series), and one access-log line when the
 request ends. The clock starts when the request arrives: queue time counts in its TTFT."""
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ class RequestTracker:
         self.state, self.m, self.request_id = state, state.metrics, request_id
         state.inflight += 1
         self.m.inflight.inc()
-        self.m.prompt_tokens.inc(n_prompt)
         self.m.vllm.prompt_tokens.inc(n_prompt)
         self.n_prompt, self.n_output = n_prompt, 0
         self.start = self.last = time.monotonic()
@@ -40,15 +39,12 @@ class RequestTracker:
         if ev.token_ids or ev.text:
             if self.ttft is None:
                 self.ttft = now - self.start
-                self.m.ttft.observe(self.ttft)
                 self.m.vllm.ttft.observe(self.ttft)
             else:
-                self.m.itl.observe(now - self.last)
                 self.m.vllm.itl.observe(now - self.last)
             self.last = now
         self.n_output += len(ev.token_ids)
         self.finish_reason = ev.finish_reason or self.finish_reason
-        self.m.generation_tokens.inc(len(ev.token_ids))
         self.m.vllm.generation_tokens.inc(len(ev.token_ids))
 
     def close(self, outcome: str, status: int | None = None) -> None:
@@ -62,7 +58,6 @@ class RequestTracker:
         if self._admission is not None:
             self._admission.leave(latency - self.queue_time)
         if outcome == "success":
-            self.m.e2e.observe(latency)
             self.m.vllm.e2e.observe(latency)
             self.m.vllm.success.labels(self.m.vllm.model_name, self.finish_reason or "stop").inc()
         ttft = f"{self.ttft * 1e3:.1f}ms" if self.ttft is not None else "-"

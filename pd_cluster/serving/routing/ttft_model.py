@@ -49,15 +49,24 @@ class Link:
 @dataclass(frozen=True)
 class Decision:
     path: str  # REMOTE or LOCAL
-    reason: str  # why (a Prometheus label: a short fixed vocabulary)
+    # What decided (a Prometheus label: a short fixed vocabulary): remote_cheaper (remote's
+    # estimate is no later), margin (local is sooner, but by less than the margin),
+    # local_cheaper (local is sooner by more than the margin), always (no estimate).
+    reason: str
     remote_s: float = 0.0  # the estimates (0 when not estimated)
     local_s: float = 0.0
+    margin_s: float = 0.0
 
     def describe(self) -> str:
+        """For the access log: the path and what decided it, in words and figures."""
         if not (self.remote_s or self.local_s):
             return f"{self.path}({self.reason})"
-        return (f"{self.path}({self.reason} remote={self.remote_s * 1e3:.1f}ms "
-                f"local={self.local_s * 1e3:.1f}ms)")
+        r, lo, m = (f"{x * 1e3:.1f}ms" for x in (self.remote_s, self.local_s, self.margin_s))
+        why = {"remote_cheaper": f"remote={r} <= local={lo}",
+               "margin": f"local={lo} sooner than remote={r} by less than the margin {m}",
+               "local_cheaper": f"local={lo} sooner than remote={r} by more than the "
+                                f"margin {m}"}.get(self.reason, f"remote={r} local={lo}")
+        return f"{self.path}({self.reason}: {why})"
 
 
 class Bias:
@@ -89,6 +98,8 @@ def decide(prefill: Side, decode: Side, link: Link, margin: float = 0.0,
     b = {path: bias.get(path) if bias is not None else 0.0 for path in (REMOTE, LOCAL)}
     remote = max(prefill.seconds() + link.seconds() + b[REMOTE], 0.0)
     local = max(decode.seconds() + b[LOCAL], 0.0)
+    if remote <= local:
+        return Decision(REMOTE, "remote_cheaper", remote, local, margin)
     if local + margin >= remote:
-        return Decision(REMOTE, "remote_cheaper", remote, local)
-    return Decision(LOCAL, "local_cheaper", remote, local)
+        return Decision(REMOTE, "margin", remote, local, margin)
+    return Decision(LOCAL, "local_cheaper", remote, local, margin)

@@ -1,0 +1,92 @@
+"""What each engine stat is called on /metrics, and what it means, in one table.
+
+A stat that vLLM exports under its own name (running and waiting requests, KV cache usage,
+preemptions) is exported once, under that name (vllm_metrics.py), and is absent here; the rest
+are P/D's own, ``pd_engine_<stat>{engine, role}``. Running totals are counters (``_total``),
+summed over engines by the reader (``sum(pd_engine_kv_bytes_sent_total)``), not by us.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineSeries:
+    help: str
+    counter: bool = False  # a running total (else a point-in-time value)
+
+
+# Stats exported under vLLM's names instead (vllm_metrics.VLLMEngineCollector).
+AS_VLLM = {"num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "num_preemptions"}
+# Stats that are not numbers to plot (the ranks' pids, for `pd-cluster status`).
+NOT_SERIES = {"tp_pids"}
+
+ENGINE_SERIES: dict[str, EngineSeries] = {
+    "num_waiting_for_remote_kv": EngineSeries(
+        "Requests on a decode engine waiting for their prompt's KV from a prefill engine "
+        "(also counted in vllm:num_requests_waiting)"),
+    "num_active": EngineSeries("Requests the engine holds now, from admission to their last "
+                               "token"),
+    "kv_blocks_total": EngineSeries("Blocks in the engine's KV cache (the share in use is "
+                                    "vllm:kv_cache_usage_perc)"),
+    "tensor_parallel_size": EngineSeries("Devices (tensor-parallel ranks) the engine runs on"),
+    "prefix_cache_queried_blocks": EngineSeries(
+        "Prompt KV blocks looked up in the engine's prefix cache", counter=True),
+    "prefix_cache_hit_blocks": EngineSeries(
+        "Prompt KV blocks found in the engine's prefix cache (hit rate: hit / queried)",
+        counter=True),
+    "kv_fallbacks": EngineSeries(
+        "Requests a decode engine prefilled itself because their KV did not arrive within "
+        "kv_transfer.kv_transfer_timeout", counter=True),
+    "kv_bytes_sent": EngineSeries("Prompt KV bytes a prefill engine sent to decode engines",
+                                  counter=True),
+    "kv_bytes_received": EngineSeries(
+        "Prompt KV bytes a decode engine received from prefill engines", counter=True),
+    "kv_send_seconds": EngineSeries(
+        "Seconds from a request's first KV layer sent to the decode engine's acknowledgement, "
+        "summed over requests", counter=True),
+    "kv_recv_seconds": EngineSeries("Seconds a decode engine spent receiving requests' KV, "
+                                    "summed over requests", counter=True),
+    "kv_send_timeouts": EngineSeries(
+        "KV sends, or holds of sent blocks, that ran out before the decode engine confirmed",
+        counter=True),
+    "kv_dropped_messages": EngineSeries(
+        "Malformed or unexpected KV transfer messages the engine dropped", counter=True),
+    "kv_prefix_hit_tokens": EngineSeries(
+        "Prompt tokens a decode engine already held in its prefix cache, so their KV was not "
+        "shipped", counter=True),
+    "kv_bytes_skipped": EngineSeries(
+        "KV bytes not shipped because the decode engine already held them", counter=True),
+    "requests_total": EngineSeries("Requests the engine accepted", counter=True),
+    "requests_finished": EngineSeries("Requests the engine finished", counter=True),
+    "requests_rejected": EngineSeries("Requests the engine rejected as invalid", counter=True),
+    "tokens_generated": EngineSeries(
+        "Tokens the engine generated (a prefill engine's first tokens included)", counter=True),
+    "steps": EngineSeries("Engine steps (one batch through the model)", counter=True),
+    "step_seconds": EngineSeries("Seconds spent in engine steps", counter=True),
+    "output_steps": EngineSeries("Engine steps that produced tokens", counter=True),
+    "output_step_seconds": EngineSeries("Seconds spent in engine steps that produced tokens",
+                                        counter=True),
+    "output_messages": EngineSeries(
+        "Token messages (one per engine step) the engine sent to proxies", counter=True),
+    "output_sessions_dropped": EngineSeries(
+        "Proxy token sessions the engine closed (the proxy left, or stopped reading)",
+        counter=True),
+    "session_requests": EngineSeries("Requests the engine read from proxies' request sockets",
+                                     counter=True),
+    "session_aborts": EngineSeries("Aborts the engine read from proxies' request sockets",
+                                   counter=True),
+    "session_malformed": EngineSeries(
+        "Malformed messages on the engine's request sockets, dropped", counter=True),
+}
+
+
+def series_name(stat: str) -> str:
+    return "pd_engine_" + re.sub(r"[^a-zA-Z0-9_]", "_", stat)
+
+
+def describe(stat: str) -> EngineSeries:
+    """The stat's series; a stat not in the table yet is still exported, as a gauge."""
+    return ENGINE_SERIES.get(stat) or EngineSeries(
+        f"Engine stat {stat} (not described yet in serving/observability/engine_series.py)")
