@@ -28,11 +28,14 @@ _PARKED_SLEEP = 0.001  # s: only remote-KV / send waits pending: poll, but do no
 class EngineLoop:
     def __init__(self, engine: Any, emit: Callable[[list[EngineDelta]], None],
                  on_fatal: Callable[[BaseException], None] | None = None,
-                 num_threads: int = 1):
+                 num_threads: int = 1, cores: tuple[int, ...] = ()):
+        """``cores``: pin the engine thread (and the OpenMP threads it starts) to them
+        (driver/cpu_setup.py); empty: leave its placement to the OS."""
         self.engine = engine
         self._emit = emit
         self._on_fatal = on_fatal
         self._num_threads = num_threads
+        self._cores = cores
         self._cmds: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._active: dict[str, int] = {}  # request id -> seq of its next delta
         self._stop = threading.Event()
@@ -71,12 +74,20 @@ class EngineLoop:
         self._thread.join(timeout)
 
     @property
+    def thread_id(self) -> int | None:
+        """The engine thread's OS thread id (for reading its CPU affinity); None before start."""
+        return self._thread.native_id
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         import torch
+        if self._cores:
+            from pd_cluster.driver.cpu_setup import pin_thread
+            pin_thread(self._cores)
         torch.set_num_threads(self._num_threads)  # OpenMP thread count is per calling thread
         try:
             while not self._stop.is_set():

@@ -46,6 +46,10 @@ class EngineSpec(Msg, frozen=True):
     engine_args: dict[str, Any]  # EngineConfig fields except model (kv_transfer included)
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    # Pin the engine's compute threads to cores of its own, claiming the node's lowest
+    # ``reserve_cores`` last (the cluster config's ``cpu`` section; driver/cpu_setup.py).
+    pin_threads: bool = False
+    reserve_cores: int = 0
 
 
 class EngineRequest(Msg, frozen=True):

@@ -20,6 +20,7 @@ import msgspec
 import zmq
 
 from pd_cluster.config import EngineConfig
+from pd_cluster.driver.cpu_setup import CoreClaim, CpuPolicy, claim_cores, preload_env
 
 _READY_TIMEOUT = 120.0
 _CALL_TIMEOUT = 60.0
@@ -28,7 +29,7 @@ _PARENT_CHECK = 0.5  # s between the child's checks that its parent still lives
 
 class Control(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     """Parent -> child: run ``op`` ("add", "abort", "stats", "check_no_leaks", "timings",
-    "connect", "shutdown") with ``args``."""
+    "cpu_setup", "connect", "shutdown") with ``args``."""
     op: str
     args: dict[str, Any] = {}
     request: bytes = b""  # an encoded EngineRequest for "add"
@@ -49,16 +50,23 @@ _reply = msgspec.msgpack.Decoder(Reply)
 class EngineProcess:
     """Parent-side handle of an engine subprocess."""
 
-    def __init__(self, config: EngineConfig, env: dict[str, str] | None = None):
+    def __init__(self, config: EngineConfig, env: dict[str, str] | None = None,
+                 cpu: CpuPolicy = CpuPolicy()):
+        """``cpu``: whether the child pins its compute threads (OMP_NUM_THREADS of them,
+        default 1) to cores of its own and starts with tcmalloc / Intel OpenMP preloaded."""
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        child_env = {**os.environ, **(env or {})}
+        if cpu.preload_libraries:
+            child_env.update(preload_env(child_env.get("LD_PRELOAD"))[0])
+        pin = ["--pin-reserve", str(cpu.reserve_cores)] if cpu.pin_threads else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pd_cluster.engine.engine_process", "--config",
              config.model_dump_json(), "--control", f"tcp://127.0.0.1:{port}",
-             "--parent-pid", str(os.getpid())],
-            env={**os.environ, **(env or {})})
+             "--parent-pid", str(os.getpid()), *pin],
+            env=child_env)
         self._ctl: bytes | None = None  # the child's control identity (its output one differs)
         self.outputs: dict[str, dict[str, Any]] = {}  # per request: assembled from its deltas
         self._replies: list[Reply] = []
@@ -86,7 +94,7 @@ class EngineProcess:
         self._send(Control("abort", {"request_ids": list(request_ids)}))
 
     def call(self, op: str, timeout: float = _CALL_TIMEOUT, **kwargs: Any) -> Any:
-        """Synchronous query: "stats", "check_no_leaks", "timings", "connect"."""
+        """Synchronous query: "stats", "check_no_leaks", "timings", "cpu_setup", "connect"."""
         self._send(Control(op, kwargs))
         self._wait(lambda: bool(self._replies), timeout, op)
         reply = self._replies.pop(0)
@@ -172,8 +180,11 @@ def exit_with_parent(parent_pid: int, interval: float = _PARENT_CHECK) -> thread
     return thread
 
 
-def _serve(config: EngineConfig, control: str) -> None:
-    """Child side: the EngineLoop driver owns the engine; this thread answers the parent."""
+def _serve(config: EngineConfig, control: str, pin_reserve: int | None) -> None:
+    """Child side: the EngineLoop driver owns the engine; this thread answers the parent.
+    ``pin_reserve``: claim cores for the engine thread, the node's lowest that many last."""
+    import torch
+
     from pd_cluster.engine.llm_engine import LLMEngine
     from pd_cluster.driver.engine_loop import EngineLoop
     from pd_cluster.driver.messages import decode_request, encode
@@ -190,8 +201,10 @@ def _serve(config: EngineConfig, control: str) -> None:
             sock.connect(control)
         sock.send_multipart([b"deltas", encode(deltas)])
 
-    loop = EngineLoop(engine, emit, on_fatal=lambda e: os._exit(1),
-                      num_threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    claim = CoreClaim() if pin_reserve is None else claim_cores(threads, pin_reserve)
+    loop = EngineLoop(engine, emit, on_fatal=lambda e: os._exit(1), num_threads=threads,
+                      cores=claim.cores)
     loop.start()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 1000)
@@ -199,7 +212,11 @@ def _serve(config: EngineConfig, control: str) -> None:
     sock.send_multipart([b"reply", _encoder.encode(Reply("ready", engine.kv_endpoint()))])
     queries = {"stats": lambda e: e.stats(),
                "check_no_leaks": lambda e: e.check_no_leaks() or True,
-               "timings": _timings}
+               "timings": _timings,
+               "cpu_setup": lambda e: {"pid": os.getpid(), "engine_thread_id": loop.thread_id,
+                                       "cores": list(claim.cores),
+                                       "why_not_pinned": claim.why_not,
+                                       "torch_threads": torch.get_num_threads()}}
     while True:
         msg = _control.decode(sock.recv())
         if msg.op == "shutdown":
@@ -235,8 +252,9 @@ if __name__ == "__main__":
     parser.add_argument("--config", required=True)
     parser.add_argument("--control", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--pin-reserve", type=int, default=None)
     args = parser.parse_args()
     exit_with_parent(args.parent_pid)  # first: the imports and the model load take seconds
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    _serve(EngineConfig.model_validate_json(args.config), args.control)
+    _serve(EngineConfig.model_validate_json(args.config), args.control, args.pin_reserve)

@@ -18,7 +18,8 @@ from connectors.config import KVTransferConfig
 from pd_cluster.config import EngineArgs
 from pd_cluster.driver.messages import (ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL,
                                         EngineSpec)
-from pd_cluster.serving.cluster.config_sections import ProxyConfig, RayConfig, RoleConfig, ConfigSection
+from pd_cluster.serving.cluster.config_sections import (ConfigSection, CpuConfig, ProxyConfig,
+                                                        RayConfig, RoleConfig)
 from pd_cluster.serving.cluster.model_source import resolve_model, served_name
 from pd_cluster.serving.cluster.schema import ConfigError, config_error, set_path
 
@@ -48,6 +49,7 @@ class ClusterConfig(ConfigSection):
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    cpu: CpuConfig = Field(default_factory=CpuConfig)
 
     @field_validator("engine")
     @classmethod
@@ -130,7 +132,9 @@ class ClusterConfig(ConfigSection):
             for i in range(rc.replicas):
                 specs.append(EngineSpec(name=f"{role}-{i}", role=role, model=self.model,
                                         engine_args=args, num_cpus=rc.num_cpus,
-                                        num_gpus=rc.num_gpus))
+                                        num_gpus=rc.num_gpus,
+                                        pin_threads=self.cpu.pin_threads,
+                                        reserve_cores=self.cpu.reserve_cores))
         return specs
 
     def required_cpus(self) -> float:

@@ -1,11 +1,13 @@
 """The cluster config's sections other than the engine's and the connector's own: each role's
-engines (replicas, resources, placement), the proxy and Ray. cluster_config.py assembles them
+engines (replicas, resources, placement), the proxy, Ray and the engines' CPU use. cluster_config.py assembles them
 into ClusterConfig."""
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pd_cluster.driver.cpu_setup import CpuPolicy
 
 
 class ConfigSection(BaseModel):
@@ -126,6 +128,17 @@ class ProxyConfig(ConfigSection):
         if value not in router_names():
             raise ValueError(f"must be one of {', '.join(router_names())}, got {value!r}")
         return value
+
+
+class CpuConfig(ConfigSection):
+    # Each engine on CPU pins its compute threads (num_cpus of them) to cores of its own,
+    # claimed on its node; with none free it does not pin and says so (driver/cpu_setup.py).
+    pin_threads: bool = CpuPolicy.pin_threads
+    # Cores of each node that engines claim last: the proxy's, Ray's and the OS's (on a
+    # 2-core node, one engine on core 1 leaves core 0 to serving; two engines take both).
+    reserve_cores: int = Field(CpuPolicy.reserve_cores, ge=0)
+    # LD_PRELOAD tcmalloc and Intel OpenMP (libiomp5) into engines where the node has them.
+    preload_libraries: bool = CpuPolicy.preload_libraries
 
 
 class RayConfig(ConfigSection):

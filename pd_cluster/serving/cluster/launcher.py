@@ -13,6 +13,7 @@ from typing import Any
 
 from pd_cluster.serving.cluster.cluster_config import ClusterConfig
 from pd_cluster.serving.cluster.launch_record import ClusterState, state_dir
+from pd_cluster.driver.cpu_setup import preload_env
 from pd_cluster.driver.messages import ROLE_DECODE, ROLE_PREFILL, EngineSpec
 from pd_cluster.serving.cluster.placement import Placement, check_feasible
 from pd_cluster.serving.cluster.ray_runtime import RayRuntime, start_ray, stop_head
@@ -93,7 +94,7 @@ def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = 
     lifetime = "detached" if detach else None
     engines: dict[str, Any] = {}
     proxy = None
-    placement = Placement(config, detach)
+    placement = Placement(config, detach, engine_env(config))
     try:
         check_feasible(config, ray.nodes())
         placement.reserve()
@@ -125,6 +126,20 @@ def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = 
     cluster = Cluster(config, runtime, url, engines, specs, proxy, placement, detached=detach)
     cluster.state().save()
     return cluster
+
+
+def engine_env(config: ClusterConfig) -> dict[str, str]:
+    """The preloads engines start with (tcmalloc, Intel OpenMP) where this node has them;
+    a missing one is said once here and the engines go on without it."""
+    if not config.cpu.preload_libraries:
+        return {}
+    env, missing = preload_env(os.environ.get("LD_PRELOAD"))
+    if missing:
+        logger.info("engines start without %s (not found on this node; `apt install "
+                    "libtcmalloc-minimal4`, `pip install intel-openmp`)", " and ".join(missing))
+    if env:
+        logger.info("engines preload %s", env["LD_PRELOAD"])
+    return env
 
 
 def link_engines(engines: dict[str, Any], infos: dict[str, dict[str, Any]],

@@ -59,9 +59,13 @@ def _user_labels(node: dict[str, Any]) -> dict[str, str]:
 class Placement:
     """Ray actor options for every engine; owns the placement groups it creates."""
 
-    def __init__(self, config: ClusterConfig, detached: bool):
+    def __init__(self, config: ClusterConfig, detached: bool,
+                 engine_env: dict[str, str] | None = None):
+        """``engine_env``: environment variables every engine process starts with (the
+        allocator and OpenMP preloads, driver/cpu_setup.py)."""
         self.config = config
         self.detached = detached
+        self.engine_env = dict(engine_env or {})
         self.groups: dict[str, Any] = {}  # role -> placement group
 
     def reserve(self, timeout: float = _PG_READY_TIMEOUT) -> None:
@@ -97,6 +101,8 @@ class Placement:
         opts: dict[str, Any] = {"num_cpus": rc.num_cpus * tp, "num_gpus": rc.num_gpus * tp}
         if rc.resources:
             opts["resources"] = dict(rc.resources)
+        if self.engine_env and rc.num_gpus == 0:
+            opts["runtime_env"] = {"env_vars": dict(self.engine_env)}
         pg = self.groups.get(spec.role)
         if pg is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -19,6 +19,7 @@ import threading
 import uuid
 from typing import Any
 
+from pd_cluster.driver.cpu_setup import CoreClaim, claim_cores
 from pd_cluster.driver.engine_loop import EngineLoop
 from pd_cluster.driver.messages import (ERROR_ENGINE, EngineDelta, EngineInfo, EngineRequest,
                                         EngineSpec)
@@ -42,6 +43,7 @@ class EngineActor:
         sys.setswitchinterval(_SWITCH_INTERVAL)
         threads = max(1, int(self.spec.num_cpus))
         torch.set_num_threads(threads)  # tiny models on a shared CPU: more threads = slower
+        self.cores = claim_engine_cores(self.spec, threads)
         self.node_ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         args = dict(self.spec.engine_args)
@@ -54,7 +56,8 @@ class EngineActor:
         self._lock = threading.Lock()
         self._sessions: dict[str, asyncio.Future[str]] = {}  # open output session -> closed
         self._readers: dict[str, RequestReader] = {}  # session -> its requests' socket
-        self.loop = EngineLoop(self.engine, self._emit, self._on_fatal, threads)
+        self.loop = EngineLoop(self.engine, self._emit, self._on_fatal, threads,
+                               self.cores.cores)
         self.output = OutputSender(self.node_ip, self.loop.abort,
                                    self._session_closed_threadsafe)
         self.loop.start()
@@ -86,6 +89,16 @@ class EngineActor:
         if not self.loop.alive:
             raise RuntimeError(f"{self.spec.name}: engine loop is down ({self.loop.error!r})")
         return self._info().to_dict()
+
+    async def cpu_setup(self) -> dict[str, Any]:
+        """Where the engine's compute runs: this process, its engine thread (OS ids, to read
+        their affinity from outside), the cores claimed (empty: not pinned, and why), torch's
+        thread count on the engine thread, and what LD_PRELOAD held at start."""
+        import torch
+        threads = await asyncio.wrap_future(self.loop.call(lambda _: torch.get_num_threads()))
+        return {"pid": os.getpid(), "engine_thread_id": self.loop.thread_id,
+                "cores": list(self.cores.cores), "why_not_pinned": self.cores.why_not,
+                "torch_threads": threads, "ld_preload": os.environ.get("LD_PRELOAD", "")}
 
     async def stats(self) -> dict[str, Any]:
         return {**self.loop.snapshot, **self.output.counters, **self._reader_counters()}
@@ -201,6 +214,7 @@ class EngineActor:
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
+        self.cores.release()
 
     # ---- engine thread -> event loop -------------------------------------------------------
     def _bind_loop(self) -> None:
@@ -242,6 +256,19 @@ def on_this_node(kv_transfer: dict[str, Any], node_ip: str) -> dict[str, Any]:
     if any(kv_transfer.get(k) for k in ("host", "interface", "cidr")):
         return kv_transfer
     return {**kv_transfer, "host": node_ip}
+
+
+def claim_engine_cores(spec: EngineSpec, threads: int) -> CoreClaim:
+    """The cores this engine's compute threads are pinned to (none when its spec says not
+    to, it runs on a GPU, or its node has no free cores; the log says which)."""
+    if not spec.pin_threads or spec.num_gpus > 0:
+        return CoreClaim(why_not="pinning is off" if not spec.pin_threads else "GPU engine")
+    claim = claim_cores(threads, spec.reserve_cores)
+    if claim.cores:
+        logger.info("%s: compute threads pinned to cores %s", spec.name, list(claim.cores))
+    else:
+        logger.warning("%s: compute threads not pinned: %s", spec.name, claim.why_not)
+    return claim
 
 
 def engine_actor_class() -> Any:

@@ -1,0 +1,146 @@
+"""CPU cores and runtime libraries for engine processes, set up the way CPU inference servers do.
+
+Cores: an engine claims ``n`` cores of its node for its compute threads (torch's intra-op
+threads run on the engine thread and the OpenMP threads it starts, which inherit its mask)
+and pins the engine thread to them. Ray's ``num_cpus`` is only an account, so engines claim
+real cores themselves: one ``flock``-ed file per core under ``<tmp>/pd-cluster-cores``, held
+for the process's life (the kernel drops it when the process dies), so engines on one node
+never pin onto the same core. The node's ``reserve`` lowest cores are taken last: they are the
+serving path's (proxy, Ray, the OS). When fewer than ``n`` cores are free the engine does not
+pin at all (two engines pinned to one core while another idles is worse than letting the OS
+place them) and says so.
+
+Libraries: where a node has them, tcmalloc and Intel's OpenMP runtime (libiomp5, which also
+serves torch's GNU OpenMP calls) are LD_PRELOADed into engine processes (the env goes into the
+Ray actor's runtime_env or a subprocess's env). Absent, the launcher says so once and goes on.
+"""
+from __future__ import annotations
+
+import ctypes.util
+import fcntl
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+logger = logging.getLogger(__name__)
+
+_LOCK_DIR = "pd-cluster-cores"
+# Library file names, most preferred first; searched in the interpreter's prefix (pip wheels
+# such as intel-openmp install there), then the dynamic linker's paths.
+TCMALLOC = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so",
+            "libtcmalloc.so")
+IOMP = ("libiomp5.so",)
+
+
+@dataclass(frozen=True)
+class CpuPolicy:
+    """How engines use a node's CPUs (the cluster config's ``cpu`` section takes its
+    defaults from here; stand-alone engine processes use it directly)."""
+    pin_threads: bool = True
+    reserve_cores: int = 1
+    preload_libraries: bool = True
+
+
+@dataclass
+class CoreClaim:
+    """Cores this process holds for its compute threads (empty: it pins nothing)."""
+    cores: tuple[int, ...] = ()
+    why_not: str = ""  # when empty: the reason, for the log
+    _locks: list[IO[bytes]] = field(default_factory=list, repr=False)
+
+    def release(self) -> None:
+        for f in self._locks:
+            f.close()  # closing the file drops its flock
+        self._locks.clear()
+
+
+def node_cores() -> list[int]:
+    """The cores this process may run on, ascending."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def claim_order(cores: list[int], reserve: int) -> list[int]:
+    """Cores in the order engines claim them: the unreserved ones (highest first), then the
+    ``reserve`` lowest (the serving path's), highest first."""
+    reserved, rest = cores[:reserve], cores[reserve:]
+    return sorted(rest, reverse=True) + sorted(reserved, reverse=True)
+
+
+def claim_cores(n: int, reserve: int = 1, lock_dir: Path | None = None) -> CoreClaim:
+    """Claim ``n`` cores of this node for this process, or none (see the module doc)."""
+    if n < 1:
+        raise ValueError(f"n: need at least one core, got {n}")
+    if not hasattr(os, "sched_setaffinity"):
+        return CoreClaim(why_not="this OS has no sched_setaffinity")
+    root = lock_dir or Path(tempfile.gettempdir()) / _LOCK_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    held: list[IO[bytes]] = []
+    cores: list[int] = []
+    for core in claim_order(node_cores(), reserve):
+        f = open(root / f"core-{core}.lock", "wb")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            continue
+        held.append(f)
+        cores.append(core)
+        if len(cores) == n:
+            return CoreClaim(tuple(sorted(cores)), _locks=held)
+    for f in held:
+        f.close()
+    return CoreClaim(why_not=f"{n} core(s) wanted, {len(cores)} of this node's "
+                             f"{len(node_cores())} free (others hold the rest)")
+
+
+def pin_thread(cores: tuple[int, ...]) -> None:
+    """Pin the calling thread (and the threads it starts later) to ``cores``."""
+    os.sched_setaffinity(0, cores)  # pid 0: the calling thread on Linux
+
+
+def find_library(names: tuple[str, ...]) -> str | None:
+    """The first of ``names`` found in this interpreter's prefix or the linker's paths."""
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        for name in names:
+            path = Path(prefix) / "lib" / name
+            if path.is_file():
+                return str(path)
+    for name in names:
+        stem = name[3:].split(".so")[0]  # libtcmalloc_minimal.so.4 -> tcmalloc_minimal
+        found = ctypes.util.find_library(stem)
+        if found:
+            return found
+    return None
+
+
+def preload_env(current: str | None = None) -> tuple[dict[str, str], list[str]]:
+    """(env vars that preload tcmalloc and libiomp5 where found, the libraries missing).
+
+    The engine's threads are pinned by ``pin_thread``; Intel OpenMP is told not to pin them
+    again and to spin only briefly after a parallel region (its default, 200 ms, would burn
+    the cores the serving path runs on)."""
+    libs = {"tcmalloc": find_library(TCMALLOC), "libiomp5": find_library(IOMP)}
+    found = [p for p in libs.values() if p]
+    missing = [name for name, p in libs.items() if not p]
+    env: dict[str, str] = {}
+    if found:
+        kept = [p for p in (current or "").split(":") if p and p not in found]
+        env["LD_PRELOAD"] = ":".join(found + kept)
+    if libs["libiomp5"]:
+        env.update(KMP_AFFINITY="disabled", KMP_BLOCKTIME="1")
+    return env, missing
+
+
+def loaded_libraries(pid: int | str = "self") -> set[str]:
+    """File names of the shared libraries mapped into process ``pid`` (Linux)."""
+    out = set()
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            path = line.rsplit(" ", 1)[-1].strip()
+            if ".so" in path:
+                out.add(os.path.basename(path))
+    return out
