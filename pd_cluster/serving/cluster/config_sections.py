@@ -131,6 +131,7 @@ class ProxyConfig(ConfigSection):
 
 
 class CpuConfig(ConfigSection):
+    """How engines use their node's CPU cores and runtime libraries."""
     # Each engine on CPU pins its compute threads (num_cpus of them) to cores of its own,
     # claimed on its node; with none free it does not pin and says so (driver/cpu_setup.py).
     pin_threads: bool = CpuPolicy.pin_threads
