@@ -109,7 +109,8 @@ async def _sse(first: tuple[int, StreamEvent] | None,
 
 async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Response:
     raw = await request.body()
-    req = parse_request(ChatCompletionRequest if chat else CompletionRequest, raw)
+    req = parse_request(ChatCompletionRequest if chat else CompletionRequest, raw,
+                        state.unknown_fields)
     if req.model not in state.cfg.served_names:
         raise model_not_found(req.model, state.cfg.served_names)
     if chat:

@@ -1,8 +1,8 @@
 """OpenAI API request/response models (pydantic) and their mapping to SamplingParams.
 
 Requests are parsed strictly from the raw JSON body (wrong types are 400s, not coerced).
-Fields this server does not know are ignored and logged once per name, as vLLM does (clients
-send store, metadata, service_tier, ...); vLLM's common extensions (top_k, min_tokens,
+Fields this server does not know are ignored and logged once per name, as vLLM does
+(unknown_fields.py: a bounded memory of names); vLLM's common extensions (top_k, min_tokens,
 ignore_eos, stop_token_ids, ...) are accepted; known features this server does not implement
 are rejected with the parameter named, never silently ignored.
 """
@@ -16,12 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.api.errors import APIError, invalid_request
+from pd_cluster.serving.api.unknown_fields import UnknownFields
 
 logger = logging.getLogger(__name__)
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 _LENIENT = ConfigDict(extra="allow", strict=True)  # unknown fields: ignored, logged once
-_logged_unknown: set[str] = set()
 MAX_N = 64  # choices per prompt in one request
 
 
@@ -163,8 +163,9 @@ class ChatCompletionRequest(_SamplingFields):
         return out
 
 
-def parse_request(model: type[_SamplingFields], raw: bytes) -> Any:
-    """Parse a raw JSON body into ``model``; every problem becomes a 400 naming the param."""
+def parse_request(model: type[_SamplingFields], raw: bytes, unknown: UnknownFields) -> Any:
+    """Parse a raw JSON body into ``model``; every problem becomes a 400 naming the param.
+    Fields it does not know are ignored and noted in ``unknown`` (logged once per name)."""
     try:
         req = model.model_validate_json(raw)
     except ValidationError as e:
@@ -178,18 +179,10 @@ def parse_request(model: type[_SamplingFields], raw: bytes) -> Any:
         param = str(err["loc"][0])
         msg = "unknown parameter" if err["type"] == "extra_forbidden" else err["msg"]
         raise invalid_request(f"{loc}: {msg}", param) from None
-    _log_unknown(req.model_extra or {}, "")
+    unknown.note(req.model_extra or {})
     if req.stream_options is not None:
-        _log_unknown(req.stream_options.model_extra or {}, "stream_options.")
+        unknown.note(req.stream_options.model_extra or {}, "stream_options.")
     return req
-
-
-def _log_unknown(extra: dict[str, Any], prefix: str) -> None:
-    new = sorted(f"{prefix}{k}" for k in extra if f"{prefix}{k}" not in _logged_unknown)
-    if new:
-        _logged_unknown.update(new)
-        logger.warning("ignoring request field(s) this server does not know: %s "
-                       "(logged once per name)", ", ".join(new))
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from typing import Any
 
 from pd_cluster.serving.api.errors import invalid_request
 from pd_cluster.serving.api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from pd_cluster.serving.api.unknown_fields import UnknownFields
 from pd_cluster.serving.cluster.cluster_config import ClusterConfig, resolve_model
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.admission import Admission
@@ -32,6 +33,8 @@ class ProxyState:
                                  or hf.get("max_position_embeddings", 2048))
         self.pool = EnginePool(engines, cfg.proxy)
         self.metrics = ProxyMetrics(lambda: self.pool.engines, cfg.model_name)
+        failures = self.metrics.cache_report_failures
+        self.pool.cache_feed.on_failure = lambda engine: failures.labels(engine).inc()
         channel = TokenChannel(cfg.proxy.health_check_timeout, self.pool.mark_failed)
         self.pool.token_channel = channel
         self.dispatcher = Dispatcher(self.pool, cfg.mode, self.metrics, channel,
@@ -39,6 +42,7 @@ class ProxyState:
                                      cfg.proxy.stream_interval)
         self.admission = Admission(cfg.proxy.max_inflight, cfg.proxy.max_queue, self.metrics)
         self.inflight = 0  # requests in the proxy, queued ones included
+        self.unknown_fields = UnknownFields()  # request fields ignored (each logged once)
         self.node_ip = _node_ip()
 
     # ---- prompt handling -----------------------------------------------------------------

@@ -70,6 +70,9 @@ class ProxyMetrics:
         self.route_cached_tokens = Counter(
             "pd_route_cached_prompt_tokens", "Prompt tokens the chosen engine was expected to "
             "hold in its prefix cache when routed, by role", ["role"], registry=r)
+        self.cache_report_failures = Counter(
+            "pd_cache_report_failures", "Prefix-cache reports an engine failed to give (routing "
+            "misses its cache until one succeeds), by engine", ["engine"], registry=r)
         self.route_prompt_tokens = Counter(
             "pd_route_prompt_tokens", "Prompt tokens routed, by role (the denominator of "
             "pd_route_cached_prompt_tokens)", ["role"], registry=r)

@@ -9,28 +9,38 @@ second at the default interval) keeps the per-step token messages' format and ho
 unchanged. What a request puts in an engine's cache is recorded by the planner when it routes,
 so only blocks written after the prompt (the reply) wait for the next report. A new engine
 incarnation (a restart), or a report that failed (events may be lost), is resynchronised
-with a full report; meanwhile routing only misses, never errs.
+with a full report; meanwhile routing only misses, never errs. A failed report is counted
+(``on_failure``: the proxy's pd_cache_report_failures) and logged as a warning, at most once
+per engine every _WARN_EVERY seconds while its reports keep failing, so cache-aware routing
+never stops silently.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import time
+from typing import Any, Callable
 
 from pd_cluster.serving.routing.cache_index import CacheIndex
 from pd_cluster.serving.routing.engine_load import LinkStats
 
 logger = logging.getLogger(__name__)
 
+_WARN_EVERY = 60.0  # s: the longest an engine's failing reports go without a warning
+
 
 class CacheFeed:
-    def __init__(self, index: CacheIndex, link: LinkStats, interval: float, timeout: float):
+    def __init__(self, index: CacheIndex, link: LinkStats, interval: float, timeout: float,
+                 on_failure: Callable[[str], None] = lambda engine: None):
         self.index, self.link = index, link
         self.interval, self.timeout = interval, timeout
+        self.on_failure = on_failure  # told the engine's name at each failed report
         self._synced: dict[str, str] = {}  # engine -> incarnation whose events we follow
         self._cursor: dict[str, int] = {}  # engine -> where its next report starts
         self._task: asyncio.Task | None = None
         self.reports = 0
+        self.failing: dict[str, int] = {}  # engine -> reports failed in a row
+        self._warned: dict[str, float] = {}  # engine -> when its failures were last logged
 
     def start(self, engines: list[Any]) -> None:
         self._task = asyncio.create_task(self._loop(engines))
@@ -60,9 +70,12 @@ class CacheFeed:
             report = await asyncio.wait_for(e.handle.cache_events.remote(
                 full, cursor=self._cursor.get(e.name)), self.timeout)
         except Exception as exc:  # noqa: BLE001 - a missed report: resync at the next one
-            logger.debug("%s: cache report failed: %s", e.name, exc)
+            self._failed(e.name, exc)
             self.forget(e)
             return
+        if self.failing.pop(e.name, 0):
+            self._warned.pop(e.name, None)
+            logger.info("%s: cache reports resumed", e.name)
         if report["incarnation"] != e.incarnation and not full:
             self.forget(e)  # restarted since the health check: its events start over
             return
@@ -72,3 +85,14 @@ class CacheFeed:
         self._synced[e.name] = report["incarnation"]
         self._cursor[e.name] = int(report["cursor"])
         self.reports += 1
+
+    def _failed(self, engine: str, exc: BaseException) -> None:
+        n = self.failing[engine] = self.failing.get(engine, 0) + 1
+        self.on_failure(engine)
+        now = time.monotonic()
+        last = self._warned.get(engine)
+        if last is None or now - last >= _WARN_EVERY:
+            self._warned[engine] = now
+            logger.warning("%s: cache report failed (%d in a row; routing misses its prefix "
+                           "cache until one succeeds): %s: %s", engine, n,
+                           type(exc).__name__, str(exc)[:200])
