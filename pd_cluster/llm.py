@@ -1,4 +1,5 @@
-"""Offline batch API mirroring vLLM: ``LLM(model=...).generate(prompts, sampling_params)``."""
+"""Offline batch API mirroring vLLM: ``LLM(model=...).generate(prompts, sampling_params)``
+and ``.chat(messages, sampling_params)``."""
 from __future__ import annotations
 
 import itertools
@@ -57,6 +58,25 @@ class LLM:
             self.engine.abort_request(added)  # leave nothing behind on error or Ctrl-C
             raise
 
+    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages)
+        or to several (a list of such lists), through the tokenizer's chat template, as vLLM's
+        ``LLM.chat``. Content is text (a string or text parts); any other part is a
+        ValueError."""
+        from pd_cluster.chat import render_chat
+        prompts = []
+        for conv in _as_conversations(messages):
+            text, ids = render_chat(
+                self.get_tokenizer(), conv, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         prompt_logprobs: dict[str, Any] = {}  # they come once, in an earlier output
@@ -80,3 +100,11 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
+
+
+def _as_conversations(messages: Any) -> list[list[dict[str, Any]]]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages: expected a list of messages (or a list of such lists)")
+    if all(isinstance(m, (list, tuple)) for m in messages):
+        return [list(conv) for conv in messages]
+    return [list(messages)]

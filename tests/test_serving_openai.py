@@ -189,7 +189,21 @@ BAD_INPUTS = [  # (body or raw bytes, path, status, param)
     ({"model": MODEL, "messages": "hi"}, "/v1/chat/completions", 400, "messages"),
     ({"model": "nope", "messages": [{"role": "user", "content": "x"}]},
      "/v1/chat/completions", 404, "model"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]},
+     "/v1/chat/completions", 400, "messages"),
 ]
+
+
+def test_image_content_is_a_400_that_says_images_are_not_supported(cluster) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]}
+    r = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == (
+        "messages.content: content part 0 has type 'input_audio': only text content is "
+        "supported (images, audio, video and files are not)")
 
 
 def test_bad_inputs_are_clean_4xx(cluster, client) -> None:

@@ -12,8 +12,9 @@ import logging
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from pd_cluster.chat import check_content_parts
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.api.errors import APIError, invalid_request
 from pd_cluster.serving.api.unknown_fields import UnknownFields
@@ -133,6 +134,11 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:  # "images are not supported", not "not a string"
+        return check_content_parts(value)
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
@@ -177,7 +183,9 @@ def parse_request(model: type[_SamplingFields], raw: bytes, unknown: UnknownFiel
             raise invalid_request("The request body must be a JSON object", None) from None
         loc = ".".join(str(x) for x in err["loc"] if not isinstance(x, int) or x)
         param = str(err["loc"][0])
-        msg = "unknown parameter" if err["type"] == "extra_forbidden" else err["msg"]
+        msg = ("unknown parameter" if err["type"] == "extra_forbidden"
+               else str(err["ctx"]["error"]) if err["type"] == "value_error"
+               else err["msg"])
         raise invalid_request(f"{loc}: {msg}", param) from None
     unknown.note(req.model_extra or {})
     if req.stream_options is not None:
