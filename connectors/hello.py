@@ -39,18 +39,20 @@ def make_hello(engine_info: dict[str, Any]) -> dict[str, Any]:
 
 def _spec_diffs(consumer: list[dict[str, Any]], producer: Any) -> list[str]:
     if not isinstance(producer, list) or len(producer) != len(consumer):
-        return [f"kv_specs: ours={len(consumer)} layers theirs={producer!r:.200}"]
-    return [f"layer {i} KV spec: ours={c!r} theirs={p!r}"
+        return [f"kv_specs (the prefill engine has {len(producer) if isinstance(producer, list) else '?'} layers)"]
+    return [f"layer {i} KV spec (the prefill engine has {p!r:.200})"
             for i, (c, p) in enumerate(zip(consumer, producer)) if c != p][:3]
 
 
 def hello_mismatch(consumer: dict[str, Any], producer: dict[str, Any]) -> str | None:
-    """The reason a producer cannot feed this consumer, naming both engines, or None."""
-    diffs = [f"{k}: ours={consumer[k]!r} theirs={producer.get(k)!r}" for k in _COMPARED
+    """Why a producer cannot feed this consumer, or None. The reason goes back to the producer
+    and into the consumer's log: it names the keys that differ and the producer's own values,
+    never the consumer's (a peer learns nothing it did not send)."""
+    diffs = [f"{k} (the prefill engine has {producer.get(k)!r:.200})" for k in _COMPARED
              if k != "kv_specs" and producer.get(k) != consumer[k]]
     if producer.get("kv_specs") != consumer["kv_specs"]:
         diffs += _spec_diffs(consumer["kv_specs"], producer.get("kv_specs"))
     if not diffs:
         return None
-    return (f"KV layout mismatch between the prefill engine (TP{producer.get('tp_size', 1)}) "
-            f"and the decode engine (TP{consumer.get('tp_size', 1)}): " + "; ".join(diffs))
+    return (f"KV layout mismatch: the prefill engine (TP{producer.get('tp_size', 1)!r:.20}) "
+            f"and this decode engine differ in " + "; ".join(diffs))

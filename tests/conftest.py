@@ -13,6 +13,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The cluster secret the KV handshakes and proxy sessions prove (connectors/secret.py; a
+# launched cluster makes its own): one per test session, inherited by engine subprocesses.
+os.environ.setdefault("PD_CLUSTER_SECRET", __import__("secrets").token_hex(32))
 
 import json  # noqa: E402
 import logging  # noqa: E402

@@ -55,6 +55,10 @@ class PipeConfig(BaseModel):
     handshake_timeout: float = Field(10.0, ge=0)  # connect(): wait for the consumer's reply
     linger: float = Field(1.0, ge=0)      # close(): how long unsent data may still be flushed
     hwm: int = Field(1000, gt=0)          # ZMQ SNDHWM/RCVHWM (messages)
+    # How a peer proves it belongs to the cluster (connectors/pipes/auth.py): token, a
+    # challenge-response over the cluster secret; curve, the same on CURVE-encrypted sockets;
+    # none, no proof (anyone who reaches the port is a peer).
+    security: Literal["token", "curve", "none"] = "token"
     extra: dict[str, Any] = Field(default_factory=dict)  # transport-specific options
 
     @field_validator("port_range", mode="before")

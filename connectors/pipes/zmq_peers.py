@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import zmq
 
-from connectors.pipes import wire
+from connectors.pipes import auth, wire
 from connectors.pipes.addressing import route_address
 from connectors.pipes.base import PipeError
 from connectors.pipes.sync import settle
@@ -25,6 +25,7 @@ from pd_cluster.ipc_files import sweep_stale
 
 log = logging.getLogger("connectors.pipes.zmq_pipe")
 IPC_PREFIX = "pd-pipe-"  # ipc endpoint files: pd-pipe-<pid>-<random>.sock (ipc_files.py)
+_MAX_CHALLENGES = 1024  # handshakes half done at once (the oldest is forgotten beyond it)
 _READ_BURST = 64   # messages read per socket per loop turn, so one peer cannot starve the rest
 
 
@@ -39,6 +40,10 @@ class Outgoing:
     tracker: Any = None            # one MessageTracker over all payload frames, once sent
     started: bool = False
     queued: float = field(default_factory=time.monotonic)  # for the send_timeout bound
+
+
+class _NotAPeer(wire.Malformed):
+    """Data from a connection that has not completed a handshake."""
 
 
 def peer_name(ident: bytes) -> str:
@@ -65,6 +70,8 @@ class ZmqPeers:
         s = self._new_socket(zmq.ROUTER)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a reply to an unknown peer fails, not vanishes
         c = self.config
+        if c.security == "curve":
+            auth.curve_server(s, self._secret)
         if c.transport == "tcp":
             host = c.bind_host()
             if ":" in host:
@@ -94,8 +101,19 @@ class ZmqPeers:
         self._close_dealer(peer, PipeError("reconnected"))
         s = self._new_socket(zmq.DEALER)
         s.setsockopt(zmq.ROUTING_ID, ident)
+        if self.config.security == "curve":
+            auth.curve_client(s, self._secret)
         s.connect(peer)
         self._dealers[peer], self._sock_peer[s] = s, peer
+        self._pending_hs[peer] = hs
+        self._outq[s].append(hello)
+
+    def _send_hello(self, peer: str, hs: Future, hello: Outgoing) -> None:
+        """A further handshake round on the open socket to ``peer``."""
+        s = self._dealers.get(peer)
+        if s is None:
+            settle(hs, PipeError(f"not connected to {peer!r}"))
+            return
         self._pending_hs[peer] = hs
         self._outq[s].append(hello)
 
@@ -128,6 +146,13 @@ class ZmqPeers:
                 peer = self._sock_peer[s]
             try:
                 self._handle(ident, peer, frames)
+            except _NotAPeer:  # counted, logged once per connection: floods stay quiet
+                self._n["refused"] += 1
+                if ident not in self._noted:
+                    self._noted[ident] = None
+                    if len(self._noted) > _MAX_CHALLENGES:
+                        self._noted.pop(next(iter(self._noted)))
+                    log.warning("zmq pipe: refused messages from %r: no handshake", peer[:120])
             except Exception as e:   # whatever a peer sends, the I/O thread keeps serving
                 self._n["dropped"] += 1
                 log.warning("zmq pipe: dropped a message from %r: %s", peer, e,
@@ -147,7 +172,7 @@ class ZmqPeers:
         if kind != "d":
             raise wire.Malformed(f"unexpected {kind!r} message")
         if ident is not None and ident not in self._accepted:
-            raise wire.Malformed("data before a successful handshake")
+            raise _NotAPeer()
         tensor = wire.tensor_from_buffers(meta, frames[1:])
         self._rq.put((peer, body, tensor), len(frames[0]) + (tensor.nbytes if tensor is not None
                                                             else 0))
@@ -155,6 +180,10 @@ class ZmqPeers:
         return None
 
     def _on_hello(self, ident: bytes, peer: str, hello: dict) -> None:
+        if self._secret is not None:
+            hello = self._proven(ident, peer, hello)
+            if hello is None:
+                return
         err = None
         try:
             if self._validator is not None:
@@ -162,7 +191,8 @@ class ZmqPeers:
             if err is None and self._peer_hook is not None:
                 self._peer_hook(peer, hello)
         except Exception as e:
-            err = f"handshake check raised {e!r}"
+            log.warning("zmq pipe: handshake check of %r raised %r", peer, e)
+            err = "handshake check failed"
         if err is None:
             self._accepted[ident] = hello
             reply = {"ok": True, "identity": peer, "info": self._info}
@@ -170,4 +200,33 @@ class ZmqPeers:
             self._accepted.pop(ident, None)
             reply = {"ok": False, "error": str(err)}
             log.warning("zmq pipe: rejected the handshake of %r: %s", peer, err)
-        self._outq[self._router].append(Outgoing(peer, wire.pack("ack", reply), [], None))
+        self._reply(peer, reply)
+
+    def _proven(self, ident: bytes, peer: str, hello: dict) -> Optional[dict]:
+        """auth.py's exchange, consumer side: answers a first round with our proof and a
+        challenge (None: nothing more to do now); returns the producer's model hello once
+        its proof held. A failed proof: counted, one log line, one fixed answer."""
+        self._accepted.pop(ident, None)  # a new handshake: not a peer until it succeeds
+        proof = hello.pop(auth.KEY, None)
+        if isinstance(proof, dict) and auth.is_nonce(proof.get("n")):
+            mine = auth.new_nonce()
+            self._challenges.pop(ident, None)
+            self._challenges[ident] = (proof["n"], mine, time.monotonic())
+            while len(self._challenges) > _MAX_CHALLENGES:
+                self._challenges.pop(next(iter(self._challenges)))
+            self._reply(peer, {"challenge": mine, "proof": auth.proof(
+                self._secret, "consumer", proof["n"], mine)})
+            return None
+        pending = self._challenges.pop(ident, None)
+        if (isinstance(proof, dict) and pending is not None
+                and time.monotonic() - pending[2] <= self.config.handshake_timeout
+                and auth.check(auth.proof(self._secret, "producer", pending[0], pending[1]),
+                               proof.get("proof"))):
+            return hello
+        self._n["auth_failures"] += 1
+        log.warning("zmq pipe: refused peer %r: %s", peer[:120], auth.REFUSED)
+        self._reply(peer, {"ok": False, "error": auth.REFUSED})
+        return None
+
+    def _reply(self, peer: str, body: dict) -> None:
+        self._outq[self._router].append(Outgoing(peer, wire.pack("ack", body), [], None))

@@ -24,7 +24,7 @@ import msgpack
 import torch
 import zmq
 
-from connectors.pipes import wire
+from connectors.pipes import auth, wire
 from connectors.pipes.base import (HandshakeError, KVPipe, Message, PipeClosed, PipeConfig,
                                    PipeError, PipeTimeout, register_pipe)
 from connectors.pipes.sync import InflightGate, RecvQueue, ReleaseReaper, settle
@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 class ZmqPipe(ZmqPeers, KVPipe):
     def __init__(self, config: PipeConfig) -> None:
         super().__init__(config)
+        from connectors.secret import cluster_secret
+        # Before any thread or socket: no secret with a security mode that needs one is a
+        # configuration error, raised here.
+        self._secret = None if config.security == "none" else cluster_secret()
         self._ctx = zmq.Context(io_threads=int(config.extra.get("io_threads", 1)))
         self._gate = InflightGate(config.max_inflight_bytes)
         self._rq = RecvQueue(config.max_recv_bytes, self._wake)
@@ -50,9 +54,11 @@ class ZmqPipe(ZmqPeers, KVPipe):
         self._closed = False
         self._stop = threading.Event()
         self._sleeping = True
-        self._id_base = f"{pysocket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # 128 random bits: a ROUTER routes by identity, so one must not be guessable.
+        self._id_base = f"{pysocket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
         self._n_connects = 0
-        self._n = {"sent": 0, "received": 0, "dropped": 0}
+        self._n = {"sent": 0, "received": 0, "dropped": 0, "auth_failures": 0,
+                   "refused": 0}
         self._validator: Optional[Callable[[dict], Optional[str]]] = None
         self._info: dict = {}
         self._peer_hook: Optional[Callable[[str, dict], None]] = None  # the nccl pipe's hook
@@ -65,6 +71,8 @@ class ZmqPipe(ZmqPeers, KVPipe):
         self._outq: dict[zmq.Socket, deque] = {}     # every socket, with its unsent messages
         self._pending_hs: dict[str, Future] = {}
         self._accepted: dict[bytes, dict] = {}        # ROUTER identity -> its hello
+        self._challenges: dict[bytes, tuple[bytes, bytes, float]] = {}  # auth.py, round 1
+        self._noted: dict[bytes, None] = {}           # refused connections already logged
         self._io = threading.Thread(target=self._io_loop, name="zmq-pipe-io", daemon=True)
         self._io.start()
 
@@ -83,18 +91,39 @@ class ZmqPipe(ZmqPeers, KVPipe):
         with self._lock:
             self._n_connects += 1
             ident = f"{self._id_base}-{self._n_connects}".encode()
-        out, hs = _Out(peer_addr, wire.pack("hello", hello), [], None), Future()
-        self._run_in_io(lambda: self._open_dealer(peer_addr, ident, hs, out))
-        try:
-            reply = hs.result(timeout=self.config.handshake_timeout)
-        except FutureTimeout:
-            self._run_in_io(lambda: self._close_dealer(peer_addr, PipeError("handshake timed out")))
-            raise PipeTimeout(f"no handshake reply from {peer_addr} within "
-                              f"{self.config.handshake_timeout}s") from None
+        if self._secret is None:
+            reply = self._hello_round(peer_addr, hello, ident)
+        else:  # auth.py: the consumer proves the secret first, then we do, with our hello
+            mine = auth.new_nonce()
+            first = self._hello_round(peer_addr, {auth.KEY: {"n": mine}}, ident)
+            theirs = first.get("challenge")
+            if not (auth.is_nonce(theirs) and auth.check(
+                    auth.proof(self._secret, "consumer", mine, theirs), first.get("proof"))):
+                self._run_in_io(lambda: self._close_dealer(peer_addr, PipeError("refused")))
+                raise HandshakeError(
+                    f"{peer_addr} did not prove the cluster secret (another cluster, another "
+                    f"kv_transfer.security, or not a pd-cluster consumer)")
+            reply = self._hello_round(peer_addr, {**hello, auth.KEY: {
+                "proof": auth.proof(self._secret, "producer", mine, theirs)}})
         if not reply.get("ok"):
             self._run_in_io(lambda: self._close_dealer(peer_addr, PipeError("handshake rejected")))
             raise HandshakeError(f"{peer_addr} rejected the handshake: {reply.get('error')}")
         return reply
+
+    def _hello_round(self, peer_addr: str, hello: dict, ident: Optional[bytes] = None) -> dict:
+        """Send a hello (on a new socket with ``ident``, else on the open one) and wait for
+        the consumer's answer."""
+        out, hs = _Out(peer_addr, wire.pack("hello", hello), [], None), Future()
+        if ident is not None:
+            self._run_in_io(lambda: self._open_dealer(peer_addr, ident, hs, out))
+        else:
+            self._run_in_io(lambda: self._send_hello(peer_addr, hs, out))
+        try:
+            return hs.result(timeout=self.config.handshake_timeout)
+        except FutureTimeout:
+            self._run_in_io(lambda: self._close_dealer(peer_addr, PipeError("handshake timed out")))
+            raise PipeTimeout(f"no handshake reply from {peer_addr} within "
+                              f"{self.config.handshake_timeout}s") from None
 
     def disconnect(self, peer_addr: str) -> None:
         self._run_in_io(lambda: self._close_dealer(peer_addr, PipeError("peer disconnected"),

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pd_cluster.serving.api.auth import APIKeyAuth, resolve_api_keys
 from pd_cluster.serving.api.choices import choice_jobs, merged
 from pd_cluster.serving.api.client_watch import ClientDisconnected, ClientWatch, SSEResponse
 from pd_cluster.serving.api.errors import APIError, model_not_found
@@ -182,8 +183,13 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
                        headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
 
-def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]]) -> FastAPI:
-    """The proxy app over ``engines`` = [(name, role, Ray actor handle)]."""
+def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]],
+               api_keys: list[str] | None = None) -> FastAPI:
+    """The proxy app over ``engines`` = [(name, role, Ray actor handle)]. ``api_keys``: the
+    keys clients must send (None: resolved from ``cfg.proxy`` and this process's environment;
+    the launcher resolves them in the user's shell and hands them over through Ray)."""
+    if api_keys is None:
+        api_keys = resolve_api_keys(cfg.proxy.api_key, cfg.proxy.api_key_env)
     state = ProxyState(cfg, engines)
 
     @asynccontextmanager
@@ -198,6 +204,8 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]]) -> FastA
 
     app = FastAPI(title="pd-cluster", lifespan=lifespan)
     app.state.proxy = state
+    app.add_middleware(APIKeyAuth, keys=api_keys, open_paths=cfg.proxy.open_routes,
+                       on_reject=state.metrics.auth_failures.labels("api").inc)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -105,6 +105,16 @@ class ProxyConfig(ConfigSection):
     max_migrations: int = Field(2, ge=0)
     max_restarts: int = 3  # Ray restarts a dead proxy this many times (on the launch node)
     log_stats_interval: float = 10.0  # s between per-engine stats lines in the log (0: off)
+    # API keys (README, "Security"): one key or a list, and/or the name of an environment
+    # variable of the launching shell holding one (or several, comma-separated). With any key
+    # set, every route but /health (and open_routes) needs `Authorization: Bearer KEY`.
+    api_key: str | list[str] | None = None
+    api_key_env: str | None = None
+    open_routes: list[Literal["/metrics", "/cluster/status", "/version"]] = Field(
+        default_factory=list)  # served without a key even when keys are set
+    # TLS (uvicorn's own): both files, PEM; the proxy then serves https.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -120,6 +130,12 @@ class ProxyConfig(ConfigSection):
         if not 0 <= value < 65536:
             raise ValueError(f"must be in [0, 65535], got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "ProxyConfig":
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("ssl_certfile, ssl_keyfile: set both (or neither)")
+        return self
 
     @field_validator("routing")
     @classmethod

@@ -84,9 +84,14 @@ def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = 
     KV link to every decode engine, and the proxy serves on this node."""
     import ray
 
+    from connectors.secret import new_secret
+    from pd_cluster.serving.api.auth import resolve_api_keys
     from pd_cluster.serving.engine.engine_actor import engine_actor_class
     from pd_cluster.serving.cluster.proxy_actor import proxy_actor_class
 
+    # Resolved here, in the user's shell; handed to the actors through Ray only.
+    api_keys = resolve_api_keys(config.proxy.api_key, config.proxy.api_key_env)
+    secret = new_secret()
     ns = config.ray.namespace
     num_cpus = config.ray.num_cpus or max(config.required_cpus(), 1.0)
     runtime = start_ray(address, ns, num_cpus, config.ray.num_gpus, detach, state_dir(),
@@ -105,7 +110,7 @@ def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = 
             engines[spec.name] = cls.options(
                 name=spec.name, namespace=ns, max_restarts=config.roles[spec.role].max_restarts,
                 max_task_retries=0, lifetime=lifetime, **placement.options(spec, index),
-            ).remote(spec.to_dict())
+            ).remote(spec.to_dict(), secret)
         infos = wait_ready(engines, ready_timeout, progress)
         link_engines(engines, infos, config)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -114,7 +119,8 @@ def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = 
             name=PROXY_NAME, namespace=ns, num_cpus=0, max_concurrency=4, lifetime=lifetime,
             max_restarts=config.proxy.max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-        ).remote(config.to_dict(), [{"name": s.name, "role": s.role} for s in specs], ns)
+        ).remote(config.to_dict(), [{"name": s.name, "role": s.role} for s in specs], ns,
+                 {"cluster": secret, "api_keys": api_keys})
         url = ray.get(proxy.url.remote(), timeout=ready_timeout)
     except BaseException:
         kill_actors(proxy, engines.values())

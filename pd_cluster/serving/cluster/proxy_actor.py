@@ -32,27 +32,36 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 class ProxyActor:
-    def __init__(self, config: dict[str, Any], engines: list[dict[str, str]], namespace: str):
+    def __init__(self, config: dict[str, Any], engines: list[dict[str, str]], namespace: str,
+                 secrets: dict[str, Any] | None = None):
+        """``secrets`` (handed through Ray, never the config): ``cluster`` (the cluster
+        secret its sessions prove) and ``api_keys`` (resolved in the launching shell)."""
         import ray
         import uvicorn
 
+        from connectors.secret import install
         from pd_cluster.serving.cluster.cluster_config import ClusterConfig
         from pd_cluster.serving.api.app import create_app
 
         _log_to_stderr()  # Ray forwards it to the launcher's console
+        secrets = secrets or {}
+        if secrets.get("cluster"):
+            install(secrets["cluster"])
         cfg = ClusterConfig.from_dict(config)
         handles = [(e["name"], e["role"], ray.get_actor(e["name"], namespace=namespace))
                    for e in engines]
-        self.app = create_app(cfg, handles)
+        self.app = create_app(cfg, handles, secrets.get("api_keys"))
         self.sock = bind_socket(cfg.proxy.host, cfg.proxy.port)
         port = self.sock.getsockname()[1]
         host = cfg.proxy.host
         if host in ("0.0.0.0", "::", ""):
             host = ray.util.get_node_ip_address()
-        self._url = f"http://{host}:{port}"
+        tls = cfg.proxy.ssl_certfile is not None
+        self._url = f"{'https' if tls else 'http'}://{host}:{port}"
         self.server = uvicorn.Server(uvicorn.Config(
             self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=3,
-            timeout_keep_alive=30))
+            timeout_keep_alive=30, ssl_certfile=cfg.proxy.ssl_certfile,
+            ssl_keyfile=cfg.proxy.ssl_keyfile))
         self.loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self.thread = threading.Thread(target=self._serve, name="proxy-http", daemon=True)

@@ -33,10 +33,15 @@ _FATAL_EXIT_DELAY = 1.0  # s: let the error deltas reach the proxy before the pr
 
 
 class EngineActor:
-    def __init__(self, spec: dict[str, Any]):
+    def __init__(self, spec: dict[str, Any], secret: str | None = None):
+        """``secret``: the cluster secret (handed through Ray by the launcher; its channels
+        prove it). Without one, this process's own (tests: inherited) is used."""
         import ray
         import torch
 
+        from connectors.secret import install
+        if secret:
+            install(secret)  # before the engine: its connector and subprocesses read it
         self.spec = EngineSpec.from_dict(spec)
         # The engine thread holds the GIL for most of a (small-model) step; a short switch
         # interval bounds how long the event loop waits to stream outputs (default: 5 ms).

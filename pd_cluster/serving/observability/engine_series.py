@@ -58,6 +58,17 @@ ENGINE_SERIES: dict[str, EngineSeries] = {
         "shipped", counter=True),
     "kv_bytes_skipped": EngineSeries(
         "KV bytes not shipped because the decode engine already held them", counter=True),
+    "kv_auth_failures": EngineSeries(
+        "KV peers refused: no valid proof of the cluster secret", counter=True),
+    "kv_digest_failures": EngineSeries(
+        "KV transfers failed closed (a digest mismatch, a missing layer, blocks the request "
+        "does not own): the decode engine recomputed", counter=True),
+    "kv_refused_messages": EngineSeries(
+        "KV messages refused by a per-peer bound (unknown request, oversized frame, staging "
+        "held by one peer) or from a peer without a handshake", counter=True),
+    "session_auth_failures": EngineSeries(
+        "Proxy session connections refused: no valid proof of the cluster secret",
+        counter=True),
     "requests_total": EngineSeries("Requests the engine accepted", counter=True),
     "requests_finished": EngineSeries("Requests the engine finished", counter=True),
     "requests_rejected": EngineSeries("Requests the engine rejected as invalid", counter=True),

@@ -76,6 +76,9 @@ class ProxyMetrics:
         self.route_prompt_tokens = Counter(
             "pd_route_prompt_tokens", "Prompt tokens routed, by role (the denominator of "
             "pd_route_cached_prompt_tokens)", ["role"], registry=r)
+        self.auth_failures = Counter(
+            "pd_auth_failures", "Requests or peers refused for want of a valid key or cluster "
+            "secret, by channel (api: the HTTP API)", ["channel"], registry=r)
         r.register(_EngineCollector(engines_snapshot))
 
     def render(self) -> bytes:
