@@ -4,7 +4,6 @@ open; /metrics and /cluster/status are keyed unless configured open."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -14,7 +13,6 @@ from pd_cluster.serving.api.app import create_app
 from pd_cluster.serving.api.auth import resolve_api_keys
 from pd_cluster.serving.cluster.cluster_config import ConfigError, parse_config
 from tests.test_token_path import FakeEngineActor
-from tests.token_path_fakes import Remote
 
 
 def _config(**proxy):
@@ -26,13 +24,13 @@ def _run(cfg, body) -> None:
     """``body(app, http, engine, submitted)`` against the app over one fake engine."""
     async def go() -> None:
         engine = FakeEngineActor()
-        submitted: list[bytes] = []
-        real = engine.handle.submit
+        submitted: list = []
+        real = engine.accept
 
-        async def counted(data: bytes):
-            submitted.append(data)
-            return await real.remote(data)
-        engine.handle = SimpleNamespace(**{**vars(engine.handle), "submit": Remote(counted)})
+        def counted(req) -> None:  # every request the engine's request socket takes
+            submitted.append(req)
+            real(req)
+        engine.accept = counted
         app = create_app(cfg, [(engine.name, engine.role, engine.handle)])
         state = app.state.proxy
         await state.pool.start()
@@ -43,7 +41,7 @@ def _run(cfg, body) -> None:
                 await body(app, http, engine, submitted)
         finally:
             await state.pool.close()
-            engine.sender.stop()
+            engine.stop()
         assert state.inflight == 0 and not engine.sender._routes  # nothing left running
     asyncio.run(go())
 
