@@ -105,16 +105,16 @@ class ProxyConfig(ConfigSection):
     max_migrations: int = Field(2, ge=0)
     max_restarts: int = 3  # Ray restarts a dead proxy this many times (on the launch node)
     log_stats_interval: float = 10.0  # s between per-engine stats lines in the log (0: off)
-    # API keys (README, "Security"): one key or a list, and/or the name of an environment
-    # variable of the launching shell holding one (or several, comma-separated). With any key
-    # set, every route but /health (and open_routes) needs `Authorization: Bearer KEY`.
+    # API keys (README, "Security"): one key or a list. With any key set (here or through
+    # api_key_env), every route but /health and open_routes needs `Authorization: Bearer KEY`.
     api_key: str | list[str] | None = None
+    # An environment variable of the launching shell holding the key (or several, comma-
+    # separated), handed to the proxy through Ray; unset or empty is a launch error.
     api_key_env: str | None = None
     open_routes: list[Literal["/metrics", "/cluster/status", "/version"]] = Field(
         default_factory=list)  # served without a key even when keys are set
-    # TLS (uvicorn's own): both files, PEM; the proxy then serves https.
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None  # TLS (uvicorn's): certificate, PEM; https with keyfile
+    ssl_keyfile: str | None = None  # TLS: the certificate's private key, PEM
 
     @model_validator(mode="before")
     @classmethod
