@@ -49,12 +49,18 @@ class FakeEngineActor:
         self.handle = SimpleNamespace(
             open_output=Remote(self.open_output), watch_output=Remote(self.watch_output),
             close_output=Remote(self.close_output), open_requests=Remote(self.open_requests),
-            abort=Remote(self.abort), health=Remote(self.health))
+            abort=Remote(self.abort), health=Remote(self.health),
+            cache_events=Remote(self.cache_events))
         self._stop: set[str] = set()
         self.step_seconds = 0.0
 
     async def health(self) -> dict[str, Any]:
         return EngineInfo(self.name, self.role, "i0", 1, "127.0.0.1", None, 4096).to_dict()
+
+    async def cache_events(self, full: bool, cursor: int | None = None) -> dict[str, Any]:
+        """An empty prefix cache (it computes nothing)."""
+        return {"reset": True, "stored": [], "removed": [], "cursor": 0, "incarnation": "i0",
+                "block_size": 16, "kv_bytes_per_token": 1.0}
 
     async def open_output(self, session: str, node_id: str) -> str:
         self.loop = asyncio.get_running_loop()

@@ -1,8 +1,10 @@
 """The HTTP front door: an OpenAI-compatible FastAPI app over the engine actors.
 
-The proxy validates and tokenizes (so it can count prompt tokens and enforce max_model_len),
-admits up to ``max_inflight`` requests at once (up to ``max_queue`` more wait for a slot;
-beyond that 429 with Retry-After), and hands token ids to the Dispatcher. Streaming
+The proxy reads the body (up to proxy.max_body_bytes, else 413) and validates it, admits up
+to ``max_inflight`` requests at once (up to ``max_queue`` more wait for a slot; beyond that
+429 with Retry-After), then tokenizes an admitted request off the event loop (so it can count
+prompt tokens and enforce max_model_len: tokenizing is bounded by admission too), and hands
+token ids to the Dispatcher. Streaming
 responses are primed with the first event before the SSE headers go out, so failures that
 happen before any output (no engine: 503, bad request found by an engine: 400) are plain
 HTTP errors and can still be retried; later failures end the stream with an error event.
@@ -30,6 +32,7 @@ from pd_cluster.serving.api.openai_format import (ChatFormatter, CompletionForma
 from pd_cluster.serving.api.openai_schemas import (ChatCompletionRequest, CompletionRequest,
                                                    ModelCard, ModelList, parse_request)
 from pd_cluster.serving.api.proxy_state import ProxyState
+from pd_cluster.serving.api.request_body import read_body
 from pd_cluster.serving.api.utility_routes import add_utility_routes
 from pd_cluster.serving.cluster.cluster_config import ClusterConfig
 from pd_cluster.serving.routing.legs import StreamEvent
@@ -109,45 +112,15 @@ async def _sse(first: tuple[int, StreamEvent] | None,
 
 
 async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Response:
-    raw = await request.body()
+    raw = await read_body(request, state.cfg.proxy.max_body_bytes)
     req = parse_request(ChatCompletionRequest if chat else CompletionRequest, raw,
                         state.unknown_fields)
     if req.model not in state.cfg.served_names:
         raise model_not_found(req.model, state.cfg.served_names)
-    if chat:
-        prompts, param = [state.chat_prompt(req)], "messages"
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
-    else:
-        prompts, param, requested = state.completion_prompts(req), "prompt", req.max_tokens
-        texts = state.prompt_texts(req, prompts) if req.echo else []
-    # echo with max_tokens 0 scores the prompt only (lm-eval's loglikelihood may ask so): the
-    # engines generate one token, which nobody sees.
-    prompt_only = not chat and req.echo and requested == 0
-    if prompt_only:
-        requested = 1
-    base_seed = random.getrandbits(31)  # P and D must sample the same first token
-    per_prompt = []
-    for ids in prompts:
-        params = req.sampling_params(state.max_tokens(requested, ids, param))
-        if not params.is_greedy and params.seed is None:
-            params.seed = base_seed
-        per_prompt.append((ids, params))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    fmt_cls = ChatFormatter if chat else CompletionFormatter
-    tracker = RequestTracker(state, rid, sum(len(ids) for ids in prompts))
+    tracker = RequestTracker(state, rid)
     request.state.tracked = True
     deadline = tracker.start + state.cfg.proxy.request_timeout  # queue time included
-    jobs = choice_jobs(rid, per_prompt, req.n, deadline)
-    tracker.jobs = jobs
-    echo = None if chat or not req.echo else [  # choices are prompt-major, n per prompt
-        (texts[i // req.n], job.prompt_token_ids) for i, job in enumerate(jobs)]
-    fmt = fmt_cls(rid, state.cfg.model_name, req.return_token_ids, per_prompt[0][1].logprobs,
-                  state.token_text, echo)
-    events = merged(jobs, state.dispatcher.stream)
-    if prompt_only:
-        events = _prompt_only(events)
-    results = [Result(prompt_token_ids=job.prompt_token_ids) for job in jobs]
     watch = ClientWatch(request.receive)  # one watch for the request's whole life
     try:
         adm = state.admission
@@ -155,6 +128,12 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
             await tracker.admit(adm, deadline)
         else:
             await watch.guard(tracker.admit(adm, deadline))
+        # Admitted: tokenizing is the request's work, off the event loop (proxy_state.py).
+        prompts, texts = await watch.guard(state.tokenize(req))
+        tracker.count_prompt(sum(len(ids) for ids in prompts))
+        fmt, jobs, events = _plan(state, req, chat, rid, prompts, texts, deadline)
+        tracker.jobs = jobs
+        results = [Result(prompt_token_ids=job.prompt_token_ids) for job in jobs]
         if not req.stream:
             await watch.guard(_collect(events, results, tracker))
             tracker.close("success")
@@ -183,6 +162,41 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
                        headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
 
+def _plan(state: ProxyState, req: Any, chat: bool, rid: str, prompts: list[list[int]],
+          texts: list[str], deadline: float
+          ) -> tuple[Formatter, list[Any], AsyncIterator[tuple[int, StreamEvent]]]:
+    """The request's formatter, its choices' jobs and their merged events (a 400 for a
+    max_tokens the prompts leave no room for)."""
+    if chat:
+        param = "messages"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+    else:
+        param, requested = "prompt", req.max_tokens
+    # echo with max_tokens 0 scores the prompt only (lm-eval's loglikelihood may ask so): the
+    # engines generate one token, which nobody sees.
+    prompt_only = not chat and req.echo and requested == 0
+    if prompt_only:
+        requested = 1
+    base_seed = random.getrandbits(31)  # P and D must sample the same first token
+    per_prompt = []
+    for ids in prompts:
+        params = req.sampling_params(state.max_tokens(requested, ids, param))
+        if not params.is_greedy and params.seed is None:
+            params.seed = base_seed
+        per_prompt.append((ids, params))
+    fmt_cls = ChatFormatter if chat else CompletionFormatter
+    jobs = choice_jobs(rid, per_prompt, req.n, deadline)
+    echo = None if chat or not req.echo else [  # choices are prompt-major, n per prompt
+        (texts[i // req.n], job.prompt_token_ids) for i, job in enumerate(jobs)]
+    fmt = fmt_cls(rid, state.cfg.model_name, req.return_token_ids, per_prompt[0][1].logprobs,
+                  state.token_text, echo)
+    events = merged(jobs, state.dispatcher.stream)
+    if prompt_only:
+        events = _prompt_only(events)
+    return fmt, jobs, events
+
+
 def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]],
                api_keys: list[str] | None = None) -> FastAPI:
     """The proxy app over ``engines`` = [(name, role, Ray actor handle)]. ``api_keys``: the
@@ -201,6 +215,7 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]],
         gc.freeze()
         yield
         await state.pool.close()
+        state.close()
 
     app = FastAPI(title="pd-cluster", lifespan=lifespan)
     app.state.proxy = state

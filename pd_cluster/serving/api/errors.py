@@ -40,6 +40,12 @@ def too_many_requests(running: int, queued: int, retry_after: int) -> APIError:
                     "rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
 
 
+def body_too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"The request body ({size} bytes or more) exceeds this server's limit "
+                         f"of {limit} bytes (proxy.max_body_bytes).", "invalid_request_error",
+                    None, "request_too_large")
+
+
 def timeout_error(message: str) -> APIError:
     return APIError(504, message, "timeout_error", None, "timeout")
 

@@ -2,6 +2,8 @@
 (engine pool, token channel, dispatcher, admission, metrics), wired from the cluster config."""
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pd_cluster.serving.api.errors import invalid_request
@@ -44,8 +46,25 @@ class ProxyState:
         self.inflight = 0  # requests in the proxy, queued ones included
         self.unknown_fields = UnknownFields()  # request fields ignored (each logged once)
         self.node_ip = _node_ip()
+        # Tokenizing (chat templates included) runs off the event loop, one request at a
+        # time, and only for requests admitted (app.py): the 429 bound covers it too.
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="proxy-tokenize")
+
+    def close(self) -> None:
+        self.tokenizing.shutdown(wait=False, cancel_futures=True)
 
     # ---- prompt handling -----------------------------------------------------------------
+    async def tokenize(self, req: CompletionRequest | ChatCompletionRequest
+                       ) -> tuple[list[list[int]], list[str]]:
+        """Token ids of each prompt and, for a completion with echo, each prompt's text (on
+        the tokenizing thread; a 400 for a bad prompt is raised here)."""
+        def work() -> tuple[list[list[int]], list[str]]:
+            if isinstance(req, ChatCompletionRequest):
+                return [self.chat_prompt(req)], []
+            prompts = self.completion_prompts(req)
+            return prompts, self.prompt_texts(req, prompts) if req.echo else []
+        return await asyncio.wrap_future(self.tokenizing.submit(work))
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 

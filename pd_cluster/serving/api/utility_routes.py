@@ -2,6 +2,7 @@
 /detokenize, /version, and OpenAI-shaped bodies for unknown paths (404) and methods (405)."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -11,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pd_cluster.serving.api.errors import APIError, invalid_request, model_not_found
 from pd_cluster.serving.api.openai_schemas import ChatMessage
+from pd_cluster.serving.api.request_body import read_body
 
 
 class TokenizeRequest(BaseModel):
@@ -36,19 +38,22 @@ def add_utility_routes(app: FastAPI, state: Any) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = _parse(TokenizeRequest, await request.body())
+        req = _parse(TokenizeRequest, await read_body(request, state.cfg.proxy.max_body_bytes))
         check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise invalid_request("give exactly one of prompt, messages", "prompt")
-        if req.prompt is not None:
-            ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            ids = state.chat_prompt(req)
+
+        def work() -> list[int]:  # on the proxy's tokenizing thread, off the event loop
+            if req.prompt is not None:
+                return state.tokenizer.encode(req.prompt,
+                                              add_special_tokens=req.add_special_tokens)
+            return state.chat_prompt(req)
+        ids = await asyncio.wrap_future(state.tokenizing.submit(work))
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": list(ids)}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = _parse(DetokenizeRequest, await request.body())
+        req = _parse(DetokenizeRequest, await read_body(request, state.cfg.proxy.max_body_bytes))
         check_model(req.model)
         if any(not 0 <= t < state.vocab_size for t in req.tokens):
             raise invalid_request(f"tokens: ids must be in [0, {state.vocab_size})", "tokens")

@@ -78,6 +78,9 @@ class ProxyConfig(ConfigSection):
     # Requests waiting for an in-flight slot (first come, first served; their wait counts in
     # their TTFT); beyond it a request gets 429 with Retry-After.
     max_queue: int = Field(1024, ge=0)
+    # Largest request body read (bytes); a larger one gets 413 before it is read whole (a
+    # 128k-token prompt as token ids is ~1 MB of JSON).
+    max_body_bytes: int = Field(32 << 20, ge=1)
     # Tokens per streamed chunk at least (as vLLM's stream_interval): the first token and the
     # last chunk go at once; fewer, larger chunks cost the proxy and the client less per token.
     stream_interval: int = Field(1, ge=1)

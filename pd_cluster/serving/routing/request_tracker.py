@@ -15,12 +15,11 @@ _STATUS = {"success": 200, "client_error": 400, "rejected": 429, "aborted": 499,
 
 
 class RequestTracker:
-    def __init__(self, state: Any, request_id: str, n_prompt: int):
+    def __init__(self, state: Any, request_id: str):
         self.state, self.m, self.request_id = state, state.metrics, request_id
         state.inflight += 1
         self.m.inflight.inc()
-        self.m.vllm.prompt_tokens.inc(n_prompt)
-        self.n_prompt, self.n_output = n_prompt, 0
+        self.n_prompt, self.n_output = 0, 0
         self.start = self.last = time.monotonic()
         self.ttft: float | None = None
         self.finish_reason: str | None = None
@@ -33,6 +32,11 @@ class RequestTracker:
         """Wait for a running slot (see Admission.enter for what it raises)."""
         self.queue_time = await admission.enter(deadline)
         self._admission = admission
+
+    def count_prompt(self, n_prompt: int) -> None:
+        """The request's prompts were tokenized (once admitted): ``n_prompt`` tokens."""
+        self.n_prompt = n_prompt
+        self.m.vllm.prompt_tokens.inc(n_prompt)
 
     def on_event(self, ev: Any) -> None:
         now = time.monotonic()
