@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
@@ -17,6 +16,15 @@ if TYPE_CHECKING:  # torch loads with an engine, not with the config (fast CLI c
 # dtype names the config accepts -> torch attribute names
 _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
            "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+# What device "auto" means in this process and every process it starts (they inherit it):
+# tests set it so that no process of a CPU test picks a GPU; unset, "auto" is CUDA if available.
+DEVICE_ENV = "PD_CLUSTER_DEVICE"
+
+
+def _check_device(value: str) -> str:
+    if value not in ("cpu", "cuda") and not value.startswith("cuda:"):
+        raise ValueError(f"must be auto, cpu or cuda[:N], got {value!r}")
+    return value
 
 
 class EngineArgs(BaseModel):
@@ -85,9 +93,7 @@ class EngineArgs(BaseModel):
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
-        if value not in ("auto", "cpu", "cuda") and not value.startswith("cuda:"):
-            raise ValueError(f"must be auto, cpu or cuda[:N], got {value!r}")
-        return value
+        return value if value == "auto" else _check_device(value)
 
 
 class EngineConfig(EngineArgs):
@@ -104,10 +110,23 @@ class EngineConfig(EngineArgs):
 
     @property
     def torch_device(self) -> "torch.device":
+        """The device this config names; "auto": $PD_CLUSTER_DEVICE, else CUDA if available."""
         import torch
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        if self.device != "auto":
+            return torch.device(self.device)
+        override = os.environ.get(DEVICE_ENV)
+        if override:
+            try:
+                return torch.device(_check_device(override))
+            except ValueError as e:
+                raise ValueError(f"${DEVICE_ENV}: {e}") from None
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def on_device(self, device: "torch.device") -> "EngineConfig":
+        """This config with ``device`` made concrete, for the processes an engine starts (its
+        workers, an engine subprocess): they use the device the parent resolved, never their
+        own idea of "auto"."""
+        return self.model_copy(update={"device": str(device)})
 
     @property
     def torch_dtype(self) -> "torch.dtype":

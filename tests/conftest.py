@@ -1,13 +1,22 @@
-"""Shared test set-up: single-threaded torch, quiet logs, tiny model factory, HF greedy oracle.
+"""Shared test set-up: single-threaded torch, CPU devices, quiet logs, tiny model factory, HF
+greedy oracle.
 
 torch with several intra-op threads on a small, shared CPU is far slower for tiny models than
 one thread, so OMP_NUM_THREADS is pinned before torch is first imported (subprocesses inherit it).
+
+Device: on a GPU machine "auto" would pick CUDA (and dtype "auto" bf16): the fp32 exactness
+tests would compare bf16 with HF's fp32, and engines in one process would share a GPU. So
+"auto" means the CPU in every process of the test run: PD_CLUSTER_DEVICE is set here, before
+any engine, worker, engine subprocess or Ray worker starts, and they all inherit it (engines
+also hand their resolved device to the processes they start). A test marked ``cuda`` or
+``two_gpu`` names its device (``device="cuda"``, a GPU config), never "auto".
 """
 from __future__ import annotations
 
 import os
 
 os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["PD_CLUSTER_DEVICE"] = "cpu"  # pd_cluster.config.DEVICE_ENV (not imported yet)
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,21 +51,6 @@ except Exception:  # pragma: no cover - transformers is a hard dependency, but k
 # Near-tie tolerance (docs/design.md, "Testing rules"): a greedy divergence from HF is
 # accepted only when HF's top-2 logits at that step are this close.
 NEAR_TIE = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def _cpu_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU machine device "auto" would pick cuda (and dtype "auto" bf16): the fp32
-    exactness tests would then compare bf16 with HF's fp32, and engines in one process would
-    share a GPU. Tests run on the CPU unless marked ``cuda``."""
-    if request.node.get_closest_marker("cuda") or request.node.get_closest_marker("two_gpu"):
-        return
-    from pd_cluster.config import EngineConfig
-    monkeypatch.setattr(EngineConfig, "torch_device", property(_cpu_for_auto))
-
-
-def _cpu_for_auto(config: Any) -> torch.device:
-    return torch.device("cpu" if config.device == "auto" else config.device)
 
 
 # ---------------------------------------------------------------------------- tiny models

@@ -64,8 +64,8 @@ class EngineProcess:
         pin = ["--pin-reserve", str(cpu.reserve_cores)] if cpu.pin_threads else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pd_cluster.engine.engine_process", "--config",
-             config.model_dump_json(), "--control", f"tcp://127.0.0.1:{port}",
-             "--parent-pid", str(os.getpid()), *pin],
+             config.on_device(config.torch_device).model_dump_json(),  # resolved here
+             "--control", f"tcp://127.0.0.1:{port}", "--parent-pid", str(os.getpid()), *pin],
             env=child_env)
         self._ctl: bytes | None = None  # the child's control identity (its output one differs)
         self.outputs: dict[str, dict[str, Any]] = {}  # per request: assembled from its deltas

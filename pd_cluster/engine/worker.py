@@ -32,6 +32,8 @@ def _watch_parent(parent: int) -> None:
 
 
 def _device(config: EngineConfig, rank: int) -> torch.device:
+    if config.device == "auto":
+        raise ValueError("device: a worker runs on its engine's resolved device, got 'auto'")
     device = config.torch_device
     if device.type == "cuda":  # rank r: the engine's r-th visible device
         base = device.index or 0

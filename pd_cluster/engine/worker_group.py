@@ -50,9 +50,11 @@ class WorkerGroup:
         self.store = dist.TCPStore("127.0.0.1", 0, self.size, True, wait_for_workers=False,
                                    timeout=timedelta(seconds=_STARTUP_TIMEOUT))
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        # Rank 0's device, not "auto": a worker must not pick another kind of device.
+        config_json = config.on_device(device).model_dump_json()
         self.procs = [subprocess.Popen(
             [sys.executable, "-m", "pd_cluster.engine.worker", "--config",
-             config.model_dump_json(), "--rank", str(r), "--port", str(self.store.port),
+             config_json, "--rank", str(r), "--port", str(self.store.port),
              "--parent", str(os.getpid())], env=env) for r in range(1, self.size)]
         # Killed when this handle is collected or the interpreter exits, whatever happens.
         weakref.finalize(self, _kill, list(self.procs))
