@@ -142,3 +142,17 @@ def test_defaults_overrides_and_kv_pass_through() -> None:
     assert parse_config({}).model_name == "tiny-llama"  # preset names are served as-is
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         parse_overrides(["proxy.port"])
+
+
+def test_served_names_follow_vllm() -> None:
+    """The model string as given is the served name (a path too, as `vllm serve /path`);
+    served_model_name replaces it, a list giving aliases (the first is reported)."""
+    assert parse_config({"model": "/models/my-llama"}).served_names == ["/models/my-llama"]
+    assert parse_config({"model": "acme/llama-7b"}).served_names == ["acme/llama-7b"]
+    cfg = parse_config({"model": "/m/x", "served_model_name": "chat"})
+    assert cfg.served_names == ["chat"] and cfg.model_name == "chat"
+    cfg = parse_config({"model": "/m/x", "served_model_name": ["chat", "/m/x"]})
+    assert cfg.served_names == ["chat", "/m/x"] and cfg.model_name == "chat"
+    for bad in ([], [""], " "):
+        with pytest.raises(ConfigError, match="served_model_name: must be a non-empty name"):
+            parse_config({"served_model_name": bad})
