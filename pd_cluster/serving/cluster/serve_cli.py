@@ -50,6 +50,11 @@ FLAGS = (
     Flag("--routing", "proxy.routing", "cache_aware, least_loaded or round_robin"),
     Flag("--disaggregation", "proxy.disaggregation", "auto (remote prefill when expected "
          "sooner) or always", choices=("auto", "always")),
+    Flag("--api-key", "proxy.api_key", "key(s) clients must send as `Authorization: Bearer "
+         "KEY` (visible in `ps`: --set proxy.api_key_env=VAR reads one from the environment)",
+         nargs="+", metavar="KEY"),
+    Flag("--ssl-certfile", "proxy.ssl_certfile", "TLS certificate (PEM): serve https"),
+    Flag("--ssl-keyfile", "proxy.ssl_keyfile", "TLS private key (PEM) of --ssl-certfile"),
     Flag("--namespace", "ray.namespace", "Ray namespace (one cluster per namespace)"),
 )
 
