@@ -27,6 +27,30 @@ def _check_device(value: str) -> str:
     return value
 
 
+class StructuredOutputsConfig(BaseModel):
+    """The engine section's ``structured_outputs`` (vLLM's ``--structured-outputs-config``)."""
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    backend: str = "auto"  # auto | xgrammar (the one measured fastest here; see README)
+    # JSON output with no whitespace between tokens unless a request says otherwise.
+    disable_any_whitespace: bool = False
+    compile_threads: int = 1  # grammars compile on these threads, never on the step's
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        if value not in ("auto", "xgrammar"):
+            raise ValueError(f"must be auto or xgrammar, got {value!r}")
+        return value
+
+    @field_validator("compile_threads")
+    @classmethod
+    def _threads(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be >= 1, got {value}")
+        return value
+
+
 class EngineArgs(BaseModel):
     """Everything about an engine except which model it serves and its KV transfer role:
     the cluster YAML's ``engine`` section, shared by every engine of a cluster."""
@@ -53,6 +77,7 @@ class EngineArgs(BaseModel):
     # gpu_memory_utilization) is per rank.
     tensor_parallel_size: int = 1
     collective_timeout: float = 60.0  # s: bounds every collective between an engine's ranks
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
     @field_validator("block_size")
     @classmethod

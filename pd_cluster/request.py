@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +58,9 @@ class Request:
     # Seeded requests draw token i from a generator seeded by (seed, i): the result does not
     # depend on where earlier tokens were sampled (another engine, before a preemption).
     generator: torch.Generator | None = None
+    # With sampling_params.structured_outputs: the matcher that masks this request's logits
+    # (engine/structured/request_grammar.py).
+    grammar: Any = None
 
     def generator_for_next_token(self, device: torch.device) -> torch.Generator | None:
         seed = self.sampling_params.seed

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pd_cluster.structured_outputs import StructuredOutputsParams
+
 # Below this temperature sampling is treated as greedy: dividing logits by a
 # near-zero temperature overflows and is numerically meaningless anyway.
 _GREEDY_EPS = 1e-5
@@ -38,6 +40,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # The output must match a grammar (JSON schema, regex, choice, EBNF): masks in the sampler.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise first so that validation and every consumer see one shape.
@@ -94,6 +98,9 @@ class SamplingParams:
             raise bad("min_tokens", ">= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "a StructuredOutputsParams", self.structured_outputs)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool", getattr(self, name))
@@ -112,6 +119,8 @@ class SamplingParams:
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
+            if isinstance(v, StructuredOutputsParams):
+                v = {k.name: getattr(v, k.name) for k in fields(v)}
             out[f.name] = list(v) if isinstance(v, list) else v
         return out
 
@@ -122,6 +131,9 @@ class SamplingParams:
         if unknown:
             # Silently dropping keys would hide client typos (e.g. "top-p").
             raise ValueError(f"unknown SamplingParams field(s): {', '.join(unknown)}")
+        so = d.get("structured_outputs")
+        if isinstance(so, dict):
+            d = {**d, "structured_outputs": StructuredOutputsParams(**so)}
         return cls(**d)
 
 

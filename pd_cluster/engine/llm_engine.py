@@ -13,6 +13,9 @@ from pd_cluster.engine.block_manager import BlockManager
 from pd_cluster.engine.executor import Executor, max_model_len_of
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.scheduler import Scheduler
+from pd_cluster.engine.stop_checker import eos_ids
+from pd_cluster.engine.structured.compiler import GrammarCompilerPool
+from pd_cluster.engine.structured.waitlist import GrammarWaitlist
 from pd_cluster.models.generation_config import read_eos_token_ids
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.request import Request, RequestStatus
@@ -45,6 +48,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.executor.scheduler_connector)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.grammars = GrammarCompilerPool(config.structured_outputs, self.tokenizer,
+                                            self.vocab_size, list(eos_ids(self.eos_token_id)))
+        self.compiling = GrammarWaitlist()  # requests waiting for their grammar
 
     def kv_endpoint(self) -> str | None:
         """Where producers send this engine's prompt KV (None without a consumer connector)."""
@@ -67,7 +73,8 @@ class LLMEngine:
         return self.runner.connector.peers() if self.runner.connector else {}
 
     def close(self) -> None:
-        """Stop the connector and any tensor-parallel workers."""
+        """Stop the connector, any tensor-parallel workers and the grammar compilers."""
+        self.grammars.close()
         self.executor.close()
 
     # ---- requests ------------------------------------------------------------------------
@@ -96,6 +103,8 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
         check_transfer_params(kv_transfer_params)
+        if request_id in self.compiling:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         resume = list(resume_token_ids or [])
         if resume and (len(resume) >= (params.max_tokens or self.max_model_len)
                        or len(token_ids) + len(resume) >= self.max_model_len):
@@ -104,7 +113,14 @@ class LLMEngine:
                           kv_transfer_params=None if resume else kv_transfer_params,
                           output_token_ids=resume, output_logprobs=[None] * len(resume),
                           prefill_locally=bool(resume))
-        self.scheduler.add_request(request)
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.start(params.structured_outputs)
+        if request.grammar is not None and not request.grammar.ready:
+            if request_id in self.scheduler.requests:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.compiling.hold(request)  # the scheduler gets it once its grammar compiled
+        else:
+            self.scheduler.add_request(request)
         self.outputs.add(request, text, resume_text_len)
         return request
 
@@ -118,17 +134,22 @@ class LLMEngine:
                                  f"num_kv_blocks", "max_tokens")
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
-        aborted = self.scheduler.abort(list(request_ids))
+        aborted = [r for r in map(self.compiling.pop, request_ids) if r is not None]
+        for request in aborted:
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.finish_reason = request.status.value
+        aborted += self.scheduler.abort(list(request_ids))
         return [self.outputs.finished_output(r) for r in aborted]
 
     def has_unfinished_requests(self) -> bool:
         # A failed rank counts as work: the engine loop steps, the step raises, and the
         # engine is restarted even when idle.
         return (self.scheduler.has_unfinished() or bool(self.scheduler.sending)
-                or self.executor.failed)
+                or self.executor.failed or bool(self.compiling))
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        failed = self._admit_compiled()
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled and self.runner.connector is not None:
             # Only waiting on transfers (KV arriving, ACKs): don't spin a core meanwhile.
@@ -138,12 +159,26 @@ class LLMEngine:
         outputs, to_finish = self.outputs.process(updated)
         for request, status in to_finish:
             self.scheduler.finish(request, status)
-        return outputs
+        return failed + outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar is ready go to the scheduler; a failed one ends (aborted).
+        With nothing else to run, waits a little for a grammar rather than spin."""
+        if not self.compiling:
+            return []
+        idle = not self.scheduler.has_unfinished() and not self.scheduler.sending
+        ready, failed = self.compiling.released(wait=0.005 if idle else 0.0)
+        for request in ready:
+            self.scheduler.add_request(request)
+        for request in failed:
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.finish_reason = request.status.value
+        return [self.outputs.finished_output(r) for r in failed]
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager
-        return {"num_waiting": len(self.scheduler.waiting),
+        return {"num_waiting": len(self.scheduler.waiting) + len(self.compiling),
                 "num_running": len(self.scheduler.running),
                 "num_waiting_for_remote_kv": len(self.scheduler.remote_waiting),
                 "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
@@ -158,6 +193,8 @@ class LLMEngine:
     def check_no_leaks(self) -> None:
         """AssertionError unless no request is left and every KV block is free."""
         self.scheduler.check_no_leaks()
+        if self.compiling:
+            raise AssertionError("requests left waiting for their grammar")
         if self.outputs.states:
             raise AssertionError(f"output state left for {sorted(self.outputs.states)[:10]}")
 

@@ -18,6 +18,8 @@ from pd_cluster.chat import check_content_parts
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.api.errors import APIError, invalid_request
 from pd_cluster.serving.api.unknown_fields import UnknownFields
+from pd_cluster.serving.api.structured import request_params
+from pd_cluster.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # add prompt_token_ids / token_ids to the response
+    # Output constraints (serving/api/structured.py): vLLM's field and OpenAI's
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> dict[str, Any]:
         """Params whose value asks for a feature we do not have (name -> value)."""
@@ -77,6 +82,10 @@ class _SamplingFields(BaseModel):
         """Top-k logprobs asked for each prompt token, or None."""
         return None
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """What the output must match (a 400 naming the field if it cannot)."""
+        return request_params(self.structured_outputs, self.response_format)
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         for name, value in self.unsupported().items():
             raise invalid_request(f"{name}={value!r} is not supported by this server", name)
@@ -89,7 +98,8 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias(),
-            logprobs=self.logprobs_k(), prompt_logprobs=self.prompt_logprobs_k())
+            logprobs=self.logprobs_k(), prompt_logprobs=self.prompt_logprobs_k(),
+            structured_outputs=self.structured_outputs_params())
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
@@ -152,7 +162,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def logprobs_k(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -164,8 +173,6 @@ class ChatCompletionRequest(_SamplingFields):
         for name in ("tools", "tool_choice"):
             if getattr(self, name) not in (None, [], "none"):
                 out[name] = getattr(self, name)
-        if self.response_format not in (None, {"type": "text"}):
-            out["response_format"] = self.response_format
         return out
 
 

@@ -1,0 +1,102 @@
+"""The engine side of structured outputs: a resumed request (migration) replays its tokens into
+a fresh matcher and continues exactly; requests wait for their grammar, the batch does not;
+abort while compiling leaves nothing; the params cross msgpack as they are."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+
+from pd_cluster import LLM, SamplingParams
+from pd_cluster.driver.messages import EngineRequest, decode_request, encode
+from pd_cluster.serving.cluster.cluster_config import resolve_model
+from pd_cluster.structured_outputs import StructuredOutputsParams
+
+SCHEMA = {"type": "object", "properties": {
+    "words": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 4},
+    "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["words", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(model=resolve_model("tiny-llama"), num_kv_blocks=128, max_model_len=512,
+             structured_outputs={"disable_any_whitespace": True}) as engine:
+        yield engine
+
+
+def _params(seed: int | None, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0 if seed is None else 1.0, seed=seed, max_tokens=150,
+                          structured_outputs=StructuredOutputsParams(json=json.dumps(SCHEMA)),
+                          **kw)
+
+
+def _run(llm: LLM, rid: str, ids: list[int], params: SamplingParams, **kw) -> list[int]:
+    engine = llm.engine
+    engine.add_request(rid, ids, params, **kw)
+    for _ in range(1000):
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return list(out.outputs[0].token_ids)
+    raise AssertionError("request did not finish")
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+def test_resume_replays_tokens_into_a_fresh_matcher(llm, seed) -> None:
+    ids = llm.get_tokenizer().encode("Once upon a time")
+    whole = _run(llm, "whole", ids, _params(seed))
+    jsonschema.validate(json.loads(llm.get_tokenizer().decode(whole[:-1])), SCHEMA)
+    for cut in (1, len(whole) // 2, len(whole) - 2):
+        text = llm.get_tokenizer().decode(whole[:cut])
+        resumed = _run(llm, f"resumed-{cut}", ids, _params(seed), resume_token_ids=whole[:cut],
+                       resume_text_len=len(text))
+        assert resumed == whole, cut
+    llm.engine.check_no_leaks()
+
+
+def test_compiling_request_does_not_hold_the_batch(llm) -> None:
+    engine = llm.engine
+    gate = threading.Event()
+    real = engine.grammars._compile
+    engine.grammars._compile = lambda *a: (gate.wait(30), real(*a))[1]
+    try:
+        ids = llm.get_tokenizer().encode("Hello")
+        so = StructuredOutputsParams(regex=r"[a-z]{4}-[0-9]{4}")  # a spec not compiled yet
+        engine.add_request("slow", ids, SamplingParams(temperature=0, max_tokens=20,
+                                                       structured_outputs=so))
+        engine.add_request("plain", ids, SamplingParams(temperature=0, max_tokens=5))
+        finished = set()
+        for _ in range(50):
+            finished |= {o.request_id for o in engine.step() if o.finished}
+            if "plain" in finished:
+                break
+        assert finished == {"plain"} and "slow" in engine.compiling  # the batch went on
+        gate.set()
+        for _ in range(500):
+            out = [o for o in engine.step() if o.request_id == "slow" and o.finished]
+            if out:
+                break
+        assert re.fullmatch(r"[a-z]{4}-[0-9]{4}", out[0].outputs[0].text)
+        # abort while compiling: nothing left behind
+        gate.clear()
+        engine.add_request("aborted", ids, SamplingParams(
+            max_tokens=5, structured_outputs=StructuredOutputsParams(regex="[0-9]{7}")))
+        assert [o.finished for o in engine.abort_request(["aborted"])] == [True]
+        gate.set()
+    finally:
+        engine.grammars._compile = real
+    engine.check_no_leaks()
+
+
+def test_params_cross_msgpack_and_dicts() -> None:
+    params = _params(3)
+    req = decode_request(encode(EngineRequest("r", [1, 2], params)))
+    assert req.params == params
+    assert SamplingParams.from_dict(params.to_dict()) == params
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])

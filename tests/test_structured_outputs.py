@@ -1,0 +1,202 @@
+"""Structured outputs through a 1P2D cluster (every request disaggregated): JSON schemas,
+json_object, regex, choice and EBNF grammars, streamed and not, greedy and seeded; each output
+equals the colocated engine's (the grammar state crosses P -> D as the first token) and
+validates; a decode engine killed mid-stream hands its requests over with their grammars."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from pd_cluster import LLM, SamplingParams
+from pd_cluster.serving.cluster.cluster_config import resolve_model
+from pd_cluster.serving.cluster.testing import (cluster_status, leak_reports, wait_idle,
+                                                wait_until)
+from pd_cluster.structured_outputs import StructuredOutputsParams
+from tests.launch_helpers import launched_cluster
+
+MODEL = "tiny-llama"
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "pet": {"enum": ["cat", "dog", "fish"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+    "ok": {"type": "boolean"}},
+    "required": ["name", "age", "pet", "tags", "ok"], "additionalProperties": False}
+PROMPTS = ["Tell me about a person:", "Once upon a time", "The quick brown fox", "Data:"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    yield from launched_cluster(
+        tmp_path_factory, "local", "structured",
+        engine={"num_kv_blocks": 256, "max_model_len": 512,
+                # a small model writes whitespace forever if let: JSON without it
+                "structured_outputs": {"disable_any_whitespace": True}},
+        decode={"replicas": 2, "num_cpus": 1, "num_gpus": 0},
+        proxy={"disaggregation": "always", "request_timeout": 60.0})
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    with LLM(model=resolve_model(MODEL), num_kv_blocks=256, max_model_len=512,
+             structured_outputs={"disable_any_whitespace": True}) as llm:
+        yield llm
+
+
+def _colocated(offline: LLM, ids: list[int], so: StructuredOutputsParams, max_tokens: int,
+               seed: int | None) -> list[int]:
+    p = SamplingParams(temperature=0.0 if seed is None else 0.9, seed=seed,
+                       max_tokens=max_tokens, structured_outputs=so)
+    return list(offline.generate([ids], p)[0].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_json_schema_chat_validates_and_equals_colocated(client, offline, seed) -> None:
+    tok = offline.get_tokenizer()
+    for prompt in PROMPTS:
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=120,
+            temperature=0.0 if seed is None else 0.9, seed=seed,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}},
+            extra_body={"return_token_ids": True})
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                       add_generation_prompt=True, tokenize=False)
+        so = StructuredOutputsParams(json=json.dumps(SCHEMA))
+        ids = tok.encode(text, add_special_tokens=False)
+        assert choice.token_ids == _colocated(offline, ids, so, 120, seed)
+
+
+def test_streamed_json_equals_unstreamed(client) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+    for seed in (None, 3):
+        kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=120,
+                  extra_body={"response_format": fmt}, temperature=0.0 if seed is None else 1.0, seed=seed)
+        whole = client.completions.create(**kw).choices[0].text
+        parts = [c.choices[0].text for c in client.completions.create(**kw, stream=True)
+                 if c.choices]
+        assert "".join(parts) == whole
+        jsonschema.validate(json.loads(whole), SCHEMA)
+
+
+def test_json_object_regex_choice_grammar(client) -> None:
+    def complete(so: dict, prompt: str = PROMPTS[3], **kw) -> str:
+        choice = client.completions.create(model=MODEL, prompt=prompt, max_tokens=200,
+                                           extra_body={"structured_outputs": so},
+                                           **kw).choices[0]
+        assert choice.finish_reason == "stop", (so, choice)  # the grammar's end, then EOS
+        return choice.text
+    for seed in (None, 11):
+        kw = dict(temperature=0.0 if seed is None else 1.0, seed=seed)
+        # any object: this model's objects end within 200 tokens for these two
+        obj = complete({"json_object": True}, "Lily said" if seed is None else "JSON:", **kw)
+        assert isinstance(json.loads(obj), dict)
+        assert re.fullmatch(r"[a-z]{2,5}-\d{3}", complete({"regex": r"[a-z]{2,5}-\d{3}"}, **kw))
+        assert complete({"choice": ["red", "green", "blue"]}, **kw) in {"red", "green", "blue"}
+        grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+        assert re.fullmatch(r"\(\d{1,2}(\+\d{1,2})*\)", complete({"grammar": grammar}, **kw))
+        schema = {"type": "object", "properties": {"x": {"type": "boolean"}},
+                  "required": ["x"]}
+        out = complete({"json": schema}, **kw)
+        jsonschema.validate(json.loads(out), schema)
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "bogus"}}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a("}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),
+]
+
+
+def test_malformed_specs_are_400_and_server_stays_healthy(cluster, client) -> None:
+    with httpx.Client(base_url=cluster.url, timeout=30) as http:
+        for extra, param in BAD:
+            for path, body in (("/v1/completions", {"prompt": "x"}),
+                               ("/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "x"}]})):
+                r = http.post(path, json={"model": MODEL, **body, **extra})
+                assert r.status_code == 400, (extra, r.text)
+                assert r.json()["error"]["param"] == param, (extra, r.text)
+    assert client.completions.create(model=MODEL, prompt="fine", max_tokens=4).usage
+    st = wait_idle(cluster.url)
+    assert all(e["healthy"] and e["last_error"] is None for e in st["engines"])
+
+
+async def _stream(http: httpx.AsyncClient, body: dict, started: asyncio.Event) -> str:
+    text = ""
+    async with http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if chunk["choices"]:
+                text += chunk["choices"][0]["text"]
+                started.set()
+    return text
+
+
+def test_decode_killed_mid_stream_keeps_the_grammar(cluster) -> None:
+    """decode-0 is SIGKILLed while schema-constrained streams run on it: they move to decode-1,
+    whose fresh matchers replay the tokens sent, and every output validates."""
+    wait_idle(cluster.url)
+    # long outputs (many tags of long strings) so the kill lands mid-stream
+    schema = {"type": "object", "properties": {"notes": {
+        "type": "array", "items": {"type": "string", "maxLength": 30}, "minItems": 12,
+        "maxItems": 12}}, "required": ["notes"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    bodies = [{"model": MODEL, "prompt": PROMPTS[i % 4], "max_tokens": 400, "stream": True,
+               "response_format": fmt, "temperature": 0.0 if i % 2 else 0.8, "seed": i}
+              for i in range(8)]
+    old_pid = next(e["pid"] for e in cluster_status(cluster.url)["engines"]
+                   if e["name"] == "decode-0")
+    migrations_before = _metric(cluster.url, "pd_migrations_total")
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=90) as http:
+            started = [asyncio.Event() for _ in bodies]
+            tasks = [asyncio.create_task(_stream(http, b, s)) for b, s in zip(bodies, started)]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+            os.kill(old_pid, signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+    for text in asyncio.run(run()):
+        jsonschema.validate(json.loads(text), schema)
+    assert _metric(cluster.url, "pd_migrations_total") > migrations_before
+
+    def restarted() -> bool:
+        d0 = next(e for e in cluster_status(cluster.url)["engines"] if e["name"] == "decode-0")
+        return d0["healthy"] and d0["pid"] != old_pid
+    wait_until(restarted, 120, "decode-0 restarted and healthy", interval=0.5)
+    st = wait_idle(cluster.url)
+    assert all(e["stats"]["kv_blocks_used"] == 0 for e in st["engines"])
+    assert leak_reports(cluster) == {}
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name))
