@@ -4,12 +4,13 @@ the next pipe that starts there (only files whose owner process is gone)."""
 from __future__ import annotations
 
 import os
-import select
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -35,10 +36,19 @@ def _wait_gone(pid: int, timeout: float) -> bool:
     return True
 
 
-def _first_line(proc: subprocess.Popen, timeout: float) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    assert ready, f"no output within {timeout}s"
-    return proc.stdout.readline().strip()
+class _Lines:
+    """A subprocess's stdout lines, read on a thread: ``next(timeout)`` waits for the next."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self._q: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [self._q.put(ln.strip()) for ln in proc.stdout],
+                         daemon=True).start()
+
+    def next(self, timeout: float) -> str:
+        try:
+            return self._q.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no output within {timeout}s") from None
 
 
 def test_an_engine_process_exits_when_its_parent_dies(tiny_model) -> None:
@@ -56,10 +66,10 @@ def test_an_engine_process_exits_when_its_parent_dies(tiny_model) -> None:
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE)
-    child = 0
+    lines, child = _Lines(parent), 0
     try:
-        child = int(_first_line(parent, 120))
-        assert _first_line(parent, 180) == "ready"
+        child = int(lines.next(120))
+        assert lines.next(180) == "ready"
         parent.kill()
         parent.wait(timeout=30)
         assert _wait_gone(child, 30), f"engine process {child} outlived its parent"
@@ -95,7 +105,7 @@ def test_a_killed_pipes_socket_file_is_swept_by_the_next_pipe(tmp_path: Path) ->
     killed = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE)
     try:
-        stale = Path(_first_line(killed, 120).removeprefix("ipc://"))
+        stale = Path(_Lines(killed).next(120).removeprefix("ipc://"))
     finally:
         killed.kill()  # SIGKILL: no close() runs
         killed.wait(timeout=30)
