@@ -48,6 +48,9 @@ def test_serve_model_answers_the_openai_sdk_then_ctrl_c_leaves_nothing(
         with pytest.raises(openai.NotFoundError, match="serves `tiny-llama`, `my-alias`"):
             client.completions.create(model="tiny-lama", prompt="x", max_tokens=1)
         assert len(_session_pids(sid)) > 1  # the engines and Ray run in the launcher's session
+        # The proxy's access log reaches the console through Ray: plain text in a pipe.
+        wait_until(lambda: any("pd_cluster.access" in ln and " 200 success " in ln
+                               for ln in launcher.output), 60, "the access-log line")
         os.killpg(launcher.proc.pid, signal.SIGINT)  # Ctrl-C in its terminal
         assert launcher.proc.wait(timeout=90) == 0, "".join(launcher.output)
     finally:
