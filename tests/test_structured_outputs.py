@@ -9,10 +9,12 @@ import json
 import os
 import re
 import signal
+from typing import Literal
 
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from pd_cluster import LLM, SamplingParams
@@ -41,7 +43,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
                 # a small model writes whitespace forever if let: JSON without it
                 "structured_outputs": {"disable_any_whitespace": True}},
         decode={"replicas": 2, "num_cpus": 1, "num_gpus": 0},
-        proxy={"disaggregation": "always", "request_timeout": 60.0})
+        proxy={"disaggregation": "always", "request_timeout": 60.0,
+               "enable_auto_tool_choice": True, "tool_call_parser": "hermes"})
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +120,59 @@ def test_json_object_regex_choice_grammar(client) -> None:
         jsonschema.validate(json.loads(out), schema)
 
 
+class Pet(pydantic.BaseModel):
+    kind: Literal["cat", "dog", "fish"]
+    age: int = pydantic.Field(ge=0, le=30)
+    friendly: bool
+
+
+def test_sdk_parse_with_a_pydantic_model(client) -> None:
+    for seed in (None, 4):
+        r = client.chat.completions.parse(
+            model=MODEL, messages=[{"role": "user", "content": "Describe a pet."}],
+            response_format=Pet, max_tokens=60, seed=seed, temperature=0 if seed is None else 1)
+        assert isinstance(r.choices[0].message.parsed, Pet), r
+
+
+TOOL = {"type": "function", "function": {
+    "name": "lookup", "description": "Look a word up",
+    "parameters": {"type": "object", "properties": {
+        "word": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "lang": {"enum": ["en", "fr"]}}, "required": ["word", "lang"],
+        "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required",
+                                         {"type": "function", "function": {"name": "lookup"}}])
+def test_tool_calls_validate_and_stream(client, tool_choice) -> None:
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "What is a cat?"}],
+              tools=[TOOL], tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=80,
+              temperature=0)
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "lookup" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
+    name, args, reason = "", "", None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if not chunk.choices:
+            continue
+        reason = chunk.choices[0].finish_reason or reason
+        for c in chunk.choices[0].delta.tool_calls or []:
+            name += c.function.name or ""
+            args += c.function.arguments or ""
+    assert (name, args, reason) == ("lookup", call.function.arguments, "tool_calls")
+
+
+def test_tool_choice_none_and_auto_answer_text(client) -> None:
+    for choice in ("none", "auto"):
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hello"}], tools=[TOOL],
+            tool_choice=choice, max_tokens=12, temperature=0)
+        assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "bogus"}}}}, "response_format"),
@@ -127,6 +183,8 @@ BAD = [
     ({"structured_outputs": {"choice": []}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice"),
 ]
 
 
@@ -136,6 +194,8 @@ def test_malformed_specs_are_400_and_server_stays_healthy(cluster, client) -> No
             for path, body in (("/v1/completions", {"prompt": "x"}),
                                ("/v1/chat/completions",
                                 {"messages": [{"role": "user", "content": "x"}]})):
+                if "tools" in extra and "chat" not in path:
+                    continue  # completions have no tools
                 r = http.post(path, json={"model": MODEL, **body, **extra})
                 assert r.status_code == 400, (extra, r.text)
                 assert r.json()["error"]["param"] == param, (extra, r.text)

@@ -18,6 +18,7 @@ import logging
 import random
 import uuid
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -33,6 +34,8 @@ from pd_cluster.serving.api.openai_schemas import (ChatCompletionRequest, Comple
                                                    ModelCard, ModelList, parse_request)
 from pd_cluster.serving.api.proxy_state import ProxyState
 from pd_cluster.serving.api.request_body import read_body
+from pd_cluster.serving.api.tool_format import ToolChatFormatter
+from pd_cluster.serving.api.tools import tool_plan
 from pd_cluster.serving.api.utility_routes import add_utility_routes
 from pd_cluster.serving.cluster.cluster_config import ClusterConfig
 from pd_cluster.serving.routing.legs import StreamEvent
@@ -117,6 +120,10 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
                         state.unknown_fields)
     if req.model not in state.cfg.served_names:
         raise model_not_found(req.model, state.cfg.served_names)
+    if chat:  # before tokenizing: the chat template renders the tools
+        proxy = state.cfg.proxy
+        req.use_tools(tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                proxy.enable_auto_tool_choice, proxy.tool_call_parser))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     tracker = RequestTracker(state, rid)
     request.state.tracked = True
@@ -185,7 +192,9 @@ def _plan(state: ProxyState, req: Any, chat: bool, rid: str, prompts: list[list[
         if not params.is_greedy and params.seed is None:
             params.seed = base_seed
         per_prompt.append((ids, params))
-    fmt_cls = ChatFormatter if chat else CompletionFormatter
+    fmt_cls: Any = ChatFormatter if chat else CompletionFormatter
+    if chat and req.tool_plan is not None:
+        fmt_cls = partial(ToolChatFormatter, req.tool_plan)
     jobs = choice_jobs(rid, per_prompt, req.n, deadline)
     echo = None if chat or not req.echo else [  # choices are prompt-major, n per prompt
         (texts[i // req.n], job.prompt_token_ids) for i, job in enumerate(jobs)]

@@ -12,13 +12,14 @@ import logging
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from pd_cluster.chat import check_content_parts
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.api.errors import APIError, invalid_request
 from pd_cluster.serving.api.unknown_fields import UnknownFields
-from pd_cluster.serving.api.structured import request_params
+from pd_cluster.serving.api.structured import checked, request_params
+from pd_cluster.serving.api.tools import ToolPlan
 from pd_cluster.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
 
     @field_validator("content", mode="before")
     @classmethod
@@ -162,18 +165,32 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    _tools: ToolPlan | None = PrivateAttr(None)
 
     def logprobs_k(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs: needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def unsupported(self) -> dict[str, Any]:
-        out = super().unsupported()
-        for name in ("tools", "tool_choice"):
-            if getattr(self, name) not in (None, [], "none"):
-                out[name] = getattr(self, name)
-        return out
+    def use_tools(self, plan: ToolPlan | None) -> None:
+        """The tool handling decided by the proxy (tools.tool_plan): it constrains the output."""
+        self._tools = plan
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        return self._tools
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        own = super().structured_outputs_params()
+        tools = self._tools.constraint() if self._tools is not None else None
+        if tools is None:
+            return own
+        if own is not None:
+            raise invalid_request("tool_choice: required or a named function cannot be "
+                                  "combined with response_format or structured_outputs",
+                                  "tool_choice")
+        return checked(tools, "tools")
 
 
 def parse_request(model: type[_SamplingFields], raw: bytes, unknown: UnknownFields) -> Any:

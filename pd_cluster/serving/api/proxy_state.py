@@ -8,6 +8,7 @@ from typing import Any
 
 from pd_cluster.serving.api.errors import invalid_request
 from pd_cluster.serving.api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from pd_cluster.serving.api.tools import template_messages
 from pd_cluster.serving.api.unknown_fields import UnknownFields
 from pd_cluster.serving.cluster.cluster_config import ClusterConfig, resolve_model
 from pd_cluster.serving.observability.metrics import ProxyMetrics
@@ -84,10 +85,11 @@ class ProxyState:
                 for p, ids in zip(_prompt_list(req), prompts)]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        plan = req.tool_plan
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                template_messages(req.messages), add_generation_prompt=True, tokenize=False,
+                tools=plan.template_tools() if plan is not None else None)
         except Exception as e:  # noqa: BLE001 - a template error is the request's problem
             raise invalid_request(f"messages: chat template failed: {e}", "messages") from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -31,7 +31,7 @@ class StructuredOutputsField(BaseModel):
 
     def params(self) -> StructuredOutputsParams:
         schema = self.json_
-        return _checked(StructuredOutputsParams(
+        return checked(StructuredOutputsParams(
             json=json.dumps(schema) if isinstance(schema, dict) else schema, regex=self.regex,
             choice=self.choice, grammar=self.grammar, json_object=bool(self.json_object),
             disable_any_whitespace=self.disable_any_whitespace), "structured_outputs")
@@ -55,7 +55,7 @@ def response_format_params(fmt: dict[str, Any] | None, field: str = "response_fo
         raise invalid_request(f"{field}.json_schema: must be an object with a 'schema' object",
                               field)
     schema = spec.get("schema", {"type": "object"})  # OpenAI: schema is optional
-    return _checked(StructuredOutputsParams(json=json.dumps(schema)), field)
+    return checked(StructuredOutputsParams(json=json.dumps(schema)), field)
 
 
 def request_params(structured: dict[str, Any] | None, response_format: dict[str, Any] | None
@@ -77,7 +77,8 @@ def request_params(structured: dict[str, Any] | None, response_format: dict[str,
         raise invalid_request(str(e), "structured_outputs") from None
 
 
-def _checked(params: StructuredOutputsParams, field: str) -> StructuredOutputsParams:
+def checked(params: StructuredOutputsParams, field: str) -> StructuredOutputsParams:
+    """``params`` if they compile, else a 400 naming ``field``."""
     try:
         _check(params.kind, _hashable(params.spec()), bool(params.disable_any_whitespace))
     except ValueError as e:

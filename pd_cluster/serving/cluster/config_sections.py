@@ -107,6 +107,10 @@ class ProxyConfig(ConfigSection):
     # Times a request may move to another engine when its engine fails mid-stream.
     max_migrations: int = Field(2, ge=0)
     max_restarts: int = 3  # Ray restarts a dead proxy this many times (on the launch node)
+    # tool_choice "auto": pick tool calls out of the model's text with this parser (hermes,
+    # qwen, llama3_json, mistral), as vLLM's --enable-auto-tool-choice --tool-call-parser.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     log_stats_interval: float = 10.0  # s between per-engine stats lines in the log (0: off)
     # API keys (README, "Security"): one key or a list. With any key set (here or through
     # api_key_env), every route but /health and open_routes needs `Authorization: Bearer KEY`.
@@ -139,6 +143,14 @@ class ProxyConfig(ConfigSection):
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("ssl_certfile, ssl_keyfile: set both (or neither)")
         return self
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _tool_parser(cls, value: str | None) -> str | None:
+        from pd_cluster.serving.api.tool_parsers import PARSERS
+        if value is not None and value not in PARSERS:
+            raise ValueError(f"must be one of {', '.join(PARSERS)}, got {value!r}")
+        return value
 
     @field_validator("routing")
     @classmethod

@@ -1,0 +1,80 @@
+"""Chat bodies and chunks of a request with tools: ``message.tool_calls`` and
+``finish_reason: tool_calls``; streamed as OpenAI deltas whose argument fragments concatenate
+to the non-streamed call (a named call streams its arguments as they come; other calls go
+out whole once parsed, content before them streams as it comes)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pd_cluster.serving.api.openai_format import ChatFormatter, Result
+from pd_cluster.serving.api.tools import ToolPlan, call_id, tool_call_json
+
+
+@dataclass
+class _Stream:
+    text: str = ""  # the whole output so far
+    sent: int = 0  # characters of it sent as content
+    in_calls: bool = False
+    named_id: str | None = None
+
+
+class ToolChatFormatter(ChatFormatter):
+    def __init__(self, plan: ToolPlan, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.plan = plan
+        self._streams: dict[int, _Stream] = {}
+
+    @property
+    def _plain(self) -> bool:
+        return False  # every chunk goes through chunk()
+
+    @staticmethod
+    def _reason(finish_reason: str | None, calls: list[Any]) -> str | None:
+        return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+    def full(self, results: list[Result]) -> dict[str, Any]:
+        body = super().full(results)
+        for choice, r in zip(body["choices"], results):
+            content, calls = self.plan.calls(r.text)
+            choice["message"]["content"] = content
+            choice["message"]["tool_calls"] = [tool_call_json(c) for c in calls]
+            choice["finish_reason"] = self._reason(r.finish_reason, calls)
+        return body
+
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
+              index: int = 0, logprobs: Any = None,
+              prompt_logprobs: Any = None) -> dict[str, Any] | None:
+        s = self._streams.setdefault(index, _Stream())
+        s.text += text
+        plan = self.plan
+        if plan.mode == "none":
+            return super().chunk(text, token_ids, finish_reason, index, logprobs)
+        delta: dict[str, Any] = {}
+        reason = finish_reason
+        if plan.mode == "named":
+            if s.named_id is None and (text or finish_reason):
+                s.named_id = call_id()
+                delta["tool_calls"] = [{"index": 0, "id": s.named_id, "type": "function",
+                                        "function": {"name": plan.named, "arguments": text}}]
+            elif text:
+                delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
+            reason = self._reason(finish_reason, [plan.named])
+        else:
+            if plan.mode == "auto" and not s.in_calls:
+                begin = plan.parser.calls_begin(s.text)
+                s.in_calls = begin >= 0
+                end = begin if s.in_calls else len(s.text) - plan.parser.holdback(s.text)
+                if end > s.sent:
+                    delta["content"] = s.text[s.sent:end]
+                    s.sent = end
+            if finish_reason is not None:
+                content, calls = plan.calls(s.text)
+                if calls:
+                    delta["tool_calls"] = [tool_call_json(c, i) for i, c in enumerate(calls)]
+                elif len(s.text) > s.sent:  # no calls after all: the rest is content
+                    delta["content"] = delta.get("content", "") + s.text[s.sent:]
+                reason = self._reason(finish_reason, calls)
+        if not delta and reason is None and not (self.return_token_ids or token_ids):
+            return None
+        return self._chunk(delta, reason, token_ids, index, logprobs)
