@@ -71,7 +71,7 @@ class EngineArgs(BaseModel):
     kv_cache_memory: int = 256 * 1024 * 1024  # CPU budget in bytes when num_kv_blocks is unset
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory an engine may use
     enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt's cached prefix
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | cpu | torch | triton
     tokenizer: str | None = None  # tokenizer directory (null: the model's own)
     # Ranks per engine (one device each); the KV budget (num_kv_blocks, kv_cache_memory,
     # gpu_memory_utilization) is per rank.

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from pd_cluster.attention import AttentionMetadata
+from kernels.cpu_build import load_cpu_kernels, load_error
+from pd_cluster.attention import AttentionMetadata, create_backend
 from pd_cluster.engine.kv_spec import LatentAttentionSpec
 from pd_cluster.llm import LLM
 from pd_cluster.checkpoints.maker import make_model
@@ -67,8 +68,12 @@ def test_greedy_matches_hf_chunked_and_prefix_cached(mla_model, name: str) -> No
     assert llm.engine.stats()["prefix_cache_hit_blocks"] >= 4
 
 
-def test_decode_path_equals_decompressed_path(mla_model) -> None:
-    """Absorbed decode over the cached latents == decompressed attention of the same query."""
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_decode_path_equals_decompressed_path(mla_model, backend: str) -> None:
+    """Absorbed decode over the cached latents (each backend's: dense copies, or the CPU
+    kernel reading the blocks in place) == decompressed attention of the same query."""
+    if backend == "cpu" and not load_cpu_kernels():
+        pytest.skip(f"CPU kernel unavailable: {load_error()}")
     llm = LLM(model=mla_model("qlora-yarn"), num_kv_blocks=16)
     attn = llm.engine.runner.model.model.layers[1].self_attn
     gen = torch.Generator().manual_seed(0)
@@ -84,7 +89,8 @@ def test_decode_path_equals_decompressed_path(mla_model) -> None:
         max_query_len=1, max_seq_len=14, block_size=4, query_start_loc_cpu=[0, 1, 2, 3],
         seq_lens_cpu=lengths)
     with torch.inference_mode():
-        absorbed = attn.decode_absorbed(q_nope, q_rope, cache, meta)
+        absorbed = attn.decode_absorbed(q_nope, q_rope, cache, meta,
+                                        create_backend(backend, torch.device("cpu")))
         for i, n in enumerate(lengths):
             blocks = tables[i, : -(-n // 4)].long()
             ctx_kv = cache[0, blocks].reshape(-1, LATENT + ROPE)[:n]

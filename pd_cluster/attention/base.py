@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import logging
 from typing import Callable
 
 import torch
 
 from pd_cluster.attention.metadata import AttentionMetadata
 from pd_cluster.attention.options import AttentionOptions
+
+logger = logging.getLogger(__name__)
 
 
 class AttentionBackend(ABC):
@@ -29,6 +32,15 @@ class AttentionBackend(ABC):
         """query: [num_tokens, num_heads, head_dim] -> output of the same shape (causal,
         with the layer's window, soft-cap and sinks from ``opts``)."""
 
+    def decode_latent(self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                      opts: AttentionOptions, value_dim: int) -> torch.Tensor:
+        """Latent attention's absorbed decode for the batch's leading decode requests: query
+        [decodes, heads, cache_dim] against ``cache`` [1, blocks, block_size, 1, cache_dim]
+        (keys = the whole cached vector, values = its first ``value_dim`` entries)
+        -> [decodes, heads, value_dim]."""
+        from pd_cluster.attention.torch_backend import torch_latent_decode
+        return torch_latent_decode(query, cache, meta, opts, value_dim)
+
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
 
@@ -41,14 +53,24 @@ def register_backend(name: str) -> Callable:
 
 
 def create_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` means Triton on CUDA, torch elsewhere."""
+    """``auto`` means Triton on CUDA, the C++ paged kernel on CPU (the torch reference, with a
+    warning, where that kernel cannot be built)."""
     # Importing registers the built-in backends; the Triton module imports no CUDA at load.
-    from pd_cluster.attention import torch_backend  # noqa: F401
+    from pd_cluster.attention import cpu_backend, torch_backend  # noqa: F401
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else _cpu_choice()
     if name == "triton":
         from pd_cluster.attention import triton_backend  # noqa: F401
     if name not in _BACKENDS:
         raise ValueError(f"attention_backend: unknown backend {name!r}; "
                          f"choose one of {sorted(_BACKENDS) + ['auto']}")
     return _BACKENDS[name]()
+
+
+def _cpu_choice() -> str:
+    from kernels.cpu_build import load_cpu_kernels, load_error
+    if load_cpu_kernels():
+        return "cpu"
+    logger.warning("attention_backend auto: using the torch reference attention on CPU (%s)",
+                   load_error())
+    return "torch"

@@ -92,13 +92,16 @@ def torch_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
 
 
 def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                  seq_lens: torch.Tensor, max_len: int, opts: AttentionOptions) -> torch.Tensor:
+                  seq_lens: torch.Tensor, max_len: int, opts: AttentionOptions,
+                  value_dim: int | None = None) -> torch.Tensor:
     n, block_size = query.shape[0], kv_cache.shape[2]
     # index_select on the leading (block) dim copies whole blocks: several times faster on
     # CPU than advanced indexing, which gathers element-wise.
     flat = block_tables[:, : -(-max_len // block_size)].long().flatten()
     k = kv_cache[0].index_select(0, flat).view(n, -1, *kv_cache.shape[-2:])  # [n, L, Hkv, D]
     v = kv_cache[1].index_select(0, flat).view(n, -1, *kv_cache.shape[-2:])
+    if value_dim is not None:
+        v = v[..., :value_dim]
     k_pos = torch.arange(k.shape[1], device=query.device)[None, :]
     lens = seq_lens[:, None].to(query.device)
     mask = k_pos < lens  # [n, L]
@@ -107,6 +110,23 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     out = attend(query.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
                  mask[:, None, None, :], opts)
     return out.squeeze(2)
+
+
+def torch_latent_decode(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                        opts: AttentionOptions, value_dim: int) -> torch.Tensor:
+    """Latent attention's absorbed decode over dense copies of each group's cached vectors:
+    query [decodes, heads, cache_dim]; keys = the whole cached vector, values = its first
+    ``value_dim`` entries (one "KV head" shared by all heads) -> [decodes, heads, value_dim]."""
+    n = meta.num_decodes
+    lengths = meta.seq_lens_cpu[:n]
+    out = query.new_empty(n, query.shape[1], value_dim)
+    for group in length_groups(lengths):
+        idx = torch.tensor(group, device=query.device)
+        kv_cache = cache[0, None].expand(2, *cache.shape[1:])  # K and V: the same vectors
+        o = _decode_group(query[idx], kv_cache, meta.block_tables[idx], meta.seq_lens[idx],
+                          lengths[group[0]], opts, value_dim)
+        out[idx] = o
+    return out
 
 
 def torch_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

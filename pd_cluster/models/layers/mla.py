@@ -20,7 +20,8 @@ from torch import nn
 
 from pd_cluster.attention.metadata import AttentionMetadata
 from pd_cluster.attention.options import AttentionOptions
-from pd_cluster.attention.torch_backend import attend, length_groups, window_mask
+from pd_cluster.attention.base import AttentionBackend
+from pd_cluster.attention.torch_backend import attend, window_mask
 from pd_cluster.engine.kv_spec import LatentAttentionSpec
 from pd_cluster.models.context import ForwardContext
 from pd_cluster.models.layers.attention import paged_layer, register_attention
@@ -111,15 +112,15 @@ class LatentAttention(nn.Module):
         meta = ctx.attn_metadata
         out = paged_layer(self.layer_idx, ctx,
                           lambda cache: write_latent(entry, cache, meta.slot_mapping),
-                          lambda cache: self._attend(q_nope, q_rope, cache, meta))
+                          lambda cache: self._attend(q_nope, q_rope, cache, meta, ctx.backend))
         return self.o_proj(out.reshape(n, self.num_heads * m.v_head_dim))
 
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.m.v_head_dim)
         d = meta.num_decodes
         if d:
-            out[:d] = self.decode_absorbed(q_nope[:d], q_rope[:d], cache, meta)
+            out[:d] = self.decode_absorbed(q_nope[:d], q_rope[:d], cache, meta, backend)
         for i in range(d, meta.num_reqs):
             start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
             ctx_kv = gather_latent(cache, meta.block_tables[i], meta.seq_lens_cpu[i])
@@ -148,30 +149,15 @@ class LatentAttention(nn.Module):
         return o.transpose(0, 1)
 
     def decode_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
-                        meta: AttentionMetadata) -> torch.Tensor:
+                        meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """One query per decode request; W_UK folded into the query, W_UV into the output, so
-        only the cached vectors are read. -> [decodes, heads, v]."""
+        only the cached vectors are read (by the backend, in place where it can).
+        -> [decodes, heads, v]."""
         w_uk, w_uv = self._kv_b()
         q_lat = torch.einsum("nhd,hdl->nhl", q_nope, w_uk)
         q = torch.cat([q_lat, q_rope], dim=-1)  # [n, heads, latent_dim]
-        lengths = meta.seq_lens_cpu[:meta.num_decodes]
-        o_lat = q_lat.new_empty(q_lat.shape)
-        for group in length_groups(lengths):
-            idx = torch.tensor(group, device=q.device)
-            o_lat[idx] = self._decode_group(q[idx], cache, meta.block_tables[idx],
-                                            meta.seq_lens[idx], lengths[group[0]])
+        o_lat = backend.decode_latent(q, cache, meta, self._opts(), self.m.kv_lora_rank)
         return torch.einsum("nhl,hvl->nhv", o_lat, w_uv)
-
-    def _decode_group(self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
-                      seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
-        n, bs = q.shape[0], cache.shape[2]
-        flat = tables[:, : -(-max_len // bs)].long().flatten()
-        kv = cache[0].index_select(0, flat).view(n, -1, cache.shape[-1])  # [n, L, latent_dim]
-        visible = torch.arange(kv.shape[1], device=q.device)[None, :] < seq_lens[:, None]
-        # One KV head of the whole vector for the keys, its latent part for the values.
-        o = attend(q.unsqueeze(2), kv.unsqueeze(1), kv[..., :self.m.kv_lora_rank].unsqueeze(1),
-                   visible[:, None, None, :], self._opts())
-        return o.squeeze(2)
 
     def _opts(self) -> AttentionOptions:
         return AttentionOptions(self.scale, None, None, None)

@@ -1,0 +1,97 @@
+"""Builds (once per machine, cached on disk) and loads the CPU C++ kernels in ``kernels/cpu/``.
+
+The build is keyed by everything that makes its binary valid: the sources, torch's version
+and ABI, the compiler and its flags, and this CPU's instruction set (``-march=native``), so a
+cache shared between machines or torch upgrades never loads a stale or illegal binary. It
+lives in ``$PD_CLUSTER_KERNEL_CACHE`` (default ``~/.cache/pd-cluster/kernels``); a fresh
+build costs ~10 s of one core. ``PD_CLUSTER_CPU_KERNELS=0`` skips it. A failed build is
+logged as a warning with the compiler's error, once per process, and reported to the caller
+(who falls back to the torch reference or, when the kernel was asked for by name, raises).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).resolve().parent / "cpu" / "paged_attention.cpp"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool, "error": str (this process's one attempt)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler_version() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{cxx}: {e}"
+
+
+def build_key() -> str:
+    h = hashlib.sha256()
+    for src in _SOURCES:
+        h.update(src.read_bytes())
+    for part in (torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), sys.version,
+                 platform.machine(), " ".join(_CFLAGS), _compiler_version(), _cpu_flags()):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PD_CLUSTER_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "pd-cluster" / "kernels"
+
+
+def load_cpu_kernels() -> bool:
+    """True when ``torch.ops.pd_cluster_cpu`` is loaded (built now or found in the cache)."""
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _load()
+        return bool(_state["ok"])
+
+
+def load_error() -> str:
+    """Why the kernels are unavailable in this process ('' if they loaded or were not tried)."""
+    return str(_state.get("error", ""))
+
+
+def _load() -> bool:
+    if os.environ.get("PD_CLUSTER_CPU_KERNELS", "1").lower() in ("0", "false", "off", "no"):
+        _state["error"] = "disabled by PD_CLUSTER_CPU_KERNELS=0"
+        return False
+    key = build_key()
+    name = f"pd_cluster_cpu_{key}"
+    build = cache_dir() / name
+    try:
+        from torch.utils import cpp_extension
+        build.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name, [str(s) for s in _SOURCES], extra_cflags=_CFLAGS,
+                           build_directory=str(build), is_python_module=False, verbose=False)
+        torch.ops.pd_cluster_cpu.paged_attention  # noqa: B018  (registered by the load)
+    except Exception as e:  # a compiler error, a missing toolchain, a bad cache dir
+        _state["error"] = f"{type(e).__name__}: {e}"
+        logger.warning("CPU attention kernel unavailable (build in %s failed), falling back to "
+                       "the slower torch attention: %s", build, _state["error"])
+        return False
+    return True

@@ -1,0 +1,150 @@
+"""The CPU paged attention kernel against the dense torch reference, per variant: GQA/MQA/MHA,
+sliding window, soft-cap, sinks, latent-shaped K/V (values a view of the keys), decode batches,
+chunked prefill over a cached prefix, and mixed prefill + decode batches."""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from kernels import cpu_build
+from pd_cluster.attention import AttentionMetadata, AttentionOptions, create_backend
+from pd_cluster.attention.cpu_backend import paged_attention
+from pd_cluster.attention.torch_backend import TorchAttentionBackend
+
+pytestmark = pytest.mark.skipif(not cpu_build.load_cpu_kernels(),
+                                reason=f"CPU kernel unavailable: {cpu_build.load_error()}")
+
+
+def make_batch(q_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int,
+               seed: int = 0) -> AttentionMetadata:
+    """Requests with scattered (shuffled) blocks; decodes (q_len 1) must come first."""
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
+    width = max(len(t) for t in tables)
+    tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    slots = []
+    for t, q, s in zip(tables, q_lens, seq_lens):
+        slots += [t[p // block_size] * block_size + p % block_size for p in range(s - q, s)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables_t,
+        num_decodes=sum(1 for q in q_lens if q == 1), max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), block_size=block_size, query_start_loc_cpu=starts,
+        seq_lens_cpu=list(seq_lens))
+
+
+def check(q_lens, seq_lens, hq=8, hkv=2, d=32, block_size=16, dtype=torch.float32,
+          atol=2e-5, **opt_kwargs) -> None:
+    torch.manual_seed(0)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    meta = make_batch(q_lens, seq_lens, block_size, num_blocks)
+    cache = torch.randn(2, num_blocks, block_size, hkv, d).to(dtype)
+    query = torch.randn(sum(q_lens), hq, d).to(dtype)
+    if "sinks" in opt_kwargs:
+        opt_kwargs["sinks"] = torch.randn(hq)
+    opts = AttentionOptions(scale=d ** -0.5, **opt_kwargs)
+    ref = TorchAttentionBackend().forward(query, cache, meta, opts)
+    got = create_backend("cpu", torch.device("cpu")).forward(query, cache, meta, opts)
+    torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=1e-3 if atol > 1e-4 else 1e-5)
+
+
+DECODE = ([1] * 5, [1, 17, 40, 100, 33])
+PREFILL_PREFIX = ([7, 40, 3], [7, 100, 50])  # first from scratch, then chunks after a prefix
+MIXED = ([1, 1, 1, 12, 30], [5, 64, 200, 12, 77])
+
+
+@pytest.mark.parametrize("batch", [DECODE, PREFILL_PREFIX, MIXED], ids=["decode", "prefix", "mixed"])
+@pytest.mark.parametrize("variant", [
+    {}, {"sliding_window": 8}, {"sliding_window": 1}, {"logit_softcap": 5.0}, {"sinks": True},
+    {"sliding_window": 16, "sinks": True, "logit_softcap": 30.0}],
+    ids=["plain", "window", "window1", "softcap", "sinks", "all"])
+def test_matches_reference(batch, variant) -> None:
+    check(*batch, **variant)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 1), (8, 4)], ids=["mha", "mqa", "gqa"])
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
+def test_heads_and_block_sizes(hq, hkv, block_size) -> None:
+    check(*MIXED, hq=hq, hkv=hkv, block_size=block_size)
+
+
+def test_long_prefill_tiles() -> None:
+    """A prompt longer than one query tile, from scratch and after a prefix."""
+    check([1, 70, 45], [300, 70, 90], hq=4, hkv=2, d=64, sliding_window=20)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype) -> None:
+    check(*MIXED, dtype=dtype, atol=2e-2)
+
+
+def test_latent_values_are_a_view_of_keys() -> None:
+    """Latent attention's decode: one cached vector per token, keys = all of it, values = its
+    first ``rank`` entries, read from the same memory; K dim != V dim."""
+    torch.manual_seed(0)
+    rank, rope, heads, bs = 24, 8, 4, 16
+    meta = make_batch(*MIXED, bs, 40)
+    cache = torch.randn(1, 40, bs, 1, rank + rope)
+    query = torch.randn(sum(MIXED[0]), heads, rank + rope)
+    opts = AttentionOptions(scale=0.3)
+    got = paged_attention(query, cache[0], cache[0][..., :rank], meta, opts)
+    # Dense reference over the same vectors: a K/V cache with the values zero-padded.
+    dense = torch.zeros(2, 40, bs, 1, rank + rope)
+    dense[0], dense[1, ..., :rank] = cache[0], cache[0, ..., :rank]
+    ref = TorchAttentionBackend().forward(query, dense, meta, opts)[..., :rank]
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_kernel_alone_on_fresh_prompts() -> None:
+    """Prompts from their start, which the backend sends to SDPA when attention is plain."""
+    torch.manual_seed(0)
+    meta = make_batch([1, 40, 20], [30, 40, 20], 16, 12)
+    cache = torch.randn(2, 12, 16, 2, 32)
+    query = torch.randn(61, 8, 32)
+    opts = AttentionOptions(scale=0.2)
+    torch.testing.assert_close(paged_attention(query, cache[0], cache[1], meta, opts),
+                               TorchAttentionBackend().forward(query, cache, meta, opts),
+                               atol=2e-5, rtol=1e-5)
+
+
+def test_padding_rows_are_zero() -> None:
+    meta = make_batch([1, 4], [9, 4], 4, 8)
+    cache = torch.randn(2, 8, 4, 2, 8)
+    query = torch.randn(7, 4, 8)  # 5 real tokens, 2 padding
+    out = create_backend("cpu", torch.device("cpu")).forward(query, cache, meta,
+                                                              AttentionOptions(scale=0.5))
+    assert out[5:].abs().sum() == 0 and out[:5].abs().sum() > 0
+
+
+def test_failed_build_falls_back_loudly(tmp_path, monkeypatch, caplog) -> None:
+    """A kernel that does not compile: a warning naming the error, then torch attention (auto),
+    or an error naming the cause when 'cpu' was asked for by name."""
+    bad = tmp_path / "broken.cpp"
+    bad.write_text("this is not C++;\n")
+    monkeypatch.setattr(cpu_build, "_SOURCES", [bad])
+    monkeypatch.setenv("PD_CLUSTER_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_build, "_state", {})
+    with caplog.at_level(logging.WARNING):
+        assert not cpu_build.load_cpu_kernels()
+        backend = create_backend("auto", torch.device("cpu"))
+    assert backend.name == "torch"
+    assert "CPU attention kernel unavailable" in caplog.text and "torch reference" in caplog.text
+    assert cpu_build.load_error()
+    with pytest.raises(RuntimeError, match=r"C\+\+ kernel is unavailable"):
+        create_backend("cpu", torch.device("cpu"))
+
+
+def test_build_key_depends_on_sources(tmp_path, monkeypatch) -> None:
+    key = cpu_build.build_key()
+    other = tmp_path / "other.cpp"
+    other.write_text("// a different kernel\n")
+    monkeypatch.setattr(cpu_build, "_SOURCES", [other])
+    assert cpu_build.build_key() != key
