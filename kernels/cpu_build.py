@@ -10,6 +10,7 @@ logged as a warning with the compiler's error, once per process, and reported to
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -17,7 +18,9 @@ import platform
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -25,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).resolve().parent / "cpu" / "paged_attention.cpp"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+_BUILD_TIMEOUT_S = 600.0  # a build waiting on another process's gives up after this
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str (this process's one attempt)
 
@@ -86,8 +90,13 @@ def _load() -> bool:
     try:
         from torch.utils import cpp_extension
         build.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name, [str(s) for s in _SOURCES], extra_cflags=_CFLAGS,
-                           build_directory=str(build), is_python_module=False, verbose=False)
+        with _build_lock(build):
+            # Under our lock no other process is building here, so torch's own lock file is a
+            # leftover of a build that was killed: torch would wait on it forever.
+            (build / "lock").unlink(missing_ok=True)
+            cpp_extension.load(name, [str(s) for s in _SOURCES], extra_cflags=_CFLAGS,
+                               build_directory=str(build), is_python_module=False,
+                               verbose=False)
         torch.ops.pd_cluster_cpu.paged_attention  # noqa: B018  (registered by the load)
     except Exception as e:  # a compiler error, a missing toolchain, a bad cache dir
         _state["error"] = f"{type(e).__name__}: {e}"
@@ -95,3 +104,26 @@ def _load() -> bool:
                        "the slower torch attention: %s", build, _state["error"])
         return False
     return True
+
+
+
+@contextlib.contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """An flock beside the build directory, waited on with a bound (the OS releases it when
+    its holder dies, unlike torch's lock file)."""
+    import fcntl
+    fd = os.open(build.parent / f"{build.name}.flock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        deadline = time.monotonic() + _BUILD_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building {build} for over "
+                                       f"{_BUILD_TIMEOUT_S:.0f} s") from None
+                time.sleep(0.2)  # another process is building: poll its lock
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock

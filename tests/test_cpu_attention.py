@@ -4,7 +4,12 @@ chunked prefill over a cached prefix, and mixed prefill + decode batches."""
 from __future__ import annotations
 
 import logging
+import os
 import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +153,18 @@ def test_build_key_depends_on_sources(tmp_path, monkeypatch) -> None:
     other.write_text("// a different kernel\n")
     monkeypatch.setattr(cpu_build, "_SOURCES", [other])
     assert cpu_build.build_key() != key
+
+
+def test_stale_torch_lock_does_not_hang(tmp_path) -> None:
+    """A build killed mid-way leaves torch's lock file behind; the next load removes it (our
+    own flock proves no one else is building) instead of waiting on it forever. In a child
+    process: one process loads the kernel library once."""
+    name = f"pd_cluster_cpu_{cpu_build.build_key()}"
+    shutil.copytree(cpu_build.cache_dir() / name, tmp_path / name)  # built: no recompile
+    (tmp_path / name / "lock").write_text("")
+    code = ("from kernels import cpu_build; "
+            "assert cpu_build.load_cpu_kernels(), cpu_build.load_error()")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300,
+                   cwd=Path(cpu_build.__file__).parent.parent,
+                   env={**os.environ, "PD_CLUSTER_KERNEL_CACHE": str(tmp_path)})
+    assert not (tmp_path / name / "lock").exists()
