@@ -85,7 +85,7 @@ class ProxyState:
                 for p, ids in zip(_prompt_list(req), prompts)]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        plan = req.tool_plan
+        plan = getattr(req, "tool_plan", None)  # /tokenize's request has no tools
         try:
             text = self.tokenizer.apply_chat_template(
                 template_messages(req.messages), add_generation_prompt=True, tokenize=False,
