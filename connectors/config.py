@@ -30,6 +30,10 @@ class KVTransferConfig(BaseModel):
     # logged and retried in the background ("warn").
     unreachable: Literal["error", "warn"] = "error"
     record_timings: bool = False  # per-request layer timestamps (overlap tests, benchmarks)
+    # Each KV layer message carries a digest (kv_digest.py) the decode engine checks before the
+    # request may run: a mismatch, a missing layer or blocks the request does not own fail the
+    # transfer (the decode engine recomputes), never decoded on. Both ends must agree.
+    digest: bool = True
     pipe_config: PipeConfig = Field(default_factory=PipeConfig)
 
     @field_validator("pipe")

@@ -22,6 +22,7 @@ import torch
 
 from connectors.metadata import FinHeader, KVLayerHeader, OfferHeader, RecvSpec
 from connectors.block_io import scatter_blocks
+from connectors.kv_digest import digest_error
 
 logger = logging.getLogger(__name__)
 Ack = tuple[str, str, bool]  # (producer peer, request id, ok)
@@ -49,7 +50,7 @@ class _Staged:
 
 class KVReceiver:
     def __init__(self, num_layers: int, block_size: int, timeout: float, max_staging_bytes: int,
-                 record_timings: bool = False):
+                 record_timings: bool = False, digest: bool = True):
         self.num_layers, self.block_size = num_layers, block_size
         self.timeout, self.max_staging_bytes = timeout, max_staging_bytes
         self.kv_caches: list[torch.Tensor] = []
@@ -57,6 +58,10 @@ class KVReceiver:
         self._active: dict[str, _Receiving] = {}
         self._staged: OrderedDict[str, _Staged] = OrderedDict()
         self._staged_bytes = 0
+        # One peer holds at most half the staging area: the rest stays for the others.
+        self._staged_by_peer: dict[str, int] = {}
+        self.digest = digest  # check each layer's digest (kv_digest.py) before writing it
+        self._poisoned: OrderedDict[str, str] = OrderedDict()  # failed before registration
         self._done: dict[str, int | None] = {}
         self._cancelled: OrderedDict[str, float] = OrderedDict()  # ended here, bounded
         self._nacks: list[tuple[str, str, bool]] = []  # gave up: tell those producers
@@ -70,6 +75,8 @@ class KVReceiver:
         self.bytes_skipped = 0  # payload bytes that arrived for blocks held here (dropped)
         self.recv_seconds = 0.0  # first message to complete, summed over requests
         self.num_dropped = 0
+        self.num_failed_closed = 0  # transfers failed closed: recomputed, never decoded on
+        self.num_refused = 0  # messages refused by a per-peer bound or for unknown requests
 
     # ---- scheduler-driven ----------------------------------------------------------------
     def register(self, spec: RecvSpec) -> list[Ack]:
@@ -86,8 +93,12 @@ class KVReceiver:
             self.prefix_hit_tokens += spec.num_cached_tokens
             staged = self._staged.pop(spec.request_id, None)
             acks: list[Ack] = []
+            poisoned = self._poisoned.pop(spec.request_id, None)
+            if poisoned is not None:
+                peers = {p for _, _, p in staged.items} if staged else set()
+                acks = self._fail_closed(state, poisoned[0], poisoned[1], peers)
             for header, tensor, peer in (staged.items if staged else []):
-                self._staged_bytes -= tensor.nbytes if tensor is not None else 0
+                self._unstage(tensor, peer)
                 if spec.request_id in self._active:
                     acks += self._apply(state, header, tensor, peer)
             return acks
@@ -120,7 +131,11 @@ class KVReceiver:
                     # the producers may free their blocks now
                     self._nacks += [(peer, rid, False) for peer in sorted(state.peers)]
             for rid in [r for r, s in self._staged.items() if now - s.arrived > self.timeout]:
-                self._drop_staged(rid)  # never claimed: unknown or already-finished request
+                # never claimed: an unknown request (or one that ended before it was staged)
+                self.num_refused += len(self._staged[rid].items)
+                logger.warning("refused %d KV messages for %s: no such request here",
+                               len(self._staged[rid].items), rid[:80])
+                self._drop_staged(rid)
             done, self._done = self._done, {}
             return done
 
@@ -149,23 +164,38 @@ class KVReceiver:
     def on_message(self, header: KVLayerHeader | FinHeader, tensor: torch.Tensor | None,
                    peer: str) -> list[Ack]:
         """Apply or stage one message; returns what to ACK when the request ended."""
+        bad = None  # checked before the lock: a digest reads every byte
+        if self.digest and isinstance(header, KVLayerHeader):
+            bad = digest_error(header, tensor)
+        rid = header.request_id
         with self._lock:
-            state = self._active.get(header.request_id)
+            state = self._active.get(rid)
             if state is not None:
+                if bad is not None:
+                    return self._fail_closed(state, bad, peer, {peer})
                 return self._apply(state, header, tensor, peer)
-            if header.request_id in self._cancelled:
+            if rid in self._cancelled:
                 # NACK a FIN, and an offer too: the producer then sends nothing for it.
-                return [(peer, header.request_id, False)] \
+                return [(peer, rid, False)] \
                     if isinstance(header, (FinHeader, OfferHeader)) else []
-            size = tensor.nbytes if tensor is not None else 0
-            if self._staged_bytes + size > self.max_staging_bytes:
-                self.num_dropped += 1
-                logger.warning("staging full: dropped %s for %s", type(header).__name__,
-                               header.request_id)
+            if bad is not None:  # fails the request when it is registered
+                self._poisoned[rid] = (bad, peer)
+                while len(self._poisoned) > 4096:
+                    self._poisoned.popitem(last=False)
                 return []
-            self._staged.setdefault(header.request_id, _Staged(time.monotonic())).items.append(
+            size = tensor.nbytes if tensor is not None else 0
+            by_peer = self._staged_by_peer.get(peer, 0)
+            if (self._staged_bytes + size > self.max_staging_bytes
+                    or by_peer + size > self.max_staging_bytes // 2):
+                self.num_refused += 1
+                logger.warning("staging full (%s): refused %s for %s", "this peer's share"
+                               if by_peer + size > self.max_staging_bytes // 2 else "all",
+                               type(header).__name__, rid[:80])
+                return []
+            self._staged.setdefault(rid, _Staged(time.monotonic())).items.append(
                 (header, tensor, peer))
             self._staged_bytes += size
+            self._staged_by_peer[peer] = by_peer + size
             return []
 
     # ---- internals (lock held) -----------------------------------------------------------
@@ -189,10 +219,10 @@ class KVReceiver:
                 header, tensor = self._skip_held(state, header, tensor)
                 if header is not None:
                     self._write_layer(state, header, tensor)
-            except ValueError as e:
-                self.num_dropped += 1
-                logger.warning("dropped KV for %s layer %s: %s", rid, header.layer, e)
-                return []
+            except ValueError as e:  # e.g. blocks the request does not own
+                return self._fail_closed(state, f"layer {header.layer}: {e}", peer, {peer})
+        if state.fins and len(state.fins) >= state.fins[0].num_fins and not state.written.all():
+            return self._fail_closed(state, "layers missing at the FIN", peer, {peer})
         if (state.fins and len(state.fins) >= state.fins[0].num_fins
                 and state.written.all()):
             del self._active[rid]
@@ -269,7 +299,31 @@ class KVReceiver:
             written[layer, :cache.shape[0], :, :cache.shape[3]] = False
         return written
 
+    def _fail_closed(self, state: _Receiving, why: str, peer: str, peers: set[str]
+                     ) -> list[Ack]:
+        """The request's KV cannot be trusted: it is recomputed here (as after a timeout),
+        never decoded on; its producers are told to free their blocks."""
+        rid = state.spec.request_id
+        del self._active[rid]
+        self._done[rid] = None
+        self._cancelled[rid] = time.monotonic()  # what still comes for it is NACKed/ignored
+        while len(self._cancelled) > 4096:
+            self._cancelled.popitem(last=False)
+        self.num_failed_closed += 1
+        logger.warning("KV for %s from %s failed closed (%s): recomputing", rid[:80],
+                       peer[:120], why)
+        return [(p, rid, False) for p in sorted(state.peers | peers)]
+
+    def _unstage(self, tensor: torch.Tensor | None, peer: str) -> None:
+        size = tensor.nbytes if tensor is not None else 0
+        self._staged_bytes -= size
+        left = self._staged_by_peer.get(peer, 0) - size
+        if left > 0:
+            self._staged_by_peer[peer] = left
+        else:
+            self._staged_by_peer.pop(peer, None)
+
     def _drop_staged(self, request_id: str) -> None:
         staged = self._staged.pop(request_id, None)
-        if staged:
-            self._staged_bytes -= sum(t.nbytes for _, t, _ in staged.items if t is not None)
+        for _, tensor, peer in (staged.items if staged else []):
+            self._unstage(tensor, peer)

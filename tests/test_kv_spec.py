@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+import msgspec
 import torch
 
 from connectors.hello import hello_mismatch, make_hello
+from connectors.kv_digest import kv_digest
 from connectors.kv_receiver import KVReceiver
 from connectors.metadata import FinHeader, KVLayerHeader, RecvSpec
 from connectors.pipes.base import HandshakeError
@@ -61,8 +63,10 @@ def test_block_copy_and_receiver_are_generic_over_parts(parts: int, heads: int,
     rx.kv_caches = [torch.zeros(1, 12, 8, 1, 40), torch.zeros(parts, 12, 8, heads, width)]
     rx.register(RecvSpec("r", (4, 5, 6), 20))
     whole = [torch.randn(1, 3, 8, 1, 40), torch.randn(parts, 3, 8, heads, width)]
-    assert rx.on_message(KVLayerHeader("r", 0, 0), whole[0], "p") == []
-    assert rx.on_message(KVLayerHeader("r", 1, 0), whole[1], "p") == []
+    for layer in range(2):  # each with its digest (kv_digest.py), as a producer sends it
+        header = KVLayerHeader("r", layer, 0)
+        header = msgspec.structs.replace(header, digest=kv_digest(header, whole[layer]))
+        assert rx.on_message(header, whole[layer], "p") == []
     fin = FinHeader("r", first_token=9, num_prompt_tokens=20)
     assert rx.on_message(fin, None, "p") == [("p", "r", True)]
     assert rx.take_finished() == {"r": 9}
@@ -70,7 +74,7 @@ def test_block_copy_and_receiver_are_generic_over_parts(parts: int, heads: int,
         assert torch.equal(rx.kv_caches[layer][:, 4:7], whole[layer])
 
 
-def test_hello_compares_every_layer_spec_naming_both_engines() -> None:
+def test_hello_compares_every_layer_spec_naming_the_producers_values() -> None:
     def info(specs: KVCacheSpec, tp: int) -> dict:
         return {"model_id": "m", "dtype": "torch.bfloat16", "block_size": 16, "num_layers": 3,
                 "num_kv_heads": 4 // tp, "head_dim": 64, "kv_specs": specs.describe(),
@@ -83,8 +87,9 @@ def test_hello_compares_every_layer_spec_naming_both_engines() -> None:
     assert hello_mismatch(ours, msgpack.unpackb(msgpack.packb(make_hello(info(half, 2))))) is None
     other = KVCacheSpec(16, MIXED.layers[:2] + (LatentAttentionSpec(512, BF16),))
     why = hello_mismatch(ours, make_hello(info(other, 2)))
-    assert why is not None and "prefill engine (TP2)" in why and "decode engine (TP1)" in why
-    assert "layer 2 KV spec" in why and "512" in why and "576" in why
+    assert why is not None and "prefill engine (TP2)" in why and "decode engine" in why
+    # the producer's value, never the consumer's (the reason goes back to the peer)
+    assert "layer 2 KV spec" in why and "512" in why and "576" not in why
 
 
 def test_launch_between_latent_and_standard_engines_fails(tiny_model, tmp_path) -> None:

@@ -23,7 +23,9 @@ import pytest
 from pd_cluster.driver.messages import EngineDelta
 from pd_cluster.serving.engine.frame_socket import HEADER, FrameParser, MalformedFrame, frame
 from pd_cluster.serving.engine.output_sender import OutputSender
-from pd_cluster.serving.engine.session_sockets import parse_endpoint, sweep_stale_ipc
+from connectors.secret import cluster_secret
+from pd_cluster.serving.engine.session_sockets import (NONCE_BYTES, parse_endpoint,
+                                                       session_proof, sweep_stale_ipc)
 
 _decoder = msgspec.msgpack.Decoder(list[EngineDelta])
 
@@ -55,6 +57,7 @@ class _Proxy:
         else:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.connect(addr)
+        prove(self.sock, "s")
         session = self.sender._sessions["s"]
         _until(lambda: session.conn is not None or session.closed)
 
@@ -72,6 +75,15 @@ class _Proxy:
             parser.feed(data, on_frame)
             time.sleep(pause)
         return out
+
+
+def prove(sock: socket.socket, session: str, secret: bytes | None = None) -> None:
+    """What the proxy does first: answer the engine's nonce (session_sockets.py)."""
+    sock.settimeout(10)
+    nonce = b""
+    while len(nonce) < NONCE_BYTES:
+        nonce += sock.recv(NONCE_BYTES - len(nonce))
+    sock.sendall(session_proof(secret or cluster_secret(), session, nonce))
 
 
 def _step(rids: list[str], step: int, text: str = "x") -> list[EngineDelta]:

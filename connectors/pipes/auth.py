@@ -60,17 +60,17 @@ def curve_keys(secret: bytes, role: str) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret_z85), secret_z85
 
 
-def curve_server(sock: zmq.Socket, secret: bytes) -> None:
+def curve_server(sock: zmq.Socket, secret: bytes, channel: str = "") -> None:
     """A listening socket that takes only CURVE clients (encrypted; a client must know the
-    server's public key, itself derived from the secret)."""
-    _, sk = curve_keys(secret, "server")
+    server's public key, itself derived from the secret and never sent)."""
+    _, sk = curve_keys(secret, channel + "server")
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_SECRETKEY, sk)
 
 
-def curve_client(sock: zmq.Socket, secret: bytes) -> None:
-    server_pk, _ = curve_keys(secret, "server")
-    pk, sk = curve_keys(secret, "client")
+def curve_client(sock: zmq.Socket, secret: bytes, channel: str = "") -> None:
+    server_pk, _ = curve_keys(secret, channel + "server")
+    pk, sk = curve_keys(secret, channel + "client")
     sock.setsockopt(zmq.CURVE_SERVERKEY, server_pk)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, pk)
     sock.setsockopt(zmq.CURVE_SECRETKEY, sk)

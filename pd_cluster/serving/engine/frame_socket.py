@@ -12,14 +12,19 @@ delivered into frames, keeping a partial tail for the next read.
 """
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
 import time
 from typing import Callable
 
+from pd_cluster.serving.engine.session_sockets import NONCE_BYTES, PROOF_BYTES, proof_holds
+
 HEADER = struct.Struct(">I")
 MAX_FRAME = 64 << 20  # bytes: a longer length means the stream is corrupt, not a big step
+_ANSWER_SECONDS = 5.0  # a connection answers the session's challenge within this, or is closed
+_MAX_CANDIDATES = 4  # unproven connections held at once per session (the oldest goes first)
 _COMPACT = 1 << 20  # pending: bytes sent before the buffer is compacted
 
 
@@ -79,10 +84,17 @@ class FrameSession:
     the connection. ``send`` from any thread; ``accept``/``flush``/``close`` from the output
     thread. Every field below the lock is read and written under it."""
 
-    def __init__(self, listener: socket.socket, endpoint: str, ipc_path: str | None):
+    def __init__(self, listener: socket.socket, endpoint: str, ipc_path: str | None,
+                 session: str = "", secret: bytes | None = None,
+                 on_refused: Callable[[str], None] = lambda why: None):
+        """``secret``: a connection becomes the session's only once it answered a nonce with
+        session_sockets.session_proof (others are closed, ``on_refused(why)``)."""
         self.endpoint, self.ipc_path = endpoint, ipc_path
+        self.session, self._secret, self._on_refused = session, secret, on_refused
         self.lock = threading.Lock()
         self.listener: socket.socket | None = listener
+        # Connections still to answer their nonce: fd -> (socket, nonce, answer so far, deadline)
+        self.candidates: dict[int, tuple[socket.socket, bytes, bytearray, float]] = {}
         self.conn: socket.socket | None = None
         self.pending = bytearray()
         self._sent = 0  # bytes of ``pending`` already written
@@ -120,23 +132,77 @@ class FrameSession:
                 return True
             return was_idle
 
-    def accept(self) -> bool:
-        """The proxy connected: take its connection (TCP_NODELAY: frames are latency),
-        close the listener (one proxy per session) and write what waited. False: nothing
-        to accept after all."""
+    def waiting_sockets(self) -> list[socket.socket]:
+        """What the output thread polls until the proxy is in: the listener, the candidates."""
+        with self.lock:
+            return ([self.listener] if self.listener is not None else []) + [
+                c[0] for c in self.candidates.values()]
+
+    def readable(self, fd: int) -> bool:
+        """The listener or a candidate has something: accept, or check an answer. True once
+        the proxy is in (the listener is closed, what waited is written)."""
         with self.lock:
             if self.listener is None or self.closed:
                 return False
+            if fd != self.listener.fileno():
+                return self._check_answer(fd)
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return False
             conn.setblocking(False)
-            if conn.family != socket.AF_UNIX:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.listener.close()
-            self.listener, self.conn = None, conn
-        self.flush()
+            if self._secret is None:
+                return self._take(conn)
+            nonce = os.urandom(NONCE_BYTES)
+            try:
+                conn.send(nonce)  # 16 bytes into a fresh socket's empty buffer: all of it
+            except OSError:
+                conn.close()
+                return False
+            self.candidates[conn.fileno()] = (conn, nonce, bytearray(),
+                                              time.monotonic() + _ANSWER_SECONDS)
+            while len(self.candidates) > _MAX_CANDIDATES:  # the oldest first
+                self._refuse(next(iter(self.candidates)), "too many unproven connections")
+            return False
+
+    def expire_candidates(self, now: float) -> None:
+        with self.lock:
+            for fd in [fd for fd, c in self.candidates.items() if now > c[3]]:
+                self._refuse(fd, "no answer to its challenge in time")
+
+    def _check_answer(self, fd: int) -> bool:
+        conn, nonce, answer, _ = self.candidates[fd]
+        try:
+            got = conn.recv(PROOF_BYTES - len(answer))
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            got = b""
+        if not got:
+            self._refuse(fd, "closed before it answered")
+            return False
+        answer += got
+        if len(answer) < PROOF_BYTES:
+            return False
+        if not proof_holds(self._secret, self.session, nonce, answer):
+            self._refuse(fd, "a wrong answer")
+            return False
+        del self.candidates[fd]
+        return self._take(conn)
+
+    def _refuse(self, fd: int, why: str) -> None:
+        self.candidates.pop(fd)[0].close()
+        self._on_refused(why)
+
+    def _take(self, conn: socket.socket) -> bool:
+        """``conn`` is the session's (TCP_NODELAY: frames are latency); the listener and any
+        other candidate are closed (one proxy per session). Lock held."""
+        if conn.family != socket.AF_UNIX:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for fd in list(self.candidates):
+            self.candidates.pop(fd)[0].close()
+        self.listener.close()
+        self.listener, self.conn = None, conn
         return True
 
     def flush(self) -> None:
@@ -162,9 +228,10 @@ class FrameSession:
     def close(self) -> None:
         with self.lock:
             self.closed = True
-            for sock in (self.listener, self.conn):
+            for sock in (self.listener, self.conn, *(c[0] for c in self.candidates.values())):
                 if sock is not None:
                     sock.close()
+            self.candidates.clear()
             self.listener = self.conn = None
             self.pending.clear()
             self._sent = 0

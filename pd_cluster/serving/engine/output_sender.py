@@ -16,6 +16,7 @@ aborted, so a dead or hung proxy costs the engine neither memory nor compute.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import select
@@ -61,7 +62,10 @@ class OutputSender:
         self._routes: dict[str, str] = {}  # request id -> session (finished: removed)
         # Written by the output thread only; the engine thread reads single entries.
         self._sessions: dict[str, FrameSession] = {}
-        self.counters = {"output_messages": 0, "output_sessions_dropped": 0}
+        self.counters = {"output_messages": 0, "output_sessions_dropped": 0,
+                         "session_auth_failures": 0}
+        from connectors.secret import cluster_secret
+        self._secret = cluster_secret()  # every session's proxy proves it (frame_socket.py)
         self._thread = threading.Thread(target=self._run, name="engine-output", daemon=True)
         self._thread.start()
 
@@ -129,10 +133,10 @@ class OutputSender:
         by_fd: dict[int, tuple[str, FrameSession]] = {}
         for name, s in self._sessions.items():
             with s.lock:
-                sock = s.listener if s.conn is None else s.conn
+                conn = s.conn
                 # A connection is read only to see the proxy hang up (it never writes).
                 events = select.POLLIN | (select.POLLOUT if s.conn and s.pending_bytes else 0)
-            if sock is not None:
+            for sock in [conn] if conn is not None else s.waiting_sockets():
                 poller.register(sock, events)
                 by_fd[sock.fileno()] = (name, s)
         for fd, events in poller.poll(self._wait_ms()):
@@ -140,7 +144,7 @@ class OutputSender:
                 continue
             name, s = by_fd[fd]
             if self._sessions.get(name) is s:
-                self._serve(name, s, events)
+                self._serve(name, s, events, fd)
         while True:  # the wake-ups only end the wait: commands queue here
             try:
                 self._wake_r.recv(4096)
@@ -172,10 +176,11 @@ class OutputSender:
                 wait = min(wait, since + self._backlog_seconds - now)
         return max(1, int(wait * 1000) + 1)
 
-    def _serve(self, name: str, s: FrameSession, events: int) -> None:
+    def _serve(self, name: str, s: FrameSession, events: int, fd: int) -> None:
         try:
             if s.conn is None:
-                s.accept()
+                if s.readable(fd):  # the proxy proved the secret: what waited goes out
+                    s.flush()
                 return
             if events & (select.POLLIN | _ERRORS):
                 if not s.conn.recv(4096) or events & _ERRORS:
@@ -191,6 +196,7 @@ class OutputSender:
     def _check_bounds(self) -> None:
         now = time.monotonic()
         for name, s in list(self._sessions.items()):
+            s.expire_candidates(now)
             if s.overflow:
                 self._drop(name, f"over {self._backlog_bytes} bytes unread")
             elif s.stalled_since is not None and now - s.stalled_since > self._backlog_seconds:
@@ -207,10 +213,16 @@ class OutputSender:
             while len(self._sessions) >= _MAX_SESSIONS:  # the oldest is a proxy long gone
                 self._drop(next(iter(self._sessions)), "too many proxy sessions")
             self._sessions[session] = FrameSession(*listen_session_socket(
-                ipc, self._host, self.ipc_dir))
+                ipc, self._host, self.ipc_dir), session, self._secret,
+                functools.partial(self._refused, session))
             fut.set_result(self._sessions[session].endpoint)
         except Exception as e:  # noqa: BLE001 - handed to the caller (the proxy retries)
             fut.set_exception(e)
+
+    def _refused(self, session: str, why: str) -> None:
+        """A connection to a session's listener that did not prove the secret: closed."""
+        self.counters["session_auth_failures"] += 1
+        logger.warning("output session %s: refused a connection (%s)", session, why)
 
     def _drop(self, session: str, why: str, abort: bool = True) -> None:
         s = self._sessions.pop(session, None)

@@ -44,8 +44,9 @@ class RequestReader:
                  accept: Callable[[EngineRequest], None],
                  abort: Callable[[list[str]], None]):
         self.session, self._accept, self._abort = session, accept, abort
+        from connectors.secret import cluster_secret
         self.sock, self.endpoint, self._ipc_path = bind_session_socket(
-            zmq.Context.instance(), zmq.PULL, ipc, host, ipc_dir)
+            zmq.Context.instance(), zmq.PULL, ipc, host, ipc_dir, cluster_secret())
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self.sock.FD, self._read)
         self._loop.call_soon(self._read)  # edge-triggered: drain what is already there

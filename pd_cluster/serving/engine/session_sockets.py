@@ -7,6 +7,8 @@ frame_socket.py) and the request path's ZMQ PULL (request_reader.py).
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import socket
 import uuid
@@ -18,9 +20,31 @@ from pd_cluster.ipc_files import sweep_stale
 IPC_PREFIX = "pd-out-"  # ipc socket files: pd-out-<pid>-<random>
 _LISTEN_BACKLOG = 4  # one proxy connects per session; a few spare for a racing reconnect
 # Socket files: only this user's processes (the cluster's) may connect to a session, so no
-# other local user can read its token stream or submit requests. (Over tcp a session is not
-# authenticated yet: API keys and authenticated channels are the next step.)
+# other local user can read its token stream or submit requests. Every session also proves
+# the cluster secret: the token stream by challenge-response (session_proof), the request
+# socket over tcp by ZMQ CURVE with keys derived from it (curve_request_socket).
 _OWNER_ONLY = 0o600
+NONCE_BYTES = 16
+PROOF_BYTES = 32
+_CURVE_CHANNEL = "session-"
+
+
+def session_proof(secret: bytes, session: str, nonce: bytes) -> bytes:
+    """What the proxy answers to the engine's nonce on a token stream: HMAC over the session
+    and the nonce (a new nonce per connection: a recorded answer is worth nothing)."""
+    msg = b"pd-cluster token session v1\0" + session.encode() + b"\0" + nonce
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def proof_holds(secret: bytes, session: str, nonce: bytes, answer: bytes) -> bool:
+    return hmac.compare_digest(session_proof(secret, session, nonce), bytes(answer))
+
+
+def curve_request_socket(sock: zmq.Socket, secret: bytes, server: bool) -> None:
+    """A tcp request socket's CURVE keys (derived from the cluster secret): only a proxy of
+    this cluster can connect, and requests travel encrypted."""
+    from connectors.pipes.auth import curve_client, curve_server
+    (curve_server if server else curve_client)(sock, secret, _CURVE_CHANNEL)
 
 
 def new_ipc_path(ipc_dir: str) -> str:
@@ -28,12 +52,15 @@ def new_ipc_path(ipc_dir: str) -> str:
     return os.path.join(ipc_dir, f"{IPC_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def bind_session_socket(ctx: zmq.Context, kind: int, ipc: bool, host: str, ipc_dir: str
-                        ) -> tuple[zmq.Socket, str, str | None]:
+def bind_session_socket(ctx: zmq.Context, kind: int, ipc: bool, host: str, ipc_dir: str,
+                        secret: bytes | None = None) -> tuple[zmq.Socket, str, str | None]:
     """A ZMQ socket of ``kind`` bound for one proxy session: ipc in ``ipc_dir`` (the proxy is
-    on this node) or tcp on ``host`` at a free port. Returns it, its endpoint and ipc path."""
+    on this node) or tcp on ``host`` at a free port, CURVE with ``secret`` (tcp only: an ipc
+    file is this user's alone). Returns it, its endpoint and ipc path."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if secret is not None and not ipc:
+        curve_request_socket(sock, secret, server=True)
     try:
         if ipc:
             path = new_ipc_path(ipc_dir)

@@ -18,7 +18,7 @@ from typing import Callable
 import msgspec
 
 from pd_cluster.serving.engine.frame_socket import FrameParser, MalformedFrame
-from pd_cluster.serving.engine.session_sockets import parse_endpoint
+from pd_cluster.serving.engine.session_sockets import NONCE_BYTES, parse_endpoint
 
 _READ = 256 << 10  # bytes per recv
 _DRAIN_BYTES = 4 << 20  # read per turn of the loop at most: then the clients' streams run
@@ -45,8 +45,11 @@ class FrameReader:
     @classmethod
     async def connect(cls, endpoint: str, on_frame: Callable[[memoryview], None],
                       on_malformed: Callable[[Exception], None],
-                      on_lost: Callable[[], None]) -> FrameReader:
-        """Connect to ``unix://<path>`` or ``tcp://<host>:<port>`` (the caller bounds it)."""
+                      on_lost: Callable[[], None],
+                      prove: Callable[[bytes], bytes] | None = None) -> FrameReader:
+        """Connect to ``unix://<path>`` or ``tcp://<host>:<port>`` (the caller bounds it);
+        ``prove(nonce)``: the answer to the engine's challenge (session_sockets.py), before
+        any frame comes."""
         kind, addr = parse_endpoint(endpoint)
         if kind == "unix":
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -55,7 +58,16 @@ class FrameReader:
                                  socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            await asyncio.get_running_loop().sock_connect(sock, addr)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(sock, addr)
+            if prove is not None:
+                nonce = b""
+                while len(nonce) < NONCE_BYTES:
+                    got = await loop.sock_recv(sock, NONCE_BYTES - len(nonce))
+                    if not got:
+                        raise ConnectionError(f"{endpoint} closed before its challenge")
+                    nonce += got
+                await loop.sock_sendall(sock, prove(nonce))
             return cls(sock, on_frame, on_malformed, on_lost)
         except BaseException:
             sock.close()

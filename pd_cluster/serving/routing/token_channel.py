@@ -30,8 +30,10 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
+from connectors.secret import cluster_secret
 from pd_cluster.driver.messages import EngineDelta, EngineRequest
 from pd_cluster.serving.engine.request_reader import abort_message, request_message
+from pd_cluster.serving.engine.session_sockets import curve_request_socket, session_proof
 from pd_cluster.serving.routing.frame_reader import FrameReader
 from pd_cluster.serving.routing.inbox import AttemptInbox
 from pd_cluster.serving.routing.legs import EngineFailed, Leg
@@ -61,6 +63,7 @@ class TokenChannel:
         self.session = uuid.uuid4().hex[:16]
         self.node_id = _this_node_id() if node_id is None else node_id
         self._timeout, self._on_lost = timeout, on_lost
+        self._secret = cluster_secret()  # proven on every session (session_sockets.py)
         self._ctx = zmq.Context.instance()
         self._links: dict[str, _Link] = {}  # by engine name
         self._locks: dict[str, asyncio.Lock] = {}  # one attach at a time per engine
@@ -100,7 +103,8 @@ class TokenChannel:
         on = functools.partial
         return await FrameReader.connect(endpoint, on(self._apply, link),
                                          on(self._malformed, link),
-                                         on(self._connection_lost, link))
+                                         on(self._connection_lost, link),
+                                         on(session_proof, self._secret, self.session))
 
     def detach(self, engine: Any, why: str, dead: bool) -> None:
         """Stop reading ``engine``; every leg open on it fails."""
@@ -167,6 +171,8 @@ class TokenChannel:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, _REQUEST_HWM)
+        if endpoint.startswith("tcp://"):  # CURVE keys from the cluster secret
+            curve_request_socket(sock, self._secret, server=False)
         sock.connect(endpoint)
         return sock
 
