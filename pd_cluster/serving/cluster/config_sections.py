@@ -110,7 +110,7 @@ class ProxyConfig(ConfigSection):
     # tool_choice "auto": pick tool calls out of the model's text with this parser (hermes,
     # qwen, llama3_json, mistral), as vLLM's --enable-auto-tool-choice --tool-call-parser.
     enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
+    tool_call_parser: str | None = None  # the parser for tool_choice "auto" (see above)
     log_stats_interval: float = 10.0  # s between per-engine stats lines in the log (0: off)
     # API keys (README, "Security"): one key or a list. With any key set (here or through
     # api_key_env), every route but /health and open_routes needs `Authorization: Bearer KEY`.
