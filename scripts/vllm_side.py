@@ -1,0 +1,54 @@
+"""vLLM's half of scripts/bench_vs_vllm.py, run by the interpreter of vLLM's own venv.
+
+It imports nothing from pd_cluster (vLLM's venv does not have it): it reads a workload file
+(JSON: model dir, dtype, [[prompt token ids, output tokens], ...]) and runs it through
+``vllm.LLM.generate`` greedily with EOS ignored, then prints one line ``RESULT {json}`` with
+the wall time and token counts. Environment (thread binding, LD_PRELOAD, KV space) comes
+from the caller.
+
+  /work/vllm-venv/bin/python scripts/vllm_side.py offline workload.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def offline(path: str, profile_steps: int) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with open(path) as f:
+        work = json.load(f)
+    llm = LLM(model=work["model"], dtype=work["dtype"], max_model_len=work["max_model_len"],
+              max_num_seqs=work["max_num_seqs"],
+              max_num_batched_tokens=work["max_num_batched_tokens"], seed=0,
+              skip_tokenizer_init=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in work["requests"]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=True)
+              for _, n in work["requests"]]
+    llm.generate(prompts[:1], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)],
+                 use_tqdm=False)  # warm-up outside the timed run
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": seconds, "output_tokens": produced,
+            "prompt_tokens": sum(len(p) for p, _ in work["requests"]),
+            "requests": len(outs)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("mode", choices=["offline"])
+    p.add_argument("workload")
+    p.add_argument("--profile-steps", type=int, default=0)
+    args = p.parse_args()
+    result = offline(args.workload, args.profile_steps)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

