@@ -28,11 +28,14 @@ def test_bench_proxy_smoke_measures_the_token_path() -> None:
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
+    out = proc.stdout[-3000:]
     for path in ("stream", "stream/4"):  # a row per path and level, paced and unpaced
-        assert sum(bool(re.match(rf"\s*{path}\s+[14]\s+\d+", ln)) for ln in lines) == 4, path
-    ratio = re.fullmatch(r"stream_tokens_per_s_ratio_stream_4_over_stream=(\d+\.\d\d)",
-                         lines[-3])
-    assert ratio is not None and float(ratio.group(1)) > 0, lines[-3]
-    assert re.fullmatch(r"proxy_overhead_ms_p50=\d+\.\d\d .*", lines[-2]), lines[-2]
-    published = re.fullmatch(r"stream_tokens_per_s_over_published=(\d+\.\d\d)", lines[-1])
-    assert published is not None and float(published.group(1)) > 0, lines[-1]
+        assert sum(bool(re.match(rf"\s*{path}\s+[14]\s+\d+", ln)) for ln in lines) == 4, out
+
+    def figure(pattern: str) -> float:
+        found = [m for ln in lines if (m := re.fullmatch(pattern, ln))]
+        assert len(found) == 1, f"{pattern!r} once in:\n{out}"
+        return float(found[0].group(1))
+    assert figure(r"stream_tokens_per_s_ratio_stream_4_over_stream=(\d+\.\d\d)") > 0
+    assert figure(r"proxy_overhead_ms_p50=(\d+\.\d\d) .*") > 0
+    assert figure(r"stream_tokens_per_s_over_published=(\d+\.\d\d)") > 0
