@@ -24,7 +24,8 @@ def test_access_log_line_and_vllm_named_metrics(caplog) -> None:
     metrics = ProxyMetrics(lambda: engines, "my-model")
     state = SimpleNamespace(metrics=metrics, inflight=0, cfg=parse_config({}))
     with caplog.at_level(logging.INFO, logger="pd_cluster.access"):
-        t = RequestTracker(state, "cmpl-1", n_prompt=7)
+        t = RequestTracker(state, "cmpl-1")
+        t.count_prompt(7)  # tokenized once admitted
         t.on_event(StreamEvent("a", [5]))
         t.on_event(StreamEvent("bc", [6, 7], "length"))
         t.close("success")
