@@ -9,7 +9,9 @@ engine (1P1D, two processes) vs a colocated engine, same model.
 Part 3 (issue 20): the same for a DeepSeek-shaped latent-attention (MLA) model beside a GQA
 model of the same hidden size, layers and heads: KV bytes per prompt token measured from P's
 ``kv_bytes_sent`` (beside the value the configs give), and each model's TTFT 1P1D/colocated.
-Prints `kv_transfer_efficiency=X` (ours / raw, median over sizes) last. ``--smoke``: one small
+Part 4 (issue 29): the cost of each ``kv_transfer.security`` mode and of the KV digest: part 1's
+transfer in each mode side by side (none, token, token + digest: the default, curve + digest),
+and the digest alone. Prints `kv_transfer_efficiency=X` (ours / raw, median over sizes) last. ``--smoke``: one small
 transfer and a 1P1D run of each part-3 model on a short prompt, a few seconds (CI: interfaces
 still fit; no colocated runs, no TTFT ratios).
 """
@@ -46,10 +48,11 @@ def _caches(num_blocks: int, dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(shape).to(dtype) for _ in range(SHAPE["num_layers"])]
 
 
-def _consumer(conn, num_blocks: int, transport: str) -> None:
+def _consumer(conn, num_blocks: int, transport: str, extra: dict | None = None) -> None:
     torch.set_num_threads(1)
-    worker = PDConnectorWorker(KVTransferConfig.from_dict(dict(role="consumer", transport=transport,
-                                                kv_transfer_timeout=120)), _info(torch.float32))
+    worker = PDConnectorWorker(KVTransferConfig.from_dict(dict(
+        role="consumer", transport=transport, kv_transfer_timeout=120, **(extra or {}))),
+        _info(torch.float32))
     worker.register_kv_caches(_caches(num_blocks, torch.float32))
     conn.send(worker.endpoint())
     while True:
@@ -96,19 +99,25 @@ def transfer_throughput(n_tokens: int, producer: PDConnectorWorker, conn, peer: 
     return best, nbytes
 
 
-def part1(sizes: list[int], transport: str, repeats: int) -> list[float]:
-    from pipe_raw import raw_zmq_throughput
-    max_tokens = max(sizes)
+def _pair(max_tokens: int, transport: str, extra: dict | None = None):
+    """(producer, pipe to the consumer process, the process, the consumer's endpoint)."""
     num_blocks = 2 * -(-max_tokens // SHAPE["block_size"])
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_consumer, args=(there, num_blocks, transport), daemon=True)
+    proc = ctx.Process(target=_consumer, args=(there, num_blocks, transport, extra), daemon=True)
     proc.start()
-    producer = PDConnectorWorker(KVTransferConfig.from_dict(dict(role="producer", transport=transport,
-                                                  kv_transfer_timeout=120)), _info(torch.float32))
+    producer = PDConnectorWorker(KVTransferConfig.from_dict(dict(
+        role="producer", transport=transport, kv_transfer_timeout=120, **(extra or {}))),
+        _info(torch.float32))
     producer.register_kv_caches(_caches(num_blocks, torch.float32))
     peer = here.recv()
     producer.connect_peer(peer)
+    return producer, here, proc, peer
+
+
+def part1(sizes: list[int], transport: str, repeats: int) -> list[float]:
+    from pipe_raw import raw_zmq_throughput
+    producer, here, proc, peer = _pair(max(sizes), transport)
     ratios = []
     print(f"{'tokens':>7} {'KV MiB':>8} {'frame MiB':>9} {'ours GB/s':>10} {'raw GB/s':>9} {'ratio':>6}")
     for n in sizes:
@@ -123,6 +132,45 @@ def part1(sizes: list[int], transport: str, repeats: int) -> list[float]:
     proc.join(timeout=30)
     producer.close()
     return ratios
+
+
+# kv_transfer settings compared in part 4: no proof and no digest (as before issue 29), the
+# proof alone, the default (proof + digest), CURVE encryption + digest.
+SECURITY_MODES = {"none": {"security": "none", "digest": False},
+                  "token": {"security": "token", "digest": False},
+                  "token+digest": {"security": "token", "digest": True},
+                  "curve+digest": {"security": "curve", "digest": True}}
+
+
+def part4(n_tokens: int, transport: str, repeats: int) -> None:
+    """Each security mode's cost: the same transfer (a producer process's connector to a
+    consumer process's, end to end) in each mode, in one run, side by side; and the digest
+    alone (kv_digest over one layer message, in this process)."""
+    from connectors.kv_digest import kv_digest
+    from connectors.metadata import KVLayerHeader
+    rates = {}
+    for rep in range(repeats):  # modes interleaved: a shared machine's drift hits all alike
+        for name, extra in SECURITY_MODES.items():
+            producer, here, proc, peer = _pair(n_tokens, transport, extra)
+            rate, nbytes = transfer_throughput(n_tokens, producer, here, peer, 1)
+            rates[name] = max(rates.get(name, 0.0), rate)
+            here.send(None)
+            proc.join(timeout=30)
+            producer.close()
+    layer = producer.kv_caches[0][0, :-(-n_tokens // SHAPE["block_size"])]  # one K message
+    header = KVLayerHeader("bench", 0, 0)
+    t0, n = time.perf_counter(), 20
+    for _ in range(n):
+        kv_digest(header, layer)
+    digest_rate = n * layer.nbytes / (time.perf_counter() - t0)
+    print(f"security modes, {n_tokens} tokens ({nbytes / 2**20:.1f} MiB of KV), {transport}:")
+    print(f"{'mode':>14} {'GB/s':>7} {'vs none':>8}")
+    for name, rate in rates.items():
+        print(f"{name:>14} {rate / 1e9:>7.2f} {rate / rates['none']:>8.3f}")
+    print(f"digest alone: {digest_rate / 1e9:.2f} GB/s (CRC-32 over a {layer.nbytes / 2**20:.2f} "
+          f"MiB message)")
+    print(" ".join(f"security_{name.replace('+', '_')}_over_none={rates[name] / rates['none']:.3f}"
+                   for name in SECURITY_MODES if name != "none"))
 
 
 def ttft_runs(model_name: str, prompt_tokens: int, repeats: int,
@@ -234,6 +282,9 @@ def main() -> None:
     parser.add_argument("--gqa-model", default="tiny-gqa-like-deepseek",
                         help="part 3's GQA preset (same hidden size, layers and heads)")
     parser.add_argument("--skip-mla", action="store_true", help="no part 3")
+    parser.add_argument("--security-tokens", type=int, default=4096,
+                        help="part 4's prompt size (each kv_transfer.security mode's cost)")
+    parser.add_argument("--skip-security", action="store_true", help="no part 4")
     parser.add_argument("--smoke", action="store_true",
                         help="a few seconds (CI): 256 tokens once, then part 3's 1P1D runs on "
                              "a 64-token prompt (no part 2, no colocated runs, no ratios)")
@@ -243,6 +294,7 @@ def main() -> None:
         install(new_secret())
     if args.smoke:
         args.sizes, args.repeats, args.ttft_prompt, args.skip_ttft = [256], 1, 64, True
+        args.security_tokens = 256
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     ratios = part1(args.sizes, args.transport, args.repeats)
@@ -251,6 +303,8 @@ def main() -> None:
     if not args.skip_mla:
         part3(args.ttft_prompt, args.repeats, args.mla_model, args.gqa_model,
               colocated=not args.smoke)
+    if not args.skip_security:
+        part4(args.security_tokens, args.transport, args.repeats)
     print(f"kv_transfer_efficiency={statistics.median(ratios):.3f}")
 
 

@@ -45,12 +45,13 @@ def test_shipped_config_shapes() -> None:
     assert one.engine["gpu_memory_utilization"] * 2 <= 1
 
 
-@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
-def test_shipped_configs_carry_no_kv_address(name: str) -> None:
-    """KV endpoints are found per node: a shipped config names no host (least of all
-    loopback), only optional per-node rules (interface / cidr)."""
-    assert "host" not in load_config(CONFIGS / name).kv_transfer.pipe_config.model_fields_set
-    kv = yaml.safe_load((CONFIGS / name).read_text()).get("kv_transfer", {})
+def test_the_multi_node_config_carries_no_kv_address() -> None:
+    """KV endpoints are found per node: a config for several machines names no host, only
+    optional per-node rules (interface / cidr). (One-machine configs say loopback: issue 29,
+    test_one_machine_configs_keep_the_kv_plane_on_loopback.)"""
+    assert "host" not in load_config(CONFIGS / "multi-node.yaml").kv_transfer.pipe_config \
+        .model_fields_set
+    kv = yaml.safe_load((CONFIGS / "multi-node.yaml").read_text()).get("kv_transfer", {})
     assert "host" not in kv and "127.0.0.1" not in str(kv)
 
 
@@ -156,3 +157,15 @@ def test_served_names_follow_vllm() -> None:
     for bad in ([], [""], " "):
         with pytest.raises(ConfigError, match="served_model_name: must be a non-empty name"):
             parse_config({"served_model_name": bad})
+
+
+def test_one_machine_configs_keep_the_kv_plane_on_loopback() -> None:
+    """README, "Security": the KV plane listens where the config says; configs for one machine
+    say loopback, the multi-node one each node's address with keys on the API."""
+    for name in ("local.yaml", "local-2p2d.yaml", "one-gpu.yaml", "two-gpu.yaml"):
+        cfg = load_config(CONFIGS / name)
+        assert cfg.kv_transfer.pipe_config.bind_host() == "127.0.0.1", name
+        assert cfg.kv_transfer.pipe_config.security == "token", name
+        assert cfg.proxy.host == "127.0.0.1", name
+    multi = load_config(CONFIGS / "multi-node.yaml")
+    assert multi.proxy.host == "0.0.0.0" and multi.proxy.api_key_env

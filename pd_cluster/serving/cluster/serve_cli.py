@@ -100,6 +100,9 @@ def serve_config(args: argparse.Namespace) -> Any:
             set_path(overrides, f.key, value)
     if args.config:
         return load_config(args.config, overrides)
+    kv = overrides.setdefault("kv_transfer", {})
+    if not any(kv.get(k) for k in ("host", "interface", "cidr")):
+        kv["host"] = "127.0.0.1"  # one machine: the KV plane on loopback (README, "Security")
     return parse_config({}, overrides)
 
 
