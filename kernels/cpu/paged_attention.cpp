@@ -293,9 +293,12 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
               "out: [tokens, heads, value dim]");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out and query dtypes differ");
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "K and V dtypes differ");
-  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc})
+  for (const at::Tensor* t : {&seq_lens, &query_start_loc})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
-                "block tables, seq lens and query starts: contiguous int32");
+                "seq lens and query starts: contiguous int32");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.stride(1) == 1,
+              "block tables: int32 [requests, blocks], rows contiguous");
   TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1, "query_start_loc: num_reqs + 1");
   TORCH_CHECK(block_tables.size(0) >= seq_lens.size(0), "block_tables: a row per request");
   const float* sink_ptr = nullptr;

@@ -11,6 +11,7 @@ from pd_cluster.attention import AttentionMetadata, create_backend
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.cache_engine import (DeviceMemory, KVCacheSpec, allocate_kv_caches,
                                             determine_num_blocks)
+from pd_cluster.engine.input_buffers import InputBuffers
 from pd_cluster.engine.step_input import StepInput
 from pd_cluster.models.context import ForwardContext
 from pd_cluster.models.layers.tp import TPGroup
@@ -48,6 +49,9 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(config.block_size, tuple(self.model.kv_cache_specs(self.dtype)))
         self.backend = create_backend(config.attention_backend, self.device)
         self.kv_caches: list[torch.Tensor] = []
+        self.inputs = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
+                                   -(-self.max_model_len // config.block_size),
+                                   config.block_size, self.device)
         self.connector: Any = None  # worker-side KV connector
 
     # ---- set-up --------------------------------------------------------------------------
@@ -142,19 +146,10 @@ class ModelRunner:
         return set(sending), dict(recving)
 
     def _forward(self, step: StepInput) -> list[torch.Tensor]:
-        tables = torch.tensor(step.block_tables, dtype=torch.int32)
-        pos = torch.tensor(step.positions, dtype=torch.long)
-        counts = torch.tensor([b - a for a, b in zip(step.query_start, step.query_start[1:])])
-        req_index = torch.repeat_interleave(torch.arange(len(step.seq_lens)), counts)
-        bs = self.config.block_size
-        slots = tables[req_index, pos // bs].long() * bs + pos % bs
-        meta = self._metadata(slots, step.query_start, step.seq_lens, tables, step.num_decodes)
-        # HF's RoPE sees max(prompt length, position + 1) tokens when computing a position.
-        rope_lens = torch.maximum(torch.tensor(step.prompt_lens)[req_index], pos + 1)
-        ctx = ForwardContext(meta, self.kv_caches, self.backend, self.connector,
-                             rope_lens=rope_lens.to(self.device))
-        hidden = self.model(torch.tensor(step.tokens, device=self.device), pos.to(self.device),
-                            ctx)
+        t = self.inputs.prepare(step)
+        ctx = ForwardContext(t.meta, self.kv_caches, self.backend, self.connector,
+                             rope_lens=t.rope_lens)
+        hidden = self.model(t.token_ids, t.positions, ctx)
         out = []
         for group in step.logit_rows:
             if len(group) == 1:
