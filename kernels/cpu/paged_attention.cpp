@@ -74,39 +74,49 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// s[j] = q . k_j for the BS keys of a block stored transposed (kt[x * BS + j]); the
-// accumulator stays in registers across the head dim.
-template <int BS>
-inline void scores_t(const float* __restrict q, const float* __restrict kt, int64_t d,
-                     float* __restrict s) {
-  float a[BS] = {};
+// s[r * BS + j] = q_r . k_j for R rows against a block's BS keys stored transposed
+// (kt[x * BS + j]): each key column is loaded once for all R rows, the R x BS accumulators
+// stay in registers across the head dim.
+template <int BS, int R>
+inline void scores_rows(const float* __restrict q, int64_t d, const float* __restrict kt,
+                        float* __restrict s) {
+  float a[R][BS] = {};
   for (int64_t x = 0; x < d; ++x) {
-    const float qx = q[x];
+    const float* kx = kt + x * BS;
+    for (int r = 0; r < R; ++r) {
+      const float qx = q[r * d + x];
 #pragma omp simd
-    for (int j = 0; j < BS; ++j) a[j] += qx * kt[x * BS + j];
+      for (int j = 0; j < BS; ++j) a[r][j] += qx * kx[j];
+    }
   }
-  for (int j = 0; j < BS; ++j) s[j] = a[j];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < BS; ++j) s[r * BS + j] = a[r][j];
 }
 
-// acc[x] += sum_j p[j] * v[j][x] for j in [lo, hi), 16 output lanes at a time held in
-// registers across the keys (the acc row is loaded and stored once per block, not per key).
-inline void accumulate_pv(const float* __restrict p, int64_t lo, int64_t hi,
-                          const float* __restrict v, int64_t v_stride, int64_t dv,
-                          float* __restrict acc) {
+// acc_r[x] += sum_{j < n} p_r[j] * v_j[x] for R rows (p row stride ps, acc row stride dv),
+// 16 output lanes at a time: each value chunk is loaded once for all R rows.
+template <int R>
+inline void pv_rows(const float* __restrict p, int64_t ps, int64_t n, const float* __restrict v,
+                    int64_t v_stride, int64_t dv, float* __restrict acc) {
   int64_t x0 = 0;
   for (; x0 + 16 <= dv; x0 += 16) {
-    float a[16];
-    for (int i = 0; i < 16; ++i) a[i] = acc[x0 + i];
-    for (int64_t j = lo; j < hi; ++j) {
-      const float pj = p[j];
+    float a[R][16];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 16; ++i) a[r][i] = acc[r * dv + x0 + i];
+    for (int64_t j = 0; j < n; ++j) {
       const float* vj = v + j * v_stride + x0;
+      for (int r = 0; r < R; ++r) {
+        const float pj = p[r * ps + j];
 #pragma omp simd
-      for (int i = 0; i < 16; ++i) a[i] += pj * vj[i];
+        for (int i = 0; i < 16; ++i) a[r][i] += pj * vj[i];
+      }
     }
-    for (int i = 0; i < 16; ++i) acc[x0 + i] = a[i];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 16; ++i) acc[r * dv + x0 + i] = a[r][i];
   }
-  for (int64_t j = lo; j < hi; ++j)
-    for (int64_t x = x0; x < dv; ++x) acc[x] += p[j] * v[j * v_stride + x];
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t x = x0; x < dv; ++x) acc[r * dv + x] += p[r * ps + j] * v[j * v_stride + x];
 }
 
 // exp(x) for x <= 0 in place, vectorisable (std::exp is a scalar call per element): Cody-Waite
@@ -188,34 +198,31 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
         const int64_t phys = table[b];
         blk.load(k_ptr + phys * kb + w.head * kh, v_ptr + phys * vb + w.head * vh, ks, vs, n,
                  d, dv);
-        // Scores of every row against the block's n keys: with many rows, against the keys
-        // transposed (one vector FMA per query element); with few (decode), dot products.
-        const bool transpose = rows >= 4;
-        if (transpose) {
+        // 1. Raw scores of every row against the block's n keys: with many rows against the
+        // keys transposed, four rows at a time; with few (decode), dot products.
+        if (rows >= 4 && bs == 16) {
           kt.assign(d * bs, 0.f);
           for (int64_t j = 0; j < n; ++j)
             for (int64_t x = 0; x < d; ++x) kt[x * bs + j] = blk.k[j * blk.k_stride + x];
+          int64_t row = 0;
+          for (; row + 4 <= rows; row += 4)
+            scores_rows<16, 4>(qf.data() + row * d, d, kt.data(), s.data() + row * bs);
+          for (; row < rows; ++row)
+            scores_rows<16, 1>(qf.data() + row * d, d, kt.data(), s.data() + row * bs);
+        } else {
+          for (int64_t row = 0; row < rows; ++row)
+            for (int64_t j = 0; j < n; ++j)
+              s[row * bs + j] = dot(qf.data() + row * d, blk.k + j * blk.k_stride, d);
         }
+        // 2. Online softmax per row over its visible keys [lo, hi); the rest weigh 0.
         for (int64_t row = 0; row < rows; ++row) {
           const int64_t pos = first_pos + row / group;
-          // Visible keys of this row inside the block: [lo, hi).
           const int64_t hi = std::min(n, pos - base + 1);
           const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - base) : 0;
-          if (hi <= lo) continue;
-          const float* qr = qf.data() + row * d;
           float* sr = s.data() + row * bs;
-          if (transpose && bs == 16) {
-            scores_t<16>(qr, kt.data(), d, sr);
-          } else if (transpose) {
-            for (int64_t j = 0; j < bs; ++j) sr[j] = 0.f;
-            for (int64_t x = 0; x < d; ++x) {
-              const float qx = qr[x];
-              const float* kx = kt.data() + x * bs;
-#pragma omp simd
-              for (int64_t j = 0; j < bs; ++j) sr[j] += qx * kx[j];
-            }
-          } else {
-            for (int64_t j = lo; j < hi; ++j) sr[j] = dot(qr, blk.k + j * blk.k_stride, d);
+          if (hi <= lo) {
+            for (int64_t j = 0; j < n; ++j) sr[j] = 0.f;
+            continue;
           }
           float mx = m[row];
           for (int64_t j = lo; j < hi; ++j) {
@@ -229,15 +236,22 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
           exp_inplace(sr + lo, hi - lo);
           float sum = 0.f;
           for (int64_t j = lo; j < hi; ++j) sum += sr[j];
+          for (int64_t j = 0; j < lo; ++j) sr[j] = 0.f;
+          for (int64_t j = hi; j < n; ++j) sr[j] = 0.f;
           l[row] = l[row] * alpha + sum;
           m[row] = mx;
-          float* ar = acc.data() + row * dv;
           if (alpha != 1.f) {
+            float* ar = acc.data() + row * dv;
 #pragma omp simd
             for (int64_t x = 0; x < dv; ++x) ar[x] *= alpha;
           }
-          accumulate_pv(sr, lo, hi, blk.v, blk.v_stride, dv, ar);
         }
+        // 3. Values, four rows at a time.
+        int64_t row = 0;
+        for (; row + 4 <= rows; row += 4)
+          pv_rows<4>(s.data() + row * bs, bs, n, blk.v, blk.v_stride, dv, acc.data() + row * dv);
+        for (; row < rows; ++row)
+          pv_rows<1>(s.data() + row * bs, bs, n, blk.v, blk.v_stride, dv, acc.data() + row * dv);
       }
       for (int64_t row = 0; row < rows; ++row) {
         const int64_t t = row / group, hd = w.head * group + row % group;
