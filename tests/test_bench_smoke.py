@@ -21,6 +21,7 @@ from pd_cluster.serving.cluster.testing import REPO_ROOT
     ("bench_pipe.py", "8Mi "),
     ("bench_kv_transfer.py", "kv_transfer_efficiency="),
     ("bench_multiturn.py", "ttft_p50_speedup="),  # 1P1D twice: baseline and prefix-aware
+    ("bench_attention.py", "cpu_attention_offline_ratio_vs_torch="),  # both CPU backends
 ])
 def test_bench_smoke(script: str, last_line: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
