@@ -52,14 +52,16 @@ def colocated_tokens(model: str, prompts: list[list[int]], params: list[Sampling
     return [o.outputs[0].token_ids for o in outs]
 
 
-def drain(p: LLMEngine, d: LLMEngine, rounds: int = 200) -> None:
-    """Let the producer see the last ACKs (its blocks are freed on the step after)."""
-    for _ in range(rounds):
-        if not p.has_unfinished_requests() and not d.has_unfinished_requests():
+def drain(p: LLMEngine, d: LLMEngine, timeout: float = 60.0) -> None:
+    """Step both engines until neither has work: the producer sees the last ACKs (its blocks
+    are freed on the step after). Bounded: the leak check that follows says what is held."""
+    deadline = time.monotonic() + timeout
+    while p.has_unfinished_requests() or d.has_unfinished_requests():
+        if time.monotonic() > deadline:
             return
         p.step()
         d.step()
-        time.sleep(0.005)
+        time.sleep(0.005)  # pacing: the ACKs travel on the pipes' own threads
 
 
 def engine(model: str, role: str | None, timeout: float = 10.0, **args: Any) -> LLMEngine:

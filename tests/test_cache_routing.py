@@ -244,14 +244,17 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 def test_conversations_stay_on_their_decode_engine_exactly(cluster) -> None:
     import random
-    import time
 
     import httpx
 
     from pd_cluster import LLM
     from pd_cluster import SamplingParams as SP
     from pd_cluster.serving.cluster.cluster_config import resolve_model
-    from pd_cluster.serving.cluster.testing import cluster_status, leak_reports, wait_idle
+    from pd_cluster.serving.cluster.testing import (cluster_status, leak_reports, wait_idle,
+                                                    wait_until)
+
+    def reports() -> int:
+        return cluster_status(cluster.url)["proxy"]["cache_reports"]
 
     rng = random.Random(3)
     offline = LLM(model=resolve_model("tiny-llama"), num_kv_blocks=256, max_model_len=512)
@@ -273,7 +276,10 @@ def test_conversations_stay_on_their_decode_engine_exactly(cluster) -> None:
                 if turn:
                     expected_cached += len(prompt) // 16 * 16 - 16  # at least: all but new
                 convs[c] = prompt + got + [rng.randrange(4, 500) for _ in range(20)]
-            time.sleep(0.3)  # the engines' reports reach the proxy
+            # The engines' reports of this turn's blocks reach the proxy: a round of reports
+            # (one per engine) that started after the turn ended is in once 2 rounds' worth are.
+            seen, engines = reports(), len(cluster_status(cluster.url)["engines"])
+            wait_until(lambda: reports() >= seen + 2 * engines, 60.0, "the engines' reports")
         text = http.get("/metrics").text
     # Mostly local (the margin is 0); a turn may still go remote where the measured rates
     # say so (P has none measured: it borrows the decode engines' mean). Exact either way.

@@ -22,7 +22,7 @@ from pd_cluster.llm import LLM
 from pd_cluster.checkpoints.maker import make_model
 from pd_cluster.sampling_params import SamplingParams
 from tests.conftest import assert_greedy_matches, hf_greedy, random_prompt
-from tests.pd_helpers import colocated_tokens, engine, run_in_process, submit_pair
+from tests.pd_helpers import colocated_tokens, drain, engine, run_in_process, submit_pair
 from tests.test_moe_families import check_greedy  # HF-exact greedy generation, then no leaks
 
 MAX_TOKENS = 8
@@ -118,7 +118,7 @@ def test_pd_equals_colocated_with_latent_bytes_from_one_tp_rank(mla_model) -> No
         assert d.stats()["kv_fallbacks"] == 0
         assert d.stats()["kv_bytes_received"] == latent_bytes
         assert p.stats()["kv_bytes_sent"] == latent_bytes
-        _drain(p, d)
+        drain(p, d)
         p.check_no_leaks(), d.check_no_leaks()
     finally:
         p.close(), d.close()
@@ -126,16 +126,6 @@ def test_pd_equals_colocated_with_latent_bytes_from_one_tp_rank(mla_model) -> No
         assert got[f"r{i}"] == want[i]
         assert_greedy_matches(model_dir, prompt, got[f"r{i}"],
                               hf_greedy(model_dir, prompt, MAX_TOKENS))
-
-
-def _drain(p: Any, d: Any, rounds: int = 200) -> None:
-    """Let the producer see the last ACKs (its blocks are freed on the step after)."""
-    import time
-    for _ in range(rounds):
-        if not p.has_unfinished_requests() and not d.has_unfinished_requests():
-            return
-        p.step(), d.step()
-        time.sleep(0.01)
 
 
 def test_tp2_greedy_matches_hf(mla_model) -> None:

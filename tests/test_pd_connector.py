@@ -124,7 +124,10 @@ def test_malformed_frames_do_not_kill_the_receiver(model):
                 b"\x01" * 64], [msgpack.packb([1, 2, 3])], [b""]]
     for frames in garbage:
         sock.send_multipart(frames)
-    time.sleep(0.3)
+    pipe, deadline = d.runner.connector.pipe, time.monotonic() + 30
+    while pipe.stats()["dropped"] < len(garbage):  # every one read and rejected first
+        assert time.monotonic() < deadline, pipe.stats()
+        time.sleep(0.01)
     prompt = prompts_of_lengths([30])[0]
     submit_pair(p, d, "ok", prompt, GREEDY, d.kv_endpoint())
     got = run_in_process(p, d)

@@ -297,17 +297,19 @@ def test_garbage_does_not_kill_the_receiver():
 
 
 def test_close_is_idempotent_and_fails_pending():
-    cons, prod = create_pipe("zmq", _cfg()), create_pipe("zmq", _cfg())
+    cons, prod = create_pipe("zmq", _cfg()), create_pipe("zmq", _cfg(send_timeout=600.0))
     addr = cons.listen()
     prod.connect(addr, HELLO)
     cons.close()
     cons.close()
-    time.sleep(0.2)                                  # let the producer see the disconnect
     futs = [prod.send_tensor(addr, {}, torch.zeros(MiB // 4)) for _ in range(40)]
+    # Nothing reads 10 MiB any more: sends are pending here (the send timeout is far off).
+    pending = [f for f in futs if not f.done()]
+    assert pending
     prod.close()
     prod.close()
     assert all(f.done() for f in futs)
-    assert any(isinstance(f.exception(), PipeClosed) for f in futs)
+    assert any(isinstance(f.exception(), PipeClosed) for f in pending)
     with pytest.raises(PipeClosed):
         prod.send_tensor(addr, {}, None)
     with pytest.raises(PipeClosed):
@@ -367,7 +369,7 @@ def _nccl_dtype_cases() -> list:
             ({"i": 4}, None)]
 
 
-def _nccl_consumer_proc(q_addr, q_result) -> None:
+def _nccl_consumer_proc(q_addr, q_result, q_done) -> None:
     try:
         pipe = create_pipe("nccl", _cfg(extra={"device": 1}, handshake_timeout=60))
         pipe.set_handshake_validator(_validator)
@@ -379,7 +381,7 @@ def _nccl_consumer_proc(q_addr, q_result) -> None:
                                    (rt.device.index == 1 and _same(rt.cpu(), t))))
         pipe.send_tensor(peer, {"all_ok": all(ok)}, None).result(timeout=10)
         q_result.put(ok)
-        time.sleep(1)
+        q_done.get(timeout=120)  # the producer has our answer: closing cannot cut it off
         pipe.close()
     except BaseException as e:
         q_result.put(repr(e))
@@ -389,8 +391,8 @@ def _nccl_consumer_proc(q_addr, q_result) -> None:
 @pytest.mark.skipif(not _have_two_gpus_and_cupy(), reason="needs 2 CUDA GPUs and cupy-cuda12x")
 def test_nccl_transfer_between_two_processes():
     ctx = mp.get_context("spawn")
-    q_addr, q_result = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_nccl_consumer_proc, args=(q_addr, q_result), daemon=True)
+    q_addr, q_result, q_done = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_nccl_consumer_proc, args=(q_addr, q_result, q_done), daemon=True)
     proc.start()
     pipe = create_pipe("nccl", _cfg(extra={"device": 0}, handshake_timeout=60))
     try:
@@ -403,6 +405,7 @@ def test_nccl_transfer_between_two_processes():
         assert q_result.get(timeout=120) == [True] * len(futs)
         assert pipe.recv_tensor(timeout=30)[1] == {"all_ok": True}
     finally:
+        q_done.put(True)
         pipe.close()
         proc.join(timeout=30)
         if proc.is_alive():

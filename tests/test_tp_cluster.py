@@ -53,8 +53,11 @@ def _run(url: str, prompts: list[list[int]], max_tokens: int, during=None) -> li
     async def go() -> list[list[int]]:
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             tasks = [asyncio.create_task(_complete(http, p, max_tokens)) for p in prompts]
-            if during is not None:
-                await asyncio.sleep(0.5)
+            if during is not None:  # under load: once the proxy has requests in flight
+                deadline = asyncio.get_running_loop().time() + 60
+                while not (await http.get("/cluster/status")).json()["inflight"]:
+                    assert asyncio.get_running_loop().time() < deadline, "nothing in flight"
+                    await asyncio.sleep(0.05)
                 during()
             return await asyncio.gather(*tasks)
     return asyncio.run(go())

@@ -20,9 +20,9 @@ TIMEOUT = 3.0  # collective_timeout of these engines
 PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
-def tp2_engine(model_dir: str) -> LLMEngine:
+def tp2_engine(model_dir: str, timeout: float = TIMEOUT) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, tensor_parallel_size=2, num_kv_blocks=64,
-                                  collective_timeout=TIMEOUT))
+                                  collective_timeout=timeout))
 
 
 def load(engine: LLMEngine, n: int = 4) -> list[str]:
@@ -34,28 +34,28 @@ def load(engine: LLMEngine, n: int = 4) -> list[str]:
     return ids
 
 
-def fail_within(engine: LLMEngine, bound: float) -> float:
-    start = time.monotonic()
+def steps_until_failure(engine: LLMEngine, bound: float = 120.0) -> WorkerError:
+    """Step until the engine fails; an engine still stepping after ``bound`` hangs (its
+    collectives wait for a peer that will never answer)."""
+    deadline = time.monotonic() + bound
     with pytest.raises(WorkerError) as info:
-        while time.monotonic() - start < bound + 5:
+        while time.monotonic() < deadline:
             engine.step()
-    took = time.monotonic() - start
-    assert took < bound, f"the engine took {took:.1f}s to fail ({info.value})"
-    return took
+    return info.value
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_worker_fault_fails_the_engine_in_bounded_time_and_it_comes_back(tiny_model,
                                                                         fault: str) -> None:
     model_dir = tiny_model(arch="llama", num_heads=4, num_kv_heads=2)
-    engine = tp2_engine(model_dir)
+    # A dead peer closes its sockets: the engine fails without the collective timeout, here
+    # longer than the test may wait. A hung one is cut off by the collective timeout.
+    engine = tp2_engine(model_dir, timeout=3600.0 if fault == "kill" else TIMEOUT)
     worker = engine.executor.workers.procs[0]
     ids = load(engine)
     try:
         os.kill(worker.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-        # A dead peer closes its sockets: the next collective fails at once. A hung one is
-        # cut off by the collective timeout.
-        fail_within(engine, 2.0 if fault == "kill" else TIMEOUT + 3.0)
+        steps_until_failure(engine)
         with pytest.raises(WorkerError, match="tensor-parallel|Connection|Timed out"):
             engine.step()  # stays failed: the group is gone, nothing half-runs
         assert worker.poll() is not None  # a failed engine takes its workers down
@@ -75,7 +75,9 @@ def test_idle_engine_outlives_the_collective_timeout(tiny_model) -> None:
     with LLM(model=model_dir, tensor_parallel_size=2, num_kv_blocks=64,
              collective_timeout=1.0) as llm:
         first = llm.generate([[5, 6, 7]], PARAMS)[0].outputs[0].token_ids
-        time.sleep(3.0)  # idle three timeouts: the keepalives keep the workers waiting
+        # Idle for three collective timeouts (the behaviour under test, not a synchronisation):
+        # the keepalives keep the workers waiting.
+        time.sleep(3.0)
         again = llm.generate([[5, 6, 7]], PARAMS)[0].outputs[0].token_ids
         assert again == first
         llm.engine.check_no_leaks()
@@ -91,7 +93,7 @@ def test_workers_die_with_their_engine_process(tiny_model) -> None:
         children = _children(proc.proc.pid)
         assert len(children) == 1, children  # the rank-1 worker
         proc.kill()  # SIGKILL: no clean-up code runs in the engine
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 30.0  # a bound, not a speed: they watch every 0.2 s
         while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(_alive(pid) for pid in children), "a worker outlived its engine"

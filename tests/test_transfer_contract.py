@@ -97,15 +97,21 @@ def test_a_consumer_that_gives_up_frees_the_producer_at_once():
 
 
 def test_a_renewed_lease_holds_and_a_silent_consumer_frees_after_the_lease():
-    prod, cons, _ = _pair(consumer_timeout=30.0, lease=0.6)
+    lease = 1.2
+    prod, cons, _ = _pair(consumer_timeout=30.0, lease=lease)
+    renewals: list[list[str]] = []
+    renew = prod.leases.renew
+    prod.leases.renew = lambda rids: (renewals.append(list(rids)), renew(rids))
     peer = cons.endpoint()
     _fin_unread(cons)
     cons.bind_connector_metadata(KVConnectorMetadata(recvs=[RecvSpec("r", (3, 4), 8)]))
     _send(prod, peer, range(1))  # incomplete: the consumer keeps receiving and renewing
-    time.sleep(2.0)  # > 3 leases
-    assert prod.get_finished()[0] == set()
+    # The consumer renews at most every lease / 3: seven renewals span two leases or more.
+    _until(lambda: sum("r" in rids for rids in renewals) >= 7, 60.0, "seven renewals")
+    assert prod.get_finished()[0] == set()  # held past its first lease: renewed
+    assert prod.stats()["kv_send_timeouts"] == 0
     cons.close()  # the consumer dies: no more renewals
-    assert _until(lambda: prod.get_finished()[0], 5.0, "lease expiry") == {"r"}
+    assert _until(lambda: prod.get_finished()[0], 30.0, "lease expiry") == {"r"}
     assert prod.stats()["kv_send_timeouts"] == 1
     prod.close()
 

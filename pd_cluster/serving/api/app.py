@@ -280,7 +280,8 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]],
         await state.pool.check_all()  # fresh stats, bounded by health_check_timeout
         body = {"mode": cfg.mode, "model": cfg.model_name, "inflight": state.inflight,
                 "queued": state.admission.queued,
-                "proxy": {"node_ip": state.node_ip},
+                # prefix-cache reports read (cache_aware routing is being fed while it grows)
+                "proxy": {"node_ip": state.node_ip, "cache_reports": state.pool.cache_feed.reports},
                 "engines": [s.to_dict() for s in state.pool.status()]}
         return Response(json.dumps(body), media_type="application/json")
 
