@@ -53,11 +53,12 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available {torch.c
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)
     print(f"GPU {i}: {p.name}, {p.total_memory / 2**30:.1f} GiB, sm_{p.major}{p.minor}")
-for mod in ("triton", "cupy"):
+for mod in ("triton", "cupy"):  # imported: a broken install fails here, not as skipped tests
     spec = importlib.util.find_spec(mod)
     print(f"{mod}: {__import__(mod).__version__ if spec else 'missing'}")
 missing = [m for m in ("pd_cluster", "ray", "fastapi", "uvicorn", "zmq", "msgpack", "openai",
-                       "transformers", "pytest", "aiohttp") if importlib.util.find_spec(m) is None]
+                       "transformers", "pytest", "aiohttp", "triton")
+           if importlib.util.find_spec(m) is None]
 if missing:
     raise SystemExit(f"missing Python packages: {', '.join(missing)} "
                      f"(pip install -e '.[test]' in this interpreter)")
@@ -78,6 +79,10 @@ if [ "$MODE" = gpu ]; then
         >"$DIR/cuda_tests.log" 2>&1
     rc=$?
     summary=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$DIR/cuda_tests.log" | tail -n 1)
+    # A skip is ok only for missing hardware (GPUs, their memory, cupy); others hide breakage.
+    odd_skips=$(grep -E '^SKIPPED' "$DIR/cuda_tests.log" \
+                | grep -v -E 'needs [0-9]+ CUDA GPU|cupy|free GPU memory' | head -n 3 | tr '\n' ' ')
+    if [ -n "$odd_skips" ]; then rc=1; summary="$summary; unexpected skips: $odd_skips"; fi
     row "cuda tests" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "$summary"
 
     # ---- 3. kernel bench -------------------------------------------------------------------

@@ -261,9 +261,6 @@ def test_proxy_knobs_validate_with_their_key() -> None:
 
 
 def test_decode_engines_get_a_prefill_cap_by_default() -> None:
-    from pd_cluster.config import EngineArgs
-    if "max_prefill_tokens_per_step" not in EngineArgs.model_fields:
-        pytest.skip("the engine has no max_prefill_tokens_per_step yet")
     specs = {s.role: s.engine_args for s in parse_config({}).engine_specs()}
     assert specs["decode"]["max_prefill_tokens_per_step"] == DECODE_PREFILL_CAP
     assert "max_prefill_tokens_per_step" not in specs["prefill"]
