@@ -90,7 +90,9 @@ def scatter_kv_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor,
                       block_ids: BlockIds) -> None:
     """buffer [P, n, bs, H, D] -> kv_cache blocks ``block_ids`` (in place)."""
     ids = _as_ids(block_ids, kv_cache.device)
-    assert buffer.shape[1] == ids.numel() and buffer.shape[2:] == kv_cache.shape[2:]
+    if buffer.shape[1] != ids.numel() or buffer.shape[2:] != kv_cache.shape[2:]:
+        raise ValueError(f"buffer {tuple(buffer.shape)} does not hold {ids.numel()} blocks of "
+                         f"kv_cache {tuple(kv_cache.shape)}")
     if ids.numel() == 0:
         return
     if buffer.device != kv_cache.device:

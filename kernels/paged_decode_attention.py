@@ -190,15 +190,19 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         return res if out is None else out.copy_(res)
     bsz, num_q_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    assert cache_head_dim == head_dim and num_q_heads % num_kv_heads == 0
-    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    if num_q_heads % num_kv_heads or cache_head_dim != head_dim:
+        raise ValueError(f"query heads {num_q_heads} x {head_dim} do not fit kv_cache heads "
+                         f"{num_kv_heads} x {cache_head_dim}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"kv_cache block size must be a power of two, got {block_size}")
     if out is None:
         out = torch.empty_like(query)
     if bsz == 0:
         return out
     if query.stride(-1) != 1:
         query = query.contiguous()
-    assert out.stride(-1) == 1
+    if out.stride(-1) != 1:
+        raise ValueError("out: the last dimension must be contiguous")
     block_tables = block_tables.contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
     if max_seq_len is None:

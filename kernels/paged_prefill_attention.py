@@ -130,11 +130,15 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         return out
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    assert num_q_heads % num_kv_heads == 0 and kv_cache.shape[4] == head_dim
-    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    if num_q_heads % num_kv_heads or kv_cache.shape[4] != head_dim:
+        raise ValueError(f"query heads {num_q_heads} x {head_dim} do not fit kv_cache heads "
+                         f"{num_kv_heads} x {kv_cache.shape[4]}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"kv_cache block size must be a power of two, got {block_size}")
     if query.stride(-1) != 1:
         query = query.contiguous()
-    assert out.stride(-1) == 1
+    if out.stride(-1) != 1:
+        raise ValueError("out: the last dimension must be contiguous")
     group = num_q_heads // num_kv_heads
     block_g = triton.next_power_of_2(group)
     block_q = max(1, 64 // block_g)

@@ -214,10 +214,10 @@ class CollectivePipe(KVPipe):
 
     def _channel(self, peer: str) -> tuple[_Peer, Communicator]:
         p = self._peers.get(peer)
-        if p is None or not p.ready.wait(self.config.handshake_timeout) or not p.usable():
+        if (p is None or not p.ready.wait(self.config.handshake_timeout) or not p.usable()
+                or p.comm is None):
             raise PipeError(f"no usable {self.backend.name} communicator for {peer!r}"
                             + (f": {p.error}" if p is not None and p.error else ""))
-        assert p.comm is not None
         return p, p.comm
 
     def _send_loop(self) -> None:

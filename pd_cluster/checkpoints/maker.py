@@ -110,7 +110,9 @@ def build_tokenizer(vocab_size: int, texts: Iterable[str] | None = None) -> tupl
     n = tok.get_vocab_size()
     if n < vocab_size:  # corpus exhausted its merges: fill with never-produced special tokens
         tok.add_special_tokens([AddedToken(f"<unused_{i}>", special=True) for i in range(vocab_size - n)])
-    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
+    if tok.get_vocab_size() != vocab_size:  # below the byte alphabet and special tokens
+        raise ValueError(f"vocab_size: {vocab_size} is too small for the byte-level tokenizer "
+                         f"(it needs {tok.get_vocab_size()})")
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
         pad_token="<pad>", clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE), n

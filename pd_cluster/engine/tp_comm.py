@@ -75,7 +75,8 @@ class StepChannel:
         self._transfers = msgspec.msgpack.Decoder(RankTransfers)
 
     def send(self, msg: StepMessage) -> None:
-        assert self.rank == 0, "only rank 0 broadcasts steps"
+        if self.rank != 0:
+            raise RuntimeError(f"only rank 0 broadcasts steps (this is rank {self.rank})")
         data = self._encoder.encode(msg)
         head = len(data).to_bytes(8, "little")
         inline = min(len(data), _CAPACITY - 8)

@@ -92,7 +92,8 @@ class ProxyActor:
 
     def status(self) -> list[dict[str, Any]]:
         state = self.app.state.proxy
-        assert self.loop is not None
+        if self.loop is None:
+            raise RuntimeError("the proxy server has not started")
         fut = asyncio.run_coroutine_threadsafe(state.pool.check_all(), self.loop)
         fut.result(timeout=state.cfg.proxy.health_check_timeout + 5)
         return [s.to_dict() for s in state.pool.status()]

@@ -159,8 +159,9 @@ class Dispatcher:
                 continue
             sent.commit(out)
             if out.event is not None:
-                assert lg.last is not None
-                self.metrics.proxy_overhead.observe(max(time.time() - lg.last.emit_time, 0.0))
+                if lg.last is not None:  # the delta the event came from
+                    self.metrics.proxy_overhead.observe(max(time.time() - lg.last.emit_time,
+                                                            0.0))
                 events.append(out.event)
                 if out.event.finish_reason is not None:
                     break
