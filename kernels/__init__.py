@@ -23,6 +23,7 @@ _LAZY: dict[str, str] = {
     "reshape_and_cache": "kernels.reshape_and_cache",
     "reshape_and_cache_ref": "kernels.reshape_and_cache",
     "fused_experts": "kernels.fused_moe",
+    "fused_experts_ref": "kernels.fused_moe",
     "gather_kv_blocks": "kernels.block_copy",
     "scatter_kv_blocks": "kernels.block_copy",
 }

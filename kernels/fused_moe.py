@@ -1,5 +1,6 @@
-"""Grouped MoE expert matmuls in Triton (CUDA), beside the torch path they are tested against
-(``pd_cluster.models.layers.moe_experts.grouped_experts``).
+"""Grouped MoE expert matmuls in Triton (CUDA), beside their torch reference
+(``fused_experts_ref``; the model's own torch path, ``moe_experts.grouped_experts``, is a
+faster grouping of the same computation, and the tests hold all three equal).
 
 The (token, slot) pairs are sorted by expert and each expert's run is padded to a multiple of
 ``BLOCK_M`` (``align_by_expert``, on the device, no host sync), so every M-tile of the sorted
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from kernels import interpreting, runs_triton, triton_available
 
@@ -122,8 +124,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """``grouped_experts``'s contract (x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights and
     ids [T, K]) on the Triton kernel; the torch path where Triton cannot run."""
     if not runs_triton(HAS_TRITON, _INTERPRETED, x, w13):
-        from pd_cluster.models.layers.moe_experts import grouped_experts
-        return grouped_experts(x, w13, w2, weights, ids, act, b13, b2)
+        return fused_experts_ref(x, w13, w2, weights, ids, act, b13, b2)
     num_tokens, top_k = ids.shape
     if num_tokens == 0:
         return torch.zeros_like(x)
@@ -132,5 +133,27 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     h = _grouped_matmul(x, w13, b13, pairs, block_expert, num_pairs, top_k, True, x.dtype)
     y = _grouped_matmul(act(h), w2, b2, pairs, block_expert, num_pairs, top_k, False, x.dtype)
     # The routing weights and the top-k sum as grouped_experts (transformers) rounds them.
+    weighted = y * weights.reshape(-1, 1)
+    return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      weights: torch.Tensor, ids: torch.Tensor,
+                      act: Callable[[torch.Tensor], torch.Tensor],
+                      b13: torch.Tensor | None = None,
+                      b2: torch.Tensor | None = None) -> torch.Tensor:
+    """``fused_experts`` in plain torch: every (token, slot) pair through its expert, weighted
+    in the weights' dtype and summed over the slots, rounded as transformers' experts round."""
+    num_tokens, top_k = ids.shape
+    flat = ids.reshape(-1)
+    rows = x.repeat_interleave(top_k, dim=0)  # pair = token * top_k + slot
+    y = torch.zeros(flat.numel(), w2.shape[1], dtype=x.dtype, device=x.device)
+    for e in flat.unique().tolist():
+        mine = flat == e
+        h = F.linear(rows[mine], w13[e])
+        if b13 is not None:
+            h = h + b13[e]
+        out = F.linear(act(h), w2[e])
+        y[mine] = out if b2 is None else out + b2[e]
     weighted = y * weights.reshape(-1, 1)
     return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
