@@ -9,7 +9,9 @@
 #
 # Needs pd-cluster installed in the current Python (`pip install torch==2.13.0 -e .`).
 # Each tool gets its own venv under $CLIENTS_DIR (default .clients/), made once; torch is pinned
-# where a tool pulls it in, so pip takes the CPU wheel. Results land in $CLIENTS_DIR/results.
+# to 2.13.0 where a tool pulls it in: pip's index decides the build (PyPI on Linux: the CUDA
+# one, several GB; TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes the CPU wheel).
+# Results land in $CLIENTS_DIR/results.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -30,6 +32,10 @@ install() {  # install NAME PIP-SPEC...: a venv per tool, made once
   if [[ -x $WORK/$name/bin/python && -f $WORK/$name/.done ]]; then return; fi
   step "installing $name into $WORK/$name (once)"
   python3 -m venv "$WORK/$name"
+  if [[ -n ${TORCH_INDEX_URL:-} && " $* " == *" torch=="* ]]; then
+    "$WORK/$name/bin/pip" install -q --disable-pip-version-check torch==2.13.0 \
+      --index-url "$TORCH_INDEX_URL"
+  fi
   "$WORK/$name/bin/pip" install -q --disable-pip-version-check "$@"
   touch "$WORK/$name/.done"
 }
