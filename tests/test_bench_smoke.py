@@ -16,6 +16,9 @@ import pytest
 from pd_cluster.serving.cluster.testing import REPO_ROOT
 
 
+pytestmark = pytest.mark.timeout(600)  # each benchmark script runs as a subprocess
+
+
 @pytest.mark.parametrize("script, last_line", [
     ("bench_kernels.py", "decode_attention_bw_fraction="),  # CPU: the Triton interpreter
     ("bench_pipe.py", "8Mi "),

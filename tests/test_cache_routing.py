@@ -242,6 +242,7 @@ def _metric(text: str, name: str, **labels: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+@pytest.mark.timeout(900)  # the module's Ray cluster starts in this test's set-up
 def test_conversations_stay_on_their_decode_engine_exactly(cluster) -> None:
     import random
 

@@ -20,6 +20,9 @@ from tests.launch_helpers import launched_cluster
 MODEL = "tiny-llama"
 
 
+pytestmark = pytest.mark.timeout(900)  # a Ray cluster's start-up counts in the first test
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     yield from launched_cluster(tmp_path_factory, "local-2p2d", "2p2d",

@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 
 
+pytestmark = pytest.mark.timeout(900)  # clusters launched on GPUs
+
+
 def _gpus() -> int:
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -18,6 +18,9 @@ from pd_cluster.serving.cluster.ray_runtime import pid_alive
 from pd_cluster.serving.cluster.testing import wait_until
 from tests.launch_helpers import URL_RE, Launcher, _cli, _env
 
+pytestmark = pytest.mark.timeout(900)  # `pd-cluster launch` subprocesses start Ray clusters
+
+
 def _port_closed(url: str) -> bool:
     host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
     with socket.socket() as s:

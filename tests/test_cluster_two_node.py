@@ -29,7 +29,8 @@ from tests.two_nodes import HEAD_LABEL, WORKER_LABEL, TwoNodes, why_unavailable
 
 MODEL = "tiny-llama"
 _SKIP = why_unavailable()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),  # two Ray nodes in namespaces
+              pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
 
 
 def _config(tmp: Path, namespace: str) -> Path:

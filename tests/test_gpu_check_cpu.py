@@ -24,6 +24,7 @@ def _check_cluster() -> Any:
     return mod
 
 
+@pytest.mark.timeout(900)  # the script launches a Ray cluster and a benchmark
 def test_gpu_check_cpu_mode_passes(tmp_path: Path) -> None:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)

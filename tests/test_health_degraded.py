@@ -15,6 +15,9 @@ PROMPT = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 12,
           "temperature": 0}
 
 
+pytestmark = pytest.mark.timeout(900)  # a Ray cluster per case, an engine killed and restarted
+
+
 @pytest.mark.parametrize("gone, serving", [("decode", "prefill"), ("prefill", "decode")])
 def test_health_is_degraded_naming_the_lost_role(tmp_path, monkeypatch, gone: str,
                                                  serving: str) -> None:

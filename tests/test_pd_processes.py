@@ -16,6 +16,9 @@ from tests.pd_helpers import (colocated_tokens, engine, kv_config, prompts_of_le
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
+pytestmark = pytest.mark.timeout(600)  # pairs of engine subprocesses
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     from pd_cluster.checkpoints.maker import make_model

@@ -15,6 +15,10 @@ from tests.test_serving_openai import (MODEL, PROMPTS, client, cluster,  # noqa:
                                        offline, reference)
 
 
+# shares test_serving_openai's Ray cluster (started by its first test)
+pytestmark = pytest.mark.timeout(900)
+
+
 def test_what_real_clients_send(cluster, client, offline) -> None:
     """Unknown fields are ignored (vLLM's behaviour), continuous usage stats, cached tokens."""
     url = cluster.url

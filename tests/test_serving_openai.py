@@ -22,6 +22,9 @@ PROMPTS = ["Hello world, this is", "The quick brown fox jumps over", "Once upon 
 MAX_INFLIGHT = 12
 
 
+pytestmark = pytest.mark.timeout(900)  # a Ray cluster's start-up counts in the first test
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     yield from launched_cluster(tmp_path_factory, "local", "openai",

@@ -25,6 +25,9 @@ from pd_cluster.serving.routing.token_channel import TokenChannel
 NAMESPACE = "pd-cluster-tests"
 
 
+pytestmark = pytest.mark.timeout(900)  # Ray actors started, killed and restarted
+
+
 @pytest.fixture(scope="module")
 def actors():
     import ray
@@ -106,9 +109,10 @@ def test_proxy_restart_while_engines_live(actors) -> None:
     async def go() -> None:
         old = Proxy(actors)
         await old.pool.start()
-        held = asyncio.ensure_future(old.tokens("held", 100_000))  # running when it goes
-        await _until(lambda: any(e.inflight for e in old.pool.engines))
-        await asyncio.sleep(0.1)
+        streamed: list[int] = []
+        held = asyncio.ensure_future(old.tokens("held", 100_000,
+                                                lambda out: streamed.append(len(out))))
+        await _until(lambda: streamed)  # streaming when it goes
         await old.pool.close()  # closes its sessions: the engines abort what it had running
         with pytest.raises(Exception):
             await asyncio.wait_for(held, 30)  # its legs failed with the token path

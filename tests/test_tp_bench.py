@@ -7,7 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+pytestmark = pytest.mark.timeout(600)  # a benchmark subprocess with TP workers
 
 
 def test_bench_offline_tensor_parallel_smoke() -> None:

@@ -22,6 +22,10 @@ from pd_cluster.serving.cluster.testing import (cluster_status, leak_reports, wa
 from tests.launch_helpers import launched_cluster
 
 
+# a TP2 cluster's start-up and a whole-engine restart, on Ray
+pytestmark = pytest.mark.timeout(1200)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     yield from launched_cluster(tmp_path_factory, "local", "tp",
@@ -93,7 +97,7 @@ def test_tp2_prefill_to_tp1_decode_and_a_killed_worker(cluster) -> None:
         p = next(e for e in cluster_status(cluster.url)["engines"] if e["name"] == "prefill-0")
         return (p["healthy"] and p["restarts"] >= 1
                 and str(worker) not in p["stats"].get("tp_pids", ""))
-    wait_until(back, 120, "prefill-0 restarted with fresh ranks", interval=0.5)
+    wait_until(back, 300, "prefill-0 restarted with fresh ranks", interval=0.5)
     assert _run(cluster.url, prompts[:4], 24) == [o.outputs[0].token_ids for o in
                                                   offline.generate(prompts[:4], params)]
     wait_idle(cluster.url, timeout=60)
