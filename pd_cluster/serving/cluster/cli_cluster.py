@@ -199,7 +199,8 @@ def run_status(args: argparse.Namespace) -> int:
     key = os.environ.get("PD_CLUSTER_API_KEY")  # a keyed proxy (proxy.api_key) wants one
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        body = httpx.get(f"{url}/cluster/status", timeout=30.0, headers=headers).json()
+        reply = httpx.get(f"{url}/cluster/status", timeout=30.0, headers=headers)
+        body = reply.json()
     except (httpx.HTTPError, ValueError) as e:
         moved = _proxy_url_from_ray(ns, st) if args.url is None else None
         if moved is None or moved == url:
@@ -208,7 +209,12 @@ def run_status(args: argparse.Namespace) -> int:
             return 1
         print(f"the proxy moved: {url} -> {moved} (launch record updated)", file=sys.stderr)
         url = moved
-        body = httpx.get(f"{url}/cluster/status", timeout=30.0, headers=headers).json()
+        reply = httpx.get(f"{url}/cluster/status", timeout=30.0, headers=headers)
+        body = reply.json()
+    if reply.status_code == 401:
+        print(f"the proxy at {url} wants an API key (proxy.api_key): set PD_CLUSTER_API_KEY",
+              file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(body, indent=2))
         return 0
