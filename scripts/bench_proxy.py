@@ -81,6 +81,9 @@ def start(namespace: str, compared: dict[str, int]) -> tuple[dict[str, str], lis
                                        "stream_interval": stream_interval},
                              "ray": {"namespace": namespace}})
 
+    from connectors.secret import has_secret, install, new_secret
+    if not has_secret():  # the engines' sessions and the proxy prove it (workers inherit it)
+        install(new_secret())
     ray.init(address="local", num_cpus=4, namespace=namespace, include_dashboard=False,
              log_to_driver=False)
     specs = config().engine_specs()

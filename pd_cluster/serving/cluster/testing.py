@@ -18,6 +18,9 @@ def ensure_ray(num_cpus: int = 4) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the Ray workers
+    from connectors.secret import has_secret, install, new_secret
+    if not has_secret():  # actors made outside launch() (fakes, benchmarks) inherit it
+        install(new_secret())
     pythonpath = os.environ.get("PYTHONPATH", "")
     if str(REPO_ROOT) not in pythonpath.split(os.pathsep):  # workers import pd_cluster too
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), pythonpath) if p)
