@@ -78,6 +78,11 @@ class EngineArgs(BaseModel):
     tensor_parallel_size: int = 1
     collective_timeout: float = 60.0  # s: bounds every collective between an engine's ranks
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    # torch.compile the decoder (attention outside the graph; engine/compiled_model.py).
+    # None: $PD_CLUSTER_COMPILE decides (default off); true/false decide here.
+    compile: bool | None = None
+    # On CUDA: decode steps replay CUDA graphs captured per batch size (engine/cuda_graphs.py).
+    cuda_graphs: bool = True
 
     @field_validator("block_size")
     @classmethod

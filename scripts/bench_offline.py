@@ -18,6 +18,8 @@ The last line is ``throughput_ratio_vs_hf=X`` (ours / HF useful output tokens pe
 With ``--tensor-parallel-size N`` (N > 1) it instead runs the same requests on a TP1 and a TPN
 engine and prints their throughput and batch-1 decode latency side by side (on CPUs, Gloo: the
 cost of the collectives; on GPUs, NCCL: the speed-up), and whether their greedy outputs agree.
+With ``--compare-compile`` it runs the same requests on an eager and a compiled engine
+(``engine.compile``) side by side; the last line is ``compiled_throughput_ratio_vs_eager=X``.
 ``--smoke``: a tiny model and a few requests (seconds), for the test suite.
 """
 from __future__ import annotations
@@ -59,6 +61,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="only run our engine")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="N > 1: compare a TP1 and a TPN engine side by side (no HF run)")
+    p.add_argument("--compare-compile", action="store_true",
+                   help="run the requests eager and compiled (engine.compile) side by side")
     p.add_argument("--smoke", action="store_true",
                    help="tiny model, a few short requests, no HF (a few seconds)")
     args = p.parse_args()
@@ -178,30 +182,56 @@ def batch1_decode_ms(llm: Any, prompt: list[int], num_tokens: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def compare_tp(args: argparse.Namespace, model_dir: str, engine_args: dict[str, Any]) -> int:
-    """The same requests on a TP1 and a TPN engine, one after the other, in one run."""
+def side_by_side(args: argparse.Namespace, model_dir: str, engine_args: dict[str, Any],
+                 variants: dict[str, dict[str, Any]]) -> dict[str, tuple[float, float, list]]:
+    """The same requests on one engine per variant (label -> extra engine arguments), one
+    after the other in one run: label -> (output tokens/s, batch-1 ms per token, outputs)."""
     from pd_cluster.llm import LLM
 
-    size = args.tensor_parallel_size
-    results: dict[int, tuple[float, float, list]] = {}
-    for tp in (1, size):
-        with LLM(model=model_dir, tensor_parallel_size=tp, **engine_args) as llm:
+    results: dict[str, tuple[float, float, list]] = {}
+    for label, extra in variants.items():
+        t = time.perf_counter()
+        with LLM(model=model_dir, **engine_args, **extra) as llm:
             reqs = make_requests(args, llm.engine.vocab_size)
             prompt1 = make_requests(argparse.Namespace(**{
                 **vars(args), "num_requests": 1, "prompt_len": [args.batch1_prompt_len] * 2}),
                 llm.engine.vocab_size)[0][0]
-            run_ours(llm, [(reqs[0][0][:16], 4)])  # warm-up
+            run_ours(llm, [(reqs[0][0][:16], 4)])  # warm-up (and compilation)
+            ready_s = time.perf_counter() - t
             b1_ms = batch1_decode_ms(llm, prompt1, args.batch1_tokens)
             outputs: list = []
             seconds, tokens, _ = run_ours(llm, reqs, outputs)
-            results[tp] = (tokens / seconds, b1_ms, outputs)
-            print(f"tp{tp}: device={llm.engine.runner.device} dtype={llm.engine.runner.dtype} "
-                  f"{seconds:.2f}s output_tokens={tokens} requests={len(reqs)}")
-    (tps1, b1, out1), (tpsn, bn, outn) = results[1], results[size]
+            results[label] = (tokens / seconds, b1_ms, outputs)
+            print(f"{label}: device={llm.engine.runner.device} dtype={llm.engine.runner.dtype} "
+                  f"{seconds:.2f}s output_tokens={tokens} requests={len(reqs)} "
+                  f"ready_after_s={ready_s:.1f} (load + warm-up)")
+    return results
+
+
+def compare_tp(args: argparse.Namespace, model_dir: str, engine_args: dict[str, Any]) -> int:
+    """The same requests on a TP1 and a TPN engine, one after the other, in one run."""
+    size = args.tensor_parallel_size
+    results = side_by_side(args, model_dir, engine_args, {
+        "tp1": {"tensor_parallel_size": 1}, f"tp{size}": {"tensor_parallel_size": size}})
+    (tps1, b1, out1), (tpsn, bn, outn) = results["tp1"], results[f"tp{size}"]
     print(f"output_tokens_per_s: tp1={tps1:.1f} tp{size}={tpsn:.1f}")
     print(f"batch1_decode_ms_per_token: tp1={b1:.3f} tp{size}={bn:.3f}")
     print(f"greedy_outputs_equal={out1 == outn}")
     print(f"tp{size}_throughput_ratio_vs_tp1={tpsn / tps1:.2f}")
+    return 0
+
+
+def compare_compile(args: argparse.Namespace, model_dir: str,
+                    engine_args: dict[str, Any]) -> int:
+    """The same requests eager and compiled (engine.compile), one after the other."""
+    results = side_by_side(args, model_dir, engine_args,
+                           {"eager": {"compile": False}, "compiled": {"compile": True}})
+    (tps_e, b1_e, out_e), (tps_c, b1_c, out_c) = results["eager"], results["compiled"]
+    print(f"output_tokens_per_s: eager={tps_e:.1f} compiled={tps_c:.1f}")
+    print(f"batch1_decode_ms_per_token: eager={b1_e:.3f} compiled={b1_c:.3f}")
+    print(f"greedy_outputs_equal={out_e == out_c}")
+    print(f"batch1_speedup_compiled_vs_eager={b1_e / b1_c:.2f}")
+    print(f"compiled_throughput_ratio_vs_eager={tps_c / tps_e:.2f}")
     return 0
 
 
@@ -229,6 +259,8 @@ def main() -> int:
         engine_args["dtype"] = DTYPES[args.dtype]
     if args.tensor_parallel_size > 1:
         return compare_tp(args, model_dir, engine_args)
+    if args.compare_compile:
+        return compare_compile(args, model_dir, engine_args)
     llm = LLM(model=model_dir, **engine_args)
     device, dtype = llm.engine.runner.device, llm.engine.runner.dtype
     vocab = llm.engine.vocab_size

@@ -20,6 +20,9 @@ os.environ["PD_CLUSTER_DEVICE"] = "cpu"  # pd_cluster.config.DEVICE_ENV (not imp
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Eager by default (compiling every engine would blow the suite's time budget); the compile
+# tests opt in with compile=True, and PD_CLUSTER_COMPILE=1 runs the whole suite compiled.
+os.environ.setdefault("PD_CLUSTER_COMPILE", "0")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The cluster secret the KV handshakes and proxy sessions prove (connectors/secret.py; a

@@ -70,12 +70,12 @@ def engine(model: str, role: str | None, timeout: float = 10.0, **args: Any) -> 
 
 
 def pd_tokens(model: str, prompts: list[list[int]], params: list[SamplingParams], chunk: int,
-              block_size: int = 8) -> list[list[int]]:
+              block_size: int = 8, **args: Any) -> list[list[int]]:
     """Each prompt through an in-process P/D pair (P prefills ``chunk`` tokens per step and
     ships every layer's KV, D decodes): D's tokens per prompt, once the KV arrived with no
-    fallback and neither engine holds anything."""
-    d = engine(model, "consumer", block_size=block_size)
-    p = engine(model, "producer", block_size=block_size, max_num_batched_tokens=chunk)
+    fallback and neither engine holds anything. ``args``: more engine arguments, both sides."""
+    d = engine(model, "consumer", block_size=block_size, **args)
+    p = engine(model, "producer", block_size=block_size, max_num_batched_tokens=chunk, **args)
     try:
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             submit_pair(p, d, f"r{i}", prompt, sp, d.kv_endpoint())

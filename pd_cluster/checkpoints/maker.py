@@ -24,6 +24,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from pd_cluster.paths import cache_root
+
 from .corpus import CORPUS
 # Re-exported: callers import the checkpoint writer and the presets from here.
 from .writer import (CHAT_TEMPLATE, MAKER_FILE, param_count,  # noqa: F401
@@ -239,8 +241,7 @@ def default_model_path(name: str = "tiny-llama") -> Path:
         raise ValueError(f"name must be one of {preset_names()}, got {name!r}")
     if name in TRAINED_PRESETS:
         return trained_model_path(name)
-    root = Path(os.environ.get("PD_CLUSTER_CACHE") or Path.home() / ".cache" / "pd_cluster").expanduser()
-    path = root / "models" / name
+    path = cache_root() / "models" / name
     if _is_current(path):
         return path
     from filelock import FileLock

@@ -11,6 +11,8 @@ from pd_cluster.attention import AttentionMetadata, create_backend
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.cache_engine import (DeviceMemory, KVCacheSpec, allocate_kv_caches,
                                             determine_num_blocks)
+from pd_cluster.engine.compiled_model import CompiledModel, compile_enabled
+from pd_cluster.engine.cuda_graphs import DecodeGraphs
 from pd_cluster.engine.input_buffers import InputBuffers
 from pd_cluster.engine.step_input import StepInput
 from pd_cluster.models.context import ForwardContext
@@ -48,10 +50,14 @@ class ModelRunner:
         self.weights_bytes = self._allocated() - before  # this engine's, not the process's
         self.kv_spec = KVCacheSpec(config.block_size, tuple(self.model.kv_cache_specs(self.dtype)))
         self.backend = create_backend(config.attention_backend, self.device)
+        # What runs a forward: the model, or the same through one compiled graph.
+        self.forward_model: Any = (CompiledModel(self.model, self.device)
+                                   if compile_enabled(config.compile) else self.model)
         self.kv_caches: list[torch.Tensor] = []
         self.inputs = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                    -(-self.max_model_len // config.block_size),
                                    config.block_size, self.device)
+        self.decode_graphs: DecodeGraphs | None = None  # CUDA only, after the cache exists
         self.connector: Any = None  # worker-side KV connector
 
     # ---- set-up --------------------------------------------------------------------------
@@ -67,6 +73,11 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
+        if self.device.type == "cuda" and self.config.cuda_graphs:
+            graphs = DecodeGraphs(self.forward_model, self.backend, self.kv_caches,
+                                  self.config.max_num_seqs, self.max_model_len,
+                                  self.config.block_size, self.device)
+            self.decode_graphs = graphs if graphs.capture() else None
 
     def fitting_blocks(self, reserved_bytes: int = 0) -> int:
         """How many blocks this rank's budget holds (ranks agree on their minimum)."""
@@ -110,8 +121,9 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
         meta = self._metadata(slots, query_start, list(lens), tables_t, num_decodes=0)
         ctx = ForwardContext(meta, caches, self.backend)
-        hidden = self.model(torch.zeros(len(positions), dtype=torch.long, device=self.device),
-                            positions.to(self.device), ctx)
+        hidden = self.forward_model(
+            torch.zeros(len(positions), dtype=torch.long, device=self.device),
+            positions.to(self.device), ctx)
         self.model.compute_logits(hidden[:rows])
         del caches, hidden
 
@@ -149,7 +161,11 @@ class ModelRunner:
         t = self.inputs.prepare(step)
         ctx = ForwardContext(t.meta, self.kv_caches, self.backend, self.connector,
                              rope_lens=t.rope_lens)
-        hidden = self.model(t.token_ids, t.positions, ctx)
+        if self._replays(step):
+            hidden = self.decode_graphs.run(t.token_ids, t.positions, t.meta.slot_mapping,
+                                            t.meta.seq_lens, t.meta.block_tables, t.rope_lens)
+        else:
+            hidden = self.forward_model(t.token_ids, t.positions, ctx)
         out = []
         for group in step.logit_rows:
             if len(group) == 1:
@@ -159,6 +175,15 @@ class ModelRunner:
                                            device=self.device)]
             out.append(self.model.compute_logits(rows))
         return out
+
+    def _replays(self, step: StepInput) -> bool:
+        """A captured graph runs this step: decodes only, within the captured sizes, and no
+        connector loading KV layer by layer during it (a replay skips the connector's hooks;
+        sends only follow prefills)."""
+        graphs = self.decode_graphs
+        return (graphs is not None and step.num_decodes == len(step.seq_lens)
+                and graphs.ready(len(step.tokens))
+                and not (self.connector is not None and self.connector.loads_layerwise))
 
     def _metadata(self, slots: torch.Tensor, query_start: list[int], seq_lens: list[int],
                   tables: torch.Tensor, num_decodes: int) -> AttentionMetadata:

@@ -5,7 +5,7 @@ The attention block is the only model code that sees the KV cache and the KV con
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -15,6 +15,7 @@ from pd_cluster.engine.kv_spec import FullAttentionSpec, attention_spec
 from pd_cluster.models.context import ForwardContext
 from pd_cluster.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from pd_cluster.models.layers.norm import RMSNorm, ShardedRMSNorm
+from pd_cluster.models.layers.paged_call import paged_call
 from pd_cluster.models.layers.rotary import RotaryEmbedding
 from pd_cluster.models.layers.tp import TPGroup
 from pd_cluster.models.spec import ModelSpec
@@ -118,8 +119,13 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(ctx.rope[self.rope_key], q, k)
-        out = run_paged_attention(self.layer_idx, q, k, v, self.options(), ctx)
+        out = paged_call(self, (q, k, v), (self.num_heads, self.head_dim), ctx)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+    def paged_forward(self, inputs: Sequence[torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        """Outside a compiled graph (paged_call.py): (q, k, v) -> the attention output."""
+        q, k, v = inputs
+        return run_paged_attention(self.layer_idx, q, k, v, self.options(), ctx)
 
 
 register_attention("standard")(Attention)

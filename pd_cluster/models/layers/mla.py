@@ -14,6 +14,8 @@ Two ways to attend, equal in exact arithmetic:
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +30,7 @@ from pd_cluster.models.layers.attention import paged_layer, register_attention
 from pd_cluster.models.layers.linear import (ColumnParallelLinear, ReplicatedLinear,
                                              RowParallelLinear)
 from pd_cluster.models.layers.norm import RMSNorm
+from pd_cluster.models.layers.paged_call import paged_call
 from pd_cluster.models.layers.tp import TPGroup
 from pd_cluster.models.spec import ModelSpec
 
@@ -109,11 +112,18 @@ class LatentAttention(nn.Module):
         q_rope = rope_latent(cos_sin, q_rope, m.rope_interleave)
         k_rope = rope_latent(cos_sin, k_rope.unsqueeze(1), m.rope_interleave).squeeze(1)
         entry = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)
-        meta = ctx.attn_metadata
-        out = paged_layer(self.layer_idx, ctx,
-                          lambda cache: write_latent(entry, cache, meta.slot_mapping),
-                          lambda cache: self._attend(q_nope, q_rope, cache, meta, ctx.backend))
+        out = paged_call(self, (q_nope, q_rope, entry), (self.num_heads, m.v_head_dim), ctx)
         return self.o_proj(out.reshape(n, self.num_heads * m.v_head_dim))
+
+    def paged_forward(self, inputs: Sequence[torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        """Outside a compiled graph (paged_call.py): (q_nope, q_rope, cache entry) -> the
+        attention output [tokens, heads, v_head_dim]."""
+        q_nope, q_rope, entry = inputs
+        meta = ctx.attn_metadata
+        return paged_layer(self.layer_idx, ctx,
+                           lambda cache: write_latent(entry, cache, meta.slot_mapping),
+                           lambda cache: self._attend(q_nope, q_rope, cache, meta,
+                                                      ctx.backend))
 
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:

@@ -169,6 +169,13 @@ class MoEExperts(nn.Module):
         ``grouped_experts``'s signature to use instead of the torch loop; by default the
         Triton kernel on CUDA tensors, the torch loop elsewhere."""
         b2 = self.down_proj_bias if self.tp.rank == 0 else None
+        if fused is None and torch.compiler.is_compiling():
+            # The per-expert loop sizes its matmuls from the routing (host values): one
+            # opaque op in a compiled graph, like attention.
+            s = self.spec
+            return torch.ops.pd_cluster.grouped_experts(
+                x, self.gate_up_proj, self.down_proj, weights, ids, self.gate_up_proj_bias, b2,
+                s.activation, s.swiglu_alpha, s.swiglu_limit)
         run = fused
         if run is None and x.is_cuda:
             from kernels.fused_moe import fused_experts  # imports Triton: only on CUDA
@@ -176,3 +183,25 @@ class MoEExperts(nn.Module):
         run = run or grouped_experts
         return run(x, self.gate_up_proj, self.down_proj, weights, ids, self.act,
                    self.gate_up_proj_bias, b2)
+
+
+@torch.library.custom_op("pd_cluster::grouped_experts", mutates_args=())
+def _grouped_experts_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        weights: torch.Tensor, ids: torch.Tensor, b13: torch.Tensor | None,
+                        b2: torch.Tensor | None, activation: str, swiglu_alpha: float,
+                        swiglu_limit: float) -> torch.Tensor:
+    """``MoEExperts.forward``'s default path for a compiled graph (the activation travels as
+    its ``ExpertsSpec`` fields: an op's arguments cannot be functions)."""
+    act = gated_activation(ExpertsSpec(w13.shape[0], x.shape[-1], w2.shape[-1], activation,
+                                       swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit))
+    if x.is_cuda:
+        from kernels.fused_moe import fused_experts
+        return fused_experts(x, w13, w2, weights, ids, act, b13, b2)
+    return grouped_experts(x, w13, w2, weights, ids, act, b13, b2)
+
+
+@_grouped_experts_op.register_fake
+def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+      ids: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None, activation: str,
+      swiglu_alpha: float, swiglu_limit: float) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w2.shape[1])

@@ -170,12 +170,15 @@ class RotaryEmbedding(nn.Module):
                 else None)
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
-                rope_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = positions.device
+    def frequencies(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The inverse frequencies (and longrope's long ones) on ``dev``, copied once."""
         if dev not in self._on:
             self._on[dev] = (self._inv.to(dev), None if self._long is None else self._long.to(dev))
-        inv, long = self._on[dev]
+        return self._on[dev]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                rope_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        inv, long = self.frequencies(positions.device)
         freqs = positions.float()[:, None] * inv[None, :]
         if long is not None:
             lens = positions + 1 if rope_lens is None else rope_lens

@@ -34,9 +34,14 @@ class TPGroup:
         return self.rank * part, part
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place (row-parallel outputs)."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        """Sum over ranks (row-parallel outputs): in place, or in a compiled graph through an
+        opaque op (the engine's groups are built straight from a store, unnamed, which the
+        traced functional collectives cannot address)."""
+        if self.size == 1:
+            return x
+        if torch.compiler.is_compiling():
+            return torch.ops.pd_cluster.tp_all_reduce(x)  # paged_call.py
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
