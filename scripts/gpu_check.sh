@@ -4,7 +4,8 @@
 #   2. every test marked `cuda` or `two_gpu` (kernels vs torch in bf16, the Triton backend vs HF,
 #      pinned-host staging, two engines sizing their caches on one GPU, the one-GPU and
 #      two-GPU clusters end to end against a colocated engine)
-#   3. scripts/bench_kernels.py (paged decode attention vs the GPU's copy bandwidth)
+#   3. scripts/bench_kernels.py (paged decode attention vs the GPU's copy bandwidth); the CUDA
+#      graph tests and bench_offline.py --compare-compile (eager vs compiled + CUDA graphs)
 #   4. each cluster of the list at the end, launched from the CLI as a user would, checked by
 #      scripts/check_cluster.py: a fixed set of greedy and seeded requests must equal the
 #      colocated engine's answers (computed first, same config: same model, dtype and GPU),
@@ -91,6 +92,21 @@ if [ "$MODE" = gpu ]; then
     row "bench_kernels" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" \
         "$(tail -n 1 "$DIR/bench_kernels.log")"
     BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---num-requests 200 --request-rate 20}
+
+    # ---- 3a. compiled step + CUDA graphs for decode: HF-exact, equal to op-by-op launches, and
+    # eager vs compiled (graphs on) offline throughput --------------------------------------
+    timeout 900 "$PY" -m pytest -q -rs tests/test_cuda_graphs.py -p no:cacheprovider \
+        >"$DIR/cuda_graphs.log" 2>&1
+    rc=$?
+    row "cuda graphs" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" \
+        "$(grep -E '(passed|failed|error|skipped)' "$DIR/cuda_graphs.log" | tail -n 1)"
+    timeout 900 "$PY" scripts/bench_offline.py --compare-compile \
+        >"$DIR/bench_offline_compile.log" 2>&1
+    rc=$?
+    row "bench_offline compile" "$([ $rc -eq 0 ] && grep -q '^greedy_outputs_equal' \
+        "$DIR/bench_offline_compile.log" && echo ok || echo FAIL)" \
+        "$(grep -E '^(output_tokens_per_s|greedy_outputs_equal)' "$DIR/bench_offline_compile.log" \
+           | tr '\n' ' ')$(tail -n 1 "$DIR/bench_offline_compile.log")"
 
     # ---- 3b. tensor parallelism: TP1 vs TP2 offline throughput (NCCL) ------------------------
     if [ "$GPUS" -ge 2 ]; then

@@ -1,13 +1,11 @@
 """The compiled decoder (engine.compile, issue 28): HF-exact greedy fp32 with the step run
-through one torch.compile graph (attention and MoE experts outside it as opaque ops), for each
-kind of layer the families use (dense with windows/soft-caps/q-k norms/longrope, MoE with
-sinks, latent attention), at TP 1, TP 2 (Gloo, collectives in the graph) and through P/D; and
-one graph for every batch size (no recompile when the batch size changes, one token included).
+through one torch.compile graph (attention, MoE experts and the TP all-reduce outside it as
+opaque ops), one graph for every batch size (no recompile when the batch size changes, one
+token included).
 
 The rest of the suite runs eager (conftest sets PD_CLUSTER_COMPILE=0); ``PD_CLUSTER_COMPILE=1``
 runs any test file compiled (the family sweeps: see README). Compiled code is cached on disk
-(TORCHINDUCTOR_CACHE_DIR, one dir for the session), so engines of the same model after the
-first (P and D, the TP test's rank 0 after TP1) load it instead of generating it.
+(TORCHINDUCTOR_CACHE_DIR, one dir for this module).
 """
 from __future__ import annotations
 
@@ -19,15 +17,8 @@ import torch
 
 from pd_cluster.engine.compiled_model import CompiledModel, compile_enabled
 from pd_cluster.llm import LLM
-from pd_cluster.sampling_params import SamplingParams
-from tests.conftest import assert_greedy_matches, hf_greedy, random_prompt
-from tests.pd_helpers import colocated_tokens, pd_tokens
-from tests.test_families import check_greedy, family_model  # noqa: F401 (fixture)
-from tests.test_mla import mla_model  # noqa: F401 (fixture)
-from tests.test_moe_families import moe_model  # noqa: F401 (fixture)
-
-MAX_TOKENS = 10
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+from tests.conftest import random_prompt
+from tests.test_families import check_greedy
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,69 +57,3 @@ def test_one_graph_for_every_batch_size(tiny_model) -> None:
     check_greedy(llm, model_dir, [random_prompt(n, seed=n + 1) for n in (3, 9, 60)])
     check_greedy(llm, model_dir, [random_prompt(7, seed=2)])
     assert graphs_compiled() == before
-
-
-DENSE = ["tiny-gemma2", "tiny-olmo2", "tiny-phi3-longrope"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", DENSE)
-def test_dense_families_tp1_and_tp2(family_model, name: str) -> None:  # noqa: F811
-    """Soft-caps and windows (Gemma 2), q/k norm over the sharded projection (OLMo 2: an
-    all-reduce inside the norm), longrope's per-token factors (Phi-3)."""
-    model_dir = family_model(name)
-    prompts = [random_prompt(n, seed=n) for n in (3, 13, 45)]
-    check_greedy(LLM(model=model_dir, compile=True, block_size=8, max_num_batched_tokens=12),
-                 model_dir, prompts)
-    llm = LLM(model=model_dir, compile=True, tensor_parallel_size=2, block_size=8,
-              max_num_batched_tokens=12, num_kv_blocks=64, collective_timeout=60.0)
-    try:
-        check_greedy(llm, model_dir, prompts)
-    finally:
-        llm.close()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_moe"])
-def test_moe_families_tp1_and_tp2(moe_model, name: str) -> None:  # noqa: F811
-    """Experts as an opaque op in the graph; gpt-oss adds sinks and router/expert biases."""
-    model_dir = moe_model(name)
-    prompts = [random_prompt(n, seed=n) for n in (3, 13, 45)]
-    check_greedy(LLM(model=model_dir, compile=True, block_size=8, max_num_batched_tokens=12),
-                 model_dir, prompts)
-    llm = LLM(model=model_dir, compile=True, tensor_parallel_size=2, block_size=8,
-              max_num_batched_tokens=12, num_kv_blocks=64, collective_timeout=60.0)
-    try:
-        check_greedy(llm, model_dir, prompts)
-    finally:
-        llm.close()
-
-
-@pytest.mark.slow
-def test_latent_attention_tp1_tp2_and_pd(mla_model) -> None:  # noqa: F811
-    model_dir = mla_model("qlora-yarn")
-    prompts = [random_prompt(n, seed=n) for n in (3, 13, 45)]
-    check_greedy(LLM(model=model_dir, compile=True, block_size=8, max_num_batched_tokens=12),
-                 model_dir, prompts)
-    llm = LLM(model=model_dir, compile=True, tensor_parallel_size=2, block_size=8,
-              max_num_batched_tokens=12, num_kv_blocks=64, collective_timeout=60.0)
-    try:
-        check_greedy(llm, model_dir, prompts)
-    finally:
-        llm.close()
-    _check_pd(model_dir, prompts)
-
-
-@pytest.mark.slow
-def test_pd_compiled_equals_colocated_and_hf(family_model) -> None:  # noqa: F811
-    """Both engines compiled (the second loads the first's code): KV written by P's compiled
-    step decodes on D's, equal to HF."""
-    _check_pd(family_model("tiny-gemma3"), [random_prompt(n, seed=n) for n in (4, 16, 33)])
-
-
-def _check_pd(model_dir: str, prompts: list[list[int]]) -> None:
-    params = [GREEDY] * len(prompts)
-    ours = pd_tokens(model_dir, prompts, params, chunk=12, compile=True)
-    assert ours == colocated_tokens(model_dir, prompts, params, block_size=8, compile=True)
-    for prompt, tokens in zip(prompts, ours):
-        assert_greedy_matches(model_dir, prompt, tokens, hf_greedy(model_dir, prompt, MAX_TOKENS))
