@@ -173,6 +173,49 @@ def test_tool_choice_none_and_auto_answer_text(client) -> None:
         assert r.choices[0].message.content and not r.choices[0].message.tool_calls
 
 
+def test_responses_api_text_schema_tools_and_stream(client) -> None:
+    r = client.responses.create(model=MODEL, input="Once upon a time", max_output_tokens=12,
+                                temperature=0)
+    assert r.status == "incomplete" and r.output_text and r.usage.output_tokens == 12
+    events = list(client.responses.create(model=MODEL, input="Once upon a time",
+                                          max_output_tokens=12, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.incomplete" and "response.output_text.done" in kinds
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        r.output_text == events[-1].response.output_text
+    schema = Pet.model_json_schema()
+    fmt = {"format": {"type": "json_schema", "name": "pet", "schema": schema, "strict": True}}
+    r = client.responses.create(model=MODEL, instructions="You describe pets.",
+                                input=[{"role": "user", "content": "A pet, please."}],
+                                text=fmt, max_output_tokens=60, temperature=0)
+    Pet.model_validate_json(r.output_text)
+    tool = {"type": "function", **TOOL["function"]}
+    for stream in (False, True):
+        kw = dict(model=MODEL, input="Look up cat", tools=[tool], tool_choice="required",
+                  parallel_tool_calls=False, max_output_tokens=80, temperature=0)
+        if stream:
+            events = list(client.responses.create(**kw, stream=True))
+            out = events[-1].response.output
+            args = "".join(e.delta for e in events
+                           if e.type == "response.function_call_arguments.delta")
+            assert args == out[0].arguments
+        else:
+            out = client.responses.create(**kw).output
+        (call,) = out
+        assert call.type == "function_call" and call.name == "lookup"
+        jsonschema.validate(json.loads(call.arguments), TOOL["function"]["parameters"])
+    follow = client.responses.create(model=MODEL, max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": "Look up cat"},
+        {"type": "function_call", "call_id": call.call_id, "name": "lookup",
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "a small animal"}])
+    assert follow.output_text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_1")
+    assert e.value.body["param"] == "previous_response_id"
+
+
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "bogus"}}}}, "response_format"),

@@ -34,6 +34,8 @@ from pd_cluster.serving.api.openai_schemas import (ChatCompletionRequest, Comple
                                                    ModelCard, ModelList, parse_request)
 from pd_cluster.serving.api.proxy_state import ProxyState
 from pd_cluster.serving.api.request_body import read_body
+from pd_cluster.serving.api.responses import ResponsesRequest, parse_responses
+from pd_cluster.serving.api.responses_format import ResponsesFormatter
 from pd_cluster.serving.api.tool_format import ToolChatFormatter
 from pd_cluster.serving.api.tools import tool_plan
 from pd_cluster.serving.api.utility_routes import add_utility_routes
@@ -114,10 +116,16 @@ async def _sse(first: tuple[int, StreamEvent] | None,
         tracker.close(outcome)
 
 
-async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Response:
+async def handle_generate(state: ProxyState, request: Request, chat: bool,
+                          responses: bool = False) -> Response:
+    """Completions, chat completions, and (``responses``) the Responses API run as a chat."""
     raw = await read_body(request, state.cfg.proxy.max_body_bytes)
-    req = parse_request(ChatCompletionRequest if chat else CompletionRequest, raw,
-                        state.unknown_fields)
+    resp_req = None
+    if responses:
+        resp_req, req = parse_responses(raw)
+    else:
+        req = parse_request(ChatCompletionRequest if chat else CompletionRequest, raw,
+                            state.unknown_fields)
     if req.model not in state.cfg.served_names:
         raise model_not_found(req.model, state.cfg.served_names)
     if chat:  # before tokenizing: the chat template renders the tools
@@ -138,9 +146,11 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
         # Admitted: tokenizing is the request's work, off the event loop (proxy_state.py).
         prompts, texts = await watch.guard(state.tokenize(req))
         tracker.count_prompt(sum(len(ids) for ids in prompts))
-        fmt, jobs, events = _plan(state, req, chat, rid, prompts, texts, deadline)
+        fmt, jobs, events = _plan(state, req, chat, rid, prompts, texts, deadline, resp_req)
         tracker.jobs = jobs
         results = [Result(prompt_token_ids=job.prompt_token_ids) for job in jobs]
+        if isinstance(fmt, ResponsesFormatter):
+            fmt.results = results  # its response.completed event carries the usage
         if not req.stream:
             await watch.guard(_collect(events, results, tracker))
             tracker.close("success")
@@ -170,7 +180,7 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool) -> Re
 
 
 def _plan(state: ProxyState, req: Any, chat: bool, rid: str, prompts: list[list[int]],
-          texts: list[str], deadline: float
+          texts: list[str], deadline: float, responses: ResponsesRequest | None = None
           ) -> tuple[Formatter, list[Any], AsyncIterator[tuple[int, StreamEvent]]]:
     """The request's formatter, its choices' jobs and their merged events (a 400 for a
     max_tokens the prompts leave no room for)."""
@@ -195,6 +205,8 @@ def _plan(state: ProxyState, req: Any, chat: bool, rid: str, prompts: list[list[
     fmt_cls: Any = ChatFormatter if chat else CompletionFormatter
     if chat and req.tool_plan is not None:
         fmt_cls = partial(ToolChatFormatter, req.tool_plan)
+    if responses is not None:
+        fmt_cls = partial(ResponsesFormatter, responses, req.tool_plan)
     jobs = choice_jobs(rid, per_prompt, req.n, deadline)
     echo = None if chat or not req.echo else [  # choices are prompt-major, n per prompt
         (texts[i // req.n], job.prompt_token_ids) for i, job in enumerate(jobs)]
@@ -254,6 +266,10 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]],
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await handle_generate(state, request, chat=True)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await handle_generate(state, request, chat=True, responses=True)
 
     add_utility_routes(app, state)
 
