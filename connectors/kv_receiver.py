@@ -23,6 +23,7 @@ import torch
 from connectors.metadata import FinHeader, KVLayerHeader, OfferHeader, RecvSpec
 from connectors.block_io import scatter_blocks
 from connectors.kv_digest import digest_error
+from connectors.kv_staging import Staging
 
 logger = logging.getLogger(__name__)
 Ack = tuple[str, str, bool]  # (producer peer, request id, ok)
@@ -41,13 +42,6 @@ class _Receiving:
     first_arrival: float | None = None  # monotonic, for kv_recv_seconds
 
 
-@dataclass
-class _Staged:
-    arrived: float
-    items: list[tuple[KVLayerHeader | FinHeader, torch.Tensor | None, str]] = field(
-        default_factory=list)
-
-
 class KVReceiver:
     def __init__(self, num_layers: int, block_size: int, timeout: float, max_staging_bytes: int,
                  record_timings: bool = False, digest: bool = True):
@@ -56,12 +50,10 @@ class KVReceiver:
         self.kv_caches: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self._active: dict[str, _Receiving] = {}
-        self._staged: OrderedDict[str, _Staged] = OrderedDict()
-        self._staged_bytes = 0
-        # One peer holds at most half the staging area: the rest stays for the others.
-        self._staged_by_peer: dict[str, int] = {}
+        self._staging = Staging(max_staging_bytes)  # early arrivals, bounded per peer
         self.digest = digest  # check each layer's digest (kv_digest.py) before writing it
-        self._poisoned: OrderedDict[str, str] = OrderedDict()  # failed before registration
+        # Requests whose KV failed before they were registered: (why, peer), bounded.
+        self._poisoned: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._done: dict[str, int | None] = {}
         self._cancelled: OrderedDict[str, float] = OrderedDict()  # ended here, bounded
         self._nacks: list[tuple[str, str, bool]] = []  # gave up: tell those producers
@@ -91,14 +83,13 @@ class KVReceiver:
                 return []
             self._active[spec.request_id] = state
             self.prefix_hit_tokens += spec.num_cached_tokens
-            staged = self._staged.pop(spec.request_id, None)
+            staged = self._staging.pop(spec.request_id)
             acks: list[Ack] = []
             poisoned = self._poisoned.pop(spec.request_id, None)
             if poisoned is not None:
-                peers = {p for _, _, p in staged.items} if staged else set()
+                peers = {p for _, _, p in staged}
                 acks = self._fail_closed(state, poisoned[0], poisoned[1], peers)
-            for header, tensor, peer in (staged.items if staged else []):
-                self._unstage(tensor, peer)
+            for header, tensor, peer in staged:
                 if spec.request_id in self._active:
                     acks += self._apply(state, header, tensor, peer)
             return acks
@@ -109,12 +100,12 @@ class KVReceiver:
         with self._lock:
             state = self._active.pop(request_id, None)
             self._done.pop(request_id, None)
-            staged = self._staged.get(request_id)
-            self._drop_staged(request_id)
+            staged_peers = self._staging.peers(request_id)
+            self._staging.pop(request_id)
             self._cancelled[request_id] = time.monotonic()
             while len(self._cancelled) > 4096:
                 self._cancelled.popitem(last=False)
-            peers = state.peers if state else {p for _, _, p in (staged.items if staged else [])}
+            peers = state.peers if state else staged_peers
             return [(peer, request_id, False) for peer in sorted(peers)]
 
     def take_finished(self) -> dict[str, int | None]:
@@ -130,12 +121,12 @@ class KVReceiver:
                     self._cancelled[rid] = now  # a late FIN is NACKed at once
                     # the producers may free their blocks now
                     self._nacks += [(peer, rid, False) for peer in sorted(state.peers)]
-            for rid in [r for r, s in self._staged.items() if now - s.arrived > self.timeout]:
+            for rid in self._staging.expired(now, self.timeout):
                 # never claimed: an unknown request (or one that ended before it was staged)
-                self.num_refused += len(self._staged[rid].items)
-                logger.warning("refused %d KV messages for %s: no such request here",
-                               len(self._staged[rid].items), rid[:80])
-                self._drop_staged(rid)
+                n = len(self._staging.pop(rid))
+                self.num_refused += n
+                logger.warning("refused %d KV messages for %s: no such request here", n,
+                               rid[:80])
             done, self._done = self._done, {}
             return done
 
@@ -183,19 +174,11 @@ class KVReceiver:
                 while len(self._poisoned) > 4096:
                     self._poisoned.popitem(last=False)
                 return []
-            size = tensor.nbytes if tensor is not None else 0
-            by_peer = self._staged_by_peer.get(peer, 0)
-            if (self._staged_bytes + size > self.max_staging_bytes
-                    or by_peer + size > self.max_staging_bytes // 2):
+            refused = self._staging.add(rid, (header, tensor, peer))
+            if refused is not None:
                 self.num_refused += 1
-                logger.warning("staging full (%s): refused %s for %s", "this peer's share"
-                               if by_peer + size > self.max_staging_bytes // 2 else "all",
+                logger.warning("staging full (%s): refused %s for %s", refused,
                                type(header).__name__, rid[:80])
-                return []
-            self._staged.setdefault(rid, _Staged(time.monotonic())).items.append(
-                (header, tensor, peer))
-            self._staged_bytes += size
-            self._staged_by_peer[peer] = by_peer + size
             return []
 
     # ---- internals (lock held) -----------------------------------------------------------
@@ -313,17 +296,3 @@ class KVReceiver:
         logger.warning("KV for %s from %s failed closed (%s): recomputing", rid[:80],
                        peer[:120], why)
         return [(p, rid, False) for p in sorted(state.peers | peers)]
-
-    def _unstage(self, tensor: torch.Tensor | None, peer: str) -> None:
-        size = tensor.nbytes if tensor is not None else 0
-        self._staged_bytes -= size
-        left = self._staged_by_peer.get(peer, 0) - size
-        if left > 0:
-            self._staged_by_peer[peer] = left
-        else:
-            self._staged_by_peer.pop(peer, None)
-
-    def _drop_staged(self, request_id: str) -> None:
-        staged = self._staged.pop(request_id, None)
-        for _, tensor, peer in (staged.items if staged else []):
-            self._unstage(tensor, peer)

@@ -119,3 +119,34 @@ def test_a_layout_mismatch_names_only_the_producers_values() -> None:
     finally:
         prod.close()
         cons.close()
+
+
+def _layer(rid: str, first_block: int, tensor: torch.Tensor):
+    """A layer message as a producer sends it (with its digest)."""
+    import msgspec
+
+    from connectors.kv_digest import kv_digest
+    from connectors.metadata import KVLayerHeader
+    header = KVLayerHeader(rid, 0, first_block)
+    return msgspec.structs.replace(header, digest=kv_digest(header, tensor))
+
+
+def test_per_peer_bounds_refuse_without_affecting_other_requests() -> None:
+    from connectors.kv_receiver import KVReceiver
+    from connectors.metadata import RecvSpec
+    kv = torch.zeros(2, 1, 4, 1, 8)  # one block: 256 bytes
+    rx = KVReceiver(1, 4, timeout=0.2, max_staging_bytes=1024)
+    rx.kv_caches = [torch.zeros(2, 8, 4, 1, 8)]
+    # One peer stages KV for requests not registered here: at most half the area is its.
+    assert [rx.on_message(_layer(f"u{i}", 0, kv), kv, "greedy") for i in range(4)] == [[]] * 4
+    assert rx.num_refused == 2
+    # Another peer's early arrival still finds room, and is used once its request comes.
+    assert rx.on_message(_layer("r", 0, kv), kv, "fair") == []
+    assert rx.register(RecvSpec("r", (3,), 4)) == [] and torch.equal(rx.kv_caches[0][:, 3],
+                                                                       kv[:, 0])
+    # Blocks the request does not own fail it closed: recomputed, the producer told at once.
+    assert rx.on_message(_layer("r", 5, kv), kv, "fair") == [("fair", "r", False)]
+    assert rx.take_finished() == {"r": None} and rx.num_failed_closed == 1
+    # The greedy peer's messages for unknown requests are refused when they expire.
+    wait_until(lambda: rx.take_finished() == {} and rx.num_refused == 4, 10,
+               "unknown requests' messages refused")
