@@ -150,3 +150,20 @@ def test_per_peer_bounds_refuse_without_affecting_other_requests() -> None:
     # The greedy peer's messages for unknown requests are refused when they expire.
     wait_until(lambda: rx.take_finished() == {} and rx.num_refused == 4, 10,
                "unknown requests' messages refused")
+
+
+def test_the_collective_pipes_control_channel_proves_the_secret() -> None:
+    """The Gloo (and NCCL) pipe's headers, handshake and group id go over this same ZMQ
+    handshake: a forger that knows the collective hello's shape is refused before any group
+    is joined."""
+    cons = create_pipe("gloo", PipeConfig(handshake_timeout=3.0))
+    cons.set_handshake_validator(_validator)
+    forged = create_pipe("zmq", PipeConfig(security="none", handshake_timeout=3.0))
+    try:
+        addr = cons.listen()
+        with pytest.raises(HandshakeError, match=f"{REFUSED}$"):
+            forged.connect(addr, {**HELLO, "_group_id": "x", "_group_gen": "y"})
+        assert cons.stats()["auth_failures"] == 1 and not cons._peers
+    finally:
+        forged.close()
+        cons.close()
