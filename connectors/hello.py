@@ -39,7 +39,8 @@ def make_hello(engine_info: dict[str, Any]) -> dict[str, Any]:
 
 def _spec_diffs(consumer: list[dict[str, Any]], producer: Any) -> list[str]:
     if not isinstance(producer, list) or len(producer) != len(consumer):
-        return [f"kv_specs (the prefill engine has {len(producer) if isinstance(producer, list) else '?'} layers)"]
+        layers = len(producer) if isinstance(producer, list) else "?"
+        return [f"kv_specs (the prefill engine has {layers} layers)"]
     return [f"layer {i} KV spec (the prefill engine has {p!r:.200})"
             for i, (c, p) in enumerate(zip(consumer, producer)) if c != p][:3]
 

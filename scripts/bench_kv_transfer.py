@@ -11,8 +11,8 @@ model of the same hidden size, layers and heads: KV bytes per prompt token measu
 ``kv_bytes_sent`` (beside the value the configs give), and each model's TTFT 1P1D/colocated.
 Part 4 (issue 29): the cost of each ``kv_transfer.security`` mode and of the KV digest: part 1's
 transfer in each mode side by side (none, token, token + digest: the default, curve + digest),
-and the digest alone. Prints `kv_transfer_efficiency=X` (ours / raw, median over sizes) last. ``--smoke``: one small
-transfer and a 1P1D run of each part-3 model on a short prompt, a few seconds (CI: interfaces
+and the digest alone. Prints `kv_transfer_efficiency=X` (ours / raw, median over sizes) last.
+``--smoke``: one small transfer and a 1P1D run of each part-3 model on a short prompt, a few seconds (CI: interfaces
 still fit; no colocated runs, no TTFT ratios).
 """
 from __future__ import annotations

@@ -135,7 +135,8 @@ def test_a_forged_producer_is_refused_and_requests_stay_exact(pair) -> None:
         drain(p, d)
     finally:
         forger.close()
-    assert got == expected["genuine"] and d.stats()["kv_fallbacks"] == fallbacks  # its own KV, unharmed
+    # its own KV, unharmed
+    assert got == expected["genuine"] and d.stats()["kv_fallbacks"] == fallbacks
     assert _stat(d, "kv_auth_failures") == auth_failures + 1
     p.check_no_leaks(), d.check_no_leaks()
 
