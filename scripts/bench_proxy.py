@@ -14,7 +14,8 @@ as it can (throughput). Wall-clock tokens/s on a small shared machine measure th
 proxy, the engine and the client (this process: raw sockets, no HTTP library per chunk) spent
 per streamed token, and the tokens per SSE chunk. The baseline is the published figure of the
 token path's predecessor (one Ray streaming call per request, removed): 24,713 tok/s through
-one proxy (_PUBLISHED; README's bench_proxy rows measured both side by side, 3-5x apart).
+one proxy (_PUBLISHED; docs/benchmarks.md's bench_proxy rows measured both side by side,
+3-5x apart).
 Printed last: per path ``proxy_overhead_ms_p50``/``_p99`` (paced, per token, 1 stream), the
 best streamed tokens/s and CPU microseconds per token, then
 ``stream_tokens_per_s_ratio_stream_N_over_stream=`` (when N > 1), ``proxy_overhead_ms_p50=``

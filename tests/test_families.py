@@ -85,7 +85,7 @@ def test_greedy_matches_hf_chunked_and_prefix_cached(family_model, name: str) ->
     llm = LLM(model=model_dir, block_size=8, max_num_batched_tokens=12,
               enable_prefix_caching=True)
     # Longrope: no prompt whose generation crosses original_max_position_embeddings (32), where
-    # HF's Phi-3 generate recomputes the whole cache with the long factors (see README).
+    # HF's Phi-3 generate recomputes the whole cache with the long factors (see docs/models.md).
     lens = (3, 13, 45, 70) if name == "tiny-phi3-longrope" else (3, 13, 26, 45, 70)
     short_and_long = [random_prompt(n, seed=n) for n in lens]
     check_greedy(llm, model_dir, short_and_long)
