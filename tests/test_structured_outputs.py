@@ -86,6 +86,17 @@ def test_json_schema_chat_validates_and_equals_colocated(client, offline, seed) 
         assert choice.token_ids == _colocated(offline, ids, so, 120, seed)
 
 
+def test_n_choices_each_follow_their_own_grammar(client) -> None:
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=120, n=3,
+        temperature=1.0, seed=5, response_format={"type": "json_schema", "json_schema": {
+            "name": "person", "schema": SCHEMA}})
+    outs = [c.message.content for c in r.choices]
+    for out in outs:
+        jsonschema.validate(json.loads(out), SCHEMA)
+    assert len(set(outs)) > 1  # sampled apart, each under its own matcher
+
+
 def test_streamed_json_equals_unstreamed(client) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
     for seed in (None, 3):
