@@ -9,6 +9,7 @@ import threading
 
 import jsonschema
 import pytest
+import torch
 
 from pd_cluster import LLM, SamplingParams
 from pd_cluster.driver.messages import EngineRequest, decode_request, encode
@@ -100,3 +101,24 @@ def test_params_cross_msgpack_and_dicts() -> None:
         StructuredOutputsParams(regex="a", choice=["b"])
     with pytest.raises(ValueError, match="choice"):
         StructuredOutputsParams(choice=[])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_masks_on_cuda_logits_equal_the_cpu_masks(llm) -> None:
+    """The batch's bitmask is filled on the host and applied on the logits' device."""
+    from pd_cluster.engine.structured.masks import apply_grammar_masks
+    from pd_cluster.request import Request
+    reqs = []
+    for i, so in enumerate([StructuredOutputsParams(json=json.dumps(SCHEMA)), None,
+                            StructuredOutputsParams(regex="[a-c]{2}")]):
+        r = Request(f"m{i}", [1, 2], SamplingParams(structured_outputs=so))
+        r.grammar = llm.engine.grammars.start(so) if so else None
+        if r.grammar is not None:
+            r.grammar.future.result(30)
+        reqs.append(r)
+    logits = torch.randn(3, llm.engine.vocab_size)
+    on_gpu = apply_grammar_masks(logits.clone().cuda(), reqs).cpu()
+    on_cpu = apply_grammar_masks(logits.clone(), reqs)
+    assert torch.equal(on_gpu, on_cpu) and torch.equal(on_cpu[1], logits[1])
+    assert torch.isinf(on_cpu[0]).any() and torch.isinf(on_cpu[2]).any()

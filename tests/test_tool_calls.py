@@ -153,3 +153,10 @@ def test_auto_streams_content_then_calls(text) -> None:
     assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == \
         [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
     assert streamed["reason"] == body["choices"][0]["finish_reason"]
+
+
+def test_config_names_a_known_parser() -> None:
+    from pd_cluster.serving.cluster.config_sections import ProxyConfig
+    assert ProxyConfig(tool_call_parser="llama3_json").tool_call_parser == "llama3_json"
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ProxyConfig(tool_call_parser="nope")
