@@ -29,6 +29,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # launched cluster makes its own): one per test session, inherited by engine subprocesses.
 os.environ.setdefault("PD_CLUSTER_SECRET", __import__("secrets").token_hex(32))
 
+import inspect  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import random  # noqa: E402
@@ -54,6 +55,37 @@ except Exception:  # pragma: no cover - transformers is a hard dependency, but k
 # Near-tie tolerance (docs/design.md, "Testing rules"): a greedy divergence from HF is
 # accepted only when HF's top-2 logits at that step are this close.
 NEAR_TIE = 1e-4
+
+
+# ---------------------------------------------------------------------------- time bounds
+
+# Calls that start a Ray cluster. Its start-up alone took up to 315 s on a loaded machine, past
+# the default bound (pyproject.toml), and an expired bound ends the whole run: such a test (or
+# a fixture it uses) must carry an explicit @pytest.mark.timeout.
+_CLUSTER_STARTERS = ("launched_cluster(", "ensure_ray(", "Launcher(", "TwoNodes(")
+
+
+def _source(func: Any) -> str:
+    try:
+        return inspect.getsource(func)
+    except (OSError, TypeError):
+        return ""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = []
+    for item in items:
+        if item.get_closest_marker("timeout") or not hasattr(item, "function"):
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        fixtures = [d.func for defs in (info.name2fixturedefs.values() if info else ())
+                    for d in defs]
+        if any(s in _source(f) for f in [item.function, *fixtures] for s in _CLUSTER_STARTERS):
+            unmarked.append(item.nodeid)
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests start a Ray cluster but carry no @pytest.mark.timeout (a cluster's "
+            "start-up can pass the default bound; see pyproject.toml): " + ", ".join(unmarked))
 
 
 # ---------------------------------------------------------------------------- tiny models

@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pd_cluster.serving.cluster.testing import REPO_ROOT
 
 
+@pytest.mark.timeout(900)  # a benchmark subprocess (its own bound: 600 s)
 def test_bench_vs_vllm_smoke() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)

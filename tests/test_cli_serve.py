@@ -16,6 +16,9 @@ from pd_cluster.serving.cluster.testing import wait_until
 from tests.launch_helpers import Launcher, _env
 
 
+pytestmark = pytest.mark.timeout(900)  # `pd-cluster serve` starts a Ray cluster
+
+
 def _session_pids(sid: int) -> list[int]:
     """Live processes of session ``sid`` (the launcher's own, started with setsid)."""
     pids = []

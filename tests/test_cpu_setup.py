@@ -76,6 +76,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_model(tmp_path_factory.mktemp("cpu") / "m", arch="llama", num_layers=2))
 
 
+@pytest.mark.timeout(600)  # an engine subprocess
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
 def test_engine_process_pins_its_thread_off_the_reserved_core(model: str, tmp_path: Path
                                                               ) -> None:
@@ -95,6 +96,7 @@ def test_engine_process_pins_its_thread_off_the_reserved_core(model: str, tmp_pa
         proc.shutdown()
 
 
+@pytest.mark.timeout(900)  # a Ray cluster
 def test_cluster_engine_pins_its_threads(tmp_path_factory: pytest.TempPathFactory) -> None:
     import ray
 

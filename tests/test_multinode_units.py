@@ -215,6 +215,7 @@ def test_producer_relinks_after_consumer_restart(tiny_model: Any) -> None:
     p.close(), d2.close()
 
 
+@pytest.mark.timeout(900)  # may start this session's Ray instance
 def test_launch_fails_naming_both_ends_of_an_unreachable_pair() -> None:
     """The launch-time reachability check: every P -> D pair, with both addresses and why."""
     import ray

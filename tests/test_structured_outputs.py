@@ -35,6 +35,9 @@ SCHEMA = {"type": "object", "properties": {
 PROMPTS = ["Tell me about a person:", "Once upon a time", "The quick brown fox", "Data:"]
 
 
+pytestmark = pytest.mark.timeout(900)  # a Ray cluster's start-up counts in the first test
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     yield from launched_cluster(
