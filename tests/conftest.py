@@ -8,8 +8,9 @@ Device: on a GPU machine "auto" would pick CUDA (and dtype "auto" bf16): the fp3
 tests would compare bf16 with HF's fp32, and engines in one process would share a GPU. So
 "auto" means the CPU in every process of the test run: PD_CLUSTER_DEVICE is set here, before
 any engine, worker, engine subprocess or Ray worker starts, and they all inherit it (engines
-also hand their resolved device to the processes they start). A test marked ``cuda`` or
-``two_gpu`` names its device (``device="cuda"``, a GPU config), never "auto".
+also hand their resolved device to the processes they start). In a test marked ``cuda`` or
+``two_gpu`` it means CUDA (``_device_of_the_test``); such tests name their device all the same
+(``device="cuda"``, a GPU config).
 """
 from __future__ import annotations
 
@@ -55,6 +56,13 @@ except Exception:  # pragma: no cover - transformers is a hard dependency, but k
 # Near-tie tolerance (docs/design.md, "Testing rules"): a greedy divergence from HF is
 # accepted only when HF's top-2 logits at that step are this close.
 NEAR_TIE = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _device_of_the_test(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto" is CUDA in a test marked for GPUs, here and in every process it starts."""
+    if request.node.get_closest_marker("cuda") or request.node.get_closest_marker("two_gpu"):
+        monkeypatch.setenv("PD_CLUSTER_DEVICE", "cuda")
 
 
 # ---------------------------------------------------------------------------- time bounds

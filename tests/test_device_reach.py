@@ -105,3 +105,9 @@ def test_engine_subprocess_runs_on_the_test_device(tiny_model, fake_cuda) -> Non
     finally:
         proc.shutdown()
     assert _child_devices(fake_cuda).get(child) == {"cpu"}
+
+
+@pytest.mark.cuda  # runs without a GPU: it checks only what "auto" resolves to in such a test
+def test_auto_means_cuda_in_a_test_marked_for_gpus() -> None:
+    assert os.environ[DEVICE_ENV] == "cuda"  # inherited by every process the test starts
+    assert EngineConfig(model="m").torch_device == torch.device("cuda")
