@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(600)  # each benchmark script runs as a subproc
     ("bench_kv_transfer.py", "kv_transfer_efficiency="),
     ("bench_multiturn.py", "ttft_p50_speedup="),  # 1P1D twice: baseline and prefix-aware
     ("bench_attention.py", "cpu_attention_offline_ratio_vs_torch="),  # both CPU backends
+    ("bench_linear.py", "linear_gemm_fraction_eager="),  # eager and compiled, tiny model
 ])
 def test_bench_smoke(script: str, last_line: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
