@@ -26,6 +26,8 @@ from tests.test_families import check_greedy, family_model  # noqa: F401 (fixtur
 from tests.test_mla import mla_model  # noqa: F401 (fixture)
 from tests.test_moe_families import moe_model  # noqa: F401 (fixture)
 
+# A cold compile takes tens of seconds of CPU; on a shared 2-core machine, minutes.
+pytestmark = pytest.mark.timeout(900)
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
