@@ -89,13 +89,44 @@ def test_decode_path_equals_decompressed_path(mla_model, backend: str) -> None:
         max_query_len=1, max_seq_len=14, block_size=4, query_start_loc_cpu=[0, 1, 2, 3],
         seq_lens_cpu=lengths)
     with torch.inference_mode():
-        absorbed = attn.decode_absorbed(q_nope, q_rope, cache, meta,
+        absorbed = attn.attend_absorbed(q_nope, q_rope, cache, meta,
                                         create_backend(backend, torch.device("cpu")))
         for i, n in enumerate(lengths):
             blocks = tables[i, : -(-n // 4)].long()
             ctx_kv = cache[0, blocks].reshape(-1, LATENT + ROPE)[:n]
             full = attn.prefill_decompressed(q_nope[i:i + 1], q_rope[i:i + 1], ctx_kv)
             torch.testing.assert_close(absorbed[i], full[0], rtol=1e-5, atol=1e-5)
+
+
+def test_absorbed_prefill_in_place_equals_decompressed(mla_model) -> None:
+    """The CPU kernel's absorbed attention over a mixed batch (a decode, a chunk after a cached
+    prefix, a prompt from its start) == decompressed attention of each request."""
+    if not load_cpu_kernels():
+        pytest.skip(f"CPU kernel unavailable: {load_error()}")
+    llm = LLM(model=mla_model("qlora-yarn"), num_kv_blocks=16)
+    attn = llm.engine.runner.model.model.layers[1].self_attn
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(1, 16, 4, 1, LATENT + ROPE, generator=gen)
+    q_lens, lengths = [1, 5, 6], [9, 14, 6]
+    tables = torch.tensor([[3, 8, 6, 0], [5, 1, 7, 10], [2, 9, 0, 0]], dtype=torch.int32)
+    starts = [0, 1, 6, 12]
+    q_nope = torch.randn(12, attn.num_heads, 16, generator=gen)
+    q_rope = torch.randn(12, attn.num_heads, ROPE, generator=gen)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((12,), -1), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32), block_tables=tables, num_decodes=1,
+        max_query_len=6, max_seq_len=14, block_size=4, query_start_loc_cpu=starts,
+        seq_lens_cpu=lengths)
+    with torch.inference_mode():
+        absorbed = attn.attend_absorbed(q_nope, q_rope, cache, meta,
+                                        create_backend("cpu", torch.device("cpu")), 3)
+        for i, n in enumerate(lengths):
+            blocks = tables[i, : -(-n // 4)].long()
+            ctx_kv = cache[0, blocks].reshape(-1, LATENT + ROPE)[:n]
+            a, b = starts[i], starts[i + 1]
+            full = attn.prefill_decompressed(q_nope[a:b], q_rope[a:b], ctx_kv)
+            torch.testing.assert_close(absorbed[a:b], full, rtol=1e-5, atol=1e-5)
+    llm.engine.check_no_leaks()
 
 
 def test_pd_equals_colocated_with_latent_bytes_from_one_tp_rank(mla_model) -> None:

@@ -32,13 +32,18 @@ class AttentionBackend(ABC):
         """query: [num_tokens, num_heads, head_dim] -> output of the same shape (causal,
         with the layer's window, soft-cap and sinks from ``opts``)."""
 
-    def decode_latent(self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                      opts: AttentionOptions, value_dim: int) -> torch.Tensor:
-        """Latent attention's absorbed decode for the batch's leading decode requests: query
-        [decodes, heads, cache_dim] against ``cache`` [1, blocks, block_size, 1, cache_dim]
-        (keys = the whole cached vector, values = its first ``value_dim`` entries)
-        -> [decodes, heads, value_dim]."""
+    # Whether forward_latent also serves prefill chunks (else latent layers decompress them).
+    latent_prefill_in_place: bool = False
+
+    def forward_latent(self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                       opts: AttentionOptions, value_dim: int, num_reqs: int) -> torch.Tensor:
+        """Latent attention in absorbed form for the batch's first ``num_reqs`` requests (only
+        decodes unless ``latent_prefill_in_place``): query [their tokens, heads, cache_dim]
+        against ``cache`` [1, blocks, block_size, 1, cache_dim] (keys = the whole cached
+        vector, values = its first ``value_dim`` entries) -> [their tokens, heads, value_dim]."""
         from pd_cluster.attention.torch_backend import torch_latent_decode
+        if num_reqs > meta.num_decodes:
+            raise ValueError(f"{self.name} attention serves latent decodes only")
         return torch_latent_decode(query, cache, meta, opts, value_dim)
 
 

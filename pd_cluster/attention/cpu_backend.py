@@ -79,7 +79,9 @@ class CpuAttentionBackend(AttentionBackend):
             out[n_real:].zero_()
         return out
 
-    def decode_latent(self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                      opts: AttentionOptions, value_dim: int) -> torch.Tensor:
+    latent_prefill_in_place = True
+
+    def forward_latent(self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                       opts: AttentionOptions, value_dim: int, num_reqs: int) -> torch.Tensor:
         return paged_attention(query, cache[0], cache[0][..., :value_dim], meta, opts,
-                               range(meta.num_decodes))
+                               range(num_reqs))

@@ -117,7 +117,7 @@ def torch_latent_decode(query: torch.Tensor, cache: torch.Tensor, meta: Attentio
     """Latent attention's absorbed decode over dense copies of each group's cached vectors:
     query [decodes, heads, cache_dim]; keys = the whole cached vector, values = its first
     ``value_dim`` entries (one "KV head" shared by all heads) -> [decodes, heads, value_dim]."""
-    n = meta.num_decodes
+    n = query.shape[0]  # the leading decodes
     lengths = meta.seq_lens_cpu[:n]
     out = query.new_empty(n, query.shape[1], value_dim)
     for group in length_groups(lengths):

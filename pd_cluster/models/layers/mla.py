@@ -6,11 +6,13 @@ ranks (q_b_proj / kv_b_proj column-parallel by head, o_proj row-parallel); the l
 projections are replicated, so each rank writes the same cache.
 
 Two ways to attend, equal in exact arithmetic:
-- prefill chunks decompress: kv_b_proj turns the context's latents into per-head keys (nope
-  part) and values, and attention runs as HF's does (the rope key broadcast to every head);
-- decode tokens absorb: the query's nope part goes through W_UK into latent space and the
-  output through W_UV, so a step reads only the cached latents (keys = the whole cached
-  vector, values = its latent part: one "KV head" shared by all query heads).
+- decompress: kv_b_proj turns the context's latents into per-head keys (nope part) and
+  values, and attention runs as HF's does (the rope key broadcast to every head);
+- absorb: the query's nope part goes through W_UK into latent space and the output through
+  W_UV, so a step reads only the cached latents (keys = the whole cached vector, values = its
+  latent part: one "KV head" shared by all query heads).
+Decode tokens absorb. Prefill chunks absorb too where the backend reads the latents in place
+(the CPU kernel: the whole batch in one call, no context copied out), else they decompress.
 """
 from __future__ import annotations
 
@@ -128,9 +130,12 @@ class LatentAttention(nn.Module):
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.m.v_head_dim)
-        d = meta.num_decodes
+        # Decodes (and, where the backend reads latents in place, every request) absorbed;
+        # the rest decompressed one request at a time.
+        d = meta.num_reqs if backend.latent_prefill_in_place else meta.num_decodes
         if d:
-            out[:d] = self.decode_absorbed(q_nope[:d], q_rope[:d], cache, meta, backend)
+            t = meta.query_start_loc_cpu[d]
+            out[:t] = self.attend_absorbed(q_nope[:t], q_rope[:t], cache, meta, backend, d)
         for i in range(d, meta.num_reqs):
             start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
             ctx_kv = gather_latent(cache, meta.block_tables[i], meta.seq_lens_cpu[i])
@@ -158,15 +163,17 @@ class LatentAttention(nn.Module):
             o = attend(q, k, v, window_mask(pos[seq_len - q_len:], pos, None), self._opts())
         return o.transpose(0, 1)
 
-    def decode_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
-                        meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """One query per decode request; W_UK folded into the query, W_UV into the output, so
-        only the cached vectors are read (by the backend, in place where it can).
-        -> [decodes, heads, v]."""
+    def attend_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                        meta: AttentionMetadata, backend: AttentionBackend,
+                        num_reqs: int | None = None) -> torch.Tensor:
+        """The tokens of the batch's first ``num_reqs`` requests (default: its decodes) with
+        W_UK folded into the query and W_UV into the output, so only the cached vectors are
+        read (by the backend, in place where it can). -> [tokens, heads, v]."""
         w_uk, w_uv = self._kv_b()
         q_lat = torch.einsum("nhd,hdl->nhl", q_nope, w_uk)
         q = torch.cat([q_lat, q_rope], dim=-1)  # [n, heads, latent_dim]
-        o_lat = backend.decode_latent(q, cache, meta, self._opts(), self.m.kv_lora_rank)
+        n = meta.num_decodes if num_reqs is None else num_reqs
+        o_lat = backend.forward_latent(q, cache, meta, self._opts(), self.m.kv_lora_rank, n)
         return torch.einsum("nhl,hvl->nhv", o_lat, w_uv)
 
     def _opts(self) -> AttentionOptions:
