@@ -97,7 +97,9 @@ def _load() -> bool:
             cpp_extension.load(name, [str(s) for s in _SOURCES], extra_cflags=_CFLAGS,
                                build_directory=str(build), is_python_module=False,
                                verbose=False)
-        torch.ops.pd_cluster_cpu.paged_attention  # noqa: B018  (registered by the load)
+        # It writes ``out`` and returns nothing: its fake (tracing) form does nothing, so a
+        # compiled graph may keep it as an opaque call.
+        torch.library.register_fake("pd_cluster_cpu::paged_attention")(lambda *args: None)
     except Exception as e:  # a compiler error, a missing toolchain, a bad cache dir
         _state["error"] = f"{type(e).__name__}: {e}"
         logger.warning("CPU attention kernel unavailable (build in %s failed), falling back to "
