@@ -108,18 +108,6 @@ def test_latent_values_are_a_view_of_keys() -> None:
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
 
 
-def test_kernel_alone_on_fresh_prompts() -> None:
-    """Prompts from their start, which the backend sends to SDPA when attention is plain."""
-    torch.manual_seed(0)
-    meta = make_batch([1, 40, 20], [30, 40, 20], 16, 12)
-    cache = torch.randn(2, 12, 16, 2, 32)
-    query = torch.randn(61, 8, 32)
-    opts = AttentionOptions(scale=0.2)
-    torch.testing.assert_close(paged_attention(query, cache[0], cache[1], meta, opts),
-                               TorchAttentionBackend().forward(query, cache, meta, opts),
-                               atol=2e-5, rtol=1e-5)
-
-
 def test_padding_rows_are_zero() -> None:
     meta = make_batch([1, 4], [9, 4], 4, 8)
     cache = torch.randn(2, 8, 4, 2, 8)

@@ -1,22 +1,20 @@
 """CPU attention backend: the C++ paged kernel (kernels/cpu/paged_attention.cpp), the default
 on CPU.
 
-Decode tokens, and prefill chunks that continue a cached prefix, attend in one kernel call per
-contiguous run of requests, reading K/V in place from the paged blocks. A prompt prefilled
-from its start with plain attention goes to SDPA's flash kernel instead (blocked GEMMs; its
-K/V are read once, a copy that is small beside the quadratic work). The torch backend, which
-gathers every request's context into dense tensors, stays as the reference this one is tested
-against.
+One kernel call per layer serves the whole batch, decode tokens and prefill chunks (from a
+prompt's start or after a cached prefix) alike, reading K/V in place from the paged blocks.
+(Measured at 1 thread, bench-50m's heads: on prompts prefilled from their start it is 2-2.8x
+SDPA's flash kernel over gathered K/V, so it takes those too.) The torch backend, which gathers
+every request's context into dense tensors, stays as the reference this one is tested against.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pd_cluster.attention.base import AttentionBackend, register_backend
 from pd_cluster.attention.metadata import AttentionMetadata
 from pd_cluster.attention.options import AttentionOptions
-from pd_cluster.attention.torch_backend import gather_kv, write_kv_torch
+from pd_cluster.attention.torch_backend import write_kv_torch
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -37,18 +35,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return out
 
 
-def fresh_plain_prefills(meta: AttentionMetadata, opts: AttentionOptions) -> list[int]:
-    """Requests whose whole context is new this step, under plain attention."""
-    if not opts.plain:
-        return []
-    starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    return [i for i in range(meta.num_decodes, meta.num_reqs)
-            if starts[i + 1] - starts[i] == lens[i] > 1]
-
-
 @register_backend("cpu")
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
+    latent_prefill_in_place = True
 
     def __init__(self) -> None:
         from kernels.cpu_build import load_cpu_kernels, load_error
@@ -62,24 +52,11 @@ class CpuAttentionBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 opts: AttentionOptions) -> torch.Tensor:
-        out = torch.empty_like(query)
-        flash = fresh_plain_prefills(meta, opts)
-        first = 0
-        for i in flash + [meta.num_reqs]:  # the kernel takes the runs between them
-            paged_attention(query, kv_cache[0], kv_cache[1], meta, opts, range(first, i), out)
-            first = i + 1
-        for i in flash:
-            start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
-            k, v = gather_kv(kv_cache, meta.block_tables[i], end - start)
-            out[start:end] = F.scaled_dot_product_attention(
-                query[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                is_causal=True, scale=opts.scale, enable_gqa=True).transpose(0, 1)
+        out = paged_attention(query, kv_cache[0], kv_cache[1], meta, opts)
         n_real = meta.query_start_loc_cpu[-1]
         if query.shape[0] > n_real:  # padding tokens (e.g. a compiled step's): defined zeros
             out[n_real:].zero_()
         return out
-
-    latent_prefill_in_place = True
 
     def forward_latent(self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                        opts: AttentionOptions, value_dim: int, num_reqs: int) -> torch.Tensor:
