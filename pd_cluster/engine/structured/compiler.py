@@ -3,12 +3,15 @@ for its grammar (the engine holds it back from the scheduler), the batch does no
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pd_cluster.config import StructuredOutputsConfig
 from pd_cluster.engine.structured.request_grammar import RequestGrammar
 from pd_cluster.structured_outputs import StructuredOutputsParams
+
+_CACHE_SIZE = 512
 
 
 class GrammarCompilerPool:
@@ -22,7 +25,9 @@ class GrammarCompilerPool:
         self._backend: Any = None
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._cache: dict[tuple, Future] = {}
+        # Compiled grammars by spec, most recent last, at most _CACHE_SIZE (clients repeat a
+        # few schemas; one-off schemas must not grow the engine without bound).
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
 
     @property
     def backend(self) -> Any:
@@ -43,6 +48,9 @@ class GrammarCompilerPool:
                                                 thread_name_prefix="grammar-compile")
             future = self._pool.submit(self._compile, params, key[-1])
             self._cache[key] = future
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)  # requests holding it keep their own ref
+        self._cache.move_to_end(key)
         return RequestGrammar(self, future)
 
     def _compile(self, params: StructuredOutputsParams, no_whitespace: bool) -> Any:
