@@ -80,8 +80,13 @@ def load_error() -> str:
     return str(_state.get("error", ""))
 
 
+def disabled_by_env() -> bool:
+    """``PD_CLUSTER_CPU_KERNELS=0``: the one way to run without the kernel on purpose."""
+    return os.environ.get("PD_CLUSTER_CPU_KERNELS", "1").lower() in ("0", "false", "off", "no")
+
+
 def _load() -> bool:
-    if os.environ.get("PD_CLUSTER_CPU_KERNELS", "1").lower() in ("0", "false", "off", "no"):
+    if disabled_by_env():
         _state["error"] = "disabled by PD_CLUSTER_CPU_KERNELS=0"
         return False
     key = build_key()

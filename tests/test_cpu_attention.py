@@ -19,8 +19,14 @@ from pd_cluster.attention import AttentionMetadata, AttentionOptions, create_bac
 from pd_cluster.attention.cpu_backend import paged_attention
 from pd_cluster.attention.torch_backend import TorchAttentionBackend
 
-pytestmark = pytest.mark.skipif(not cpu_build.load_cpu_kernels(),
-                                reason=f"CPU kernel unavailable: {cpu_build.load_error()}")
+# Skipped only when turned off on purpose: a kernel that fails to build is a failure here (the
+# product would quietly fall back to the slower torch path), never a skip that hides it.
+pytestmark = pytest.mark.skipif(cpu_build.disabled_by_env(), reason="PD_CLUSTER_CPU_KERNELS=0")
+
+
+@pytest.fixture(autouse=True)
+def _kernel_built() -> None:
+    assert cpu_build.load_cpu_kernels(), f"CPU kernel failed to build: {cpu_build.load_error()}"
 
 
 def make_batch(q_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.cpu_build import load_cpu_kernels, load_error
+from kernels.cpu_build import disabled_by_env, load_cpu_kernels, load_error
 from pd_cluster.attention import AttentionMetadata, create_backend
 from pd_cluster.engine.kv_spec import LatentAttentionSpec
 from pd_cluster.llm import LLM
@@ -24,6 +24,14 @@ from pd_cluster.sampling_params import SamplingParams
 from tests.conftest import assert_greedy_matches, hf_greedy, random_prompt
 from tests.pd_helpers import colocated_tokens, drain, engine, run_in_process, submit_pair
 from tests.test_moe_families import check_greedy  # HF-exact greedy generation, then no leaks
+
+
+def require_cpu_kernels() -> None:
+    """Skip only when the kernel is turned off on purpose; a failed build fails the test."""
+    if disabled_by_env():
+        pytest.skip("PD_CLUSTER_CPU_KERNELS=0")
+    assert load_cpu_kernels(), f"CPU kernel failed to build: {load_error()}"
+
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -72,8 +80,8 @@ def test_greedy_matches_hf_chunked_and_prefix_cached(mla_model, name: str) -> No
 def test_decode_path_equals_decompressed_path(mla_model, backend: str) -> None:
     """Absorbed decode over the cached latents (each backend's: dense copies, or the CPU
     kernel reading the blocks in place) == decompressed attention of the same query."""
-    if backend == "cpu" and not load_cpu_kernels():
-        pytest.skip(f"CPU kernel unavailable: {load_error()}")
+    if backend == "cpu":
+        require_cpu_kernels()
     llm = LLM(model=mla_model("qlora-yarn"), num_kv_blocks=16)
     attn = llm.engine.runner.model.model.layers[1].self_attn
     gen = torch.Generator().manual_seed(0)
@@ -101,8 +109,7 @@ def test_decode_path_equals_decompressed_path(mla_model, backend: str) -> None:
 def test_absorbed_prefill_in_place_equals_decompressed(mla_model) -> None:
     """The CPU kernel's absorbed attention over a mixed batch (a decode, a chunk after a cached
     prefix, a prompt from its start) == decompressed attention of each request."""
-    if not load_cpu_kernels():
-        pytest.skip(f"CPU kernel unavailable: {load_error()}")
+    require_cpu_kernels()
     llm = LLM(model=mla_model("qlora-yarn"), num_kv_blocks=16)
     attn = llm.engine.runner.model.model.layers[1].self_attn
     gen = torch.Generator().manual_seed(1)
