@@ -183,6 +183,7 @@ def run_status(args: argparse.Namespace) -> int:
     import httpx
 
     from pd_cluster.serving.cluster.launch_record import ClusterState
+    from pd_cluster.serving.observability.offload_series import tier_line
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no per-request INFO lines here
     ns = _namespace(args)
@@ -237,6 +238,10 @@ def run_status(args: argparse.Namespace) -> int:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(cols))]
     for r in rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+    for e in body["engines"]:  # engines with KV tiers below the device pool
+        line = tier_line(e.get("stats", {}))
+        if line is not None:
+            print(f"{e['name']} KV tiers: {line}")
     return 0
 
 

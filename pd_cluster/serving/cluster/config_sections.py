@@ -98,6 +98,12 @@ class ProxyConfig(ConfigSection):
     # blocks they lack (false: every prompt's KV is shipped whole, as before).
     decode_prefix_reuse: bool = True
     cache_events_interval: float = Field(0.25, gt=0)  # s between prefix-cache reports pulled
+    # What a prompt block held only in an engine's lower KV tier (host memory or disk:
+    # engine.kv_offloading_size) is worth to routing and the P-or-D cost estimate, as a share
+    # of a device hit (1) over a miss (0): restoring it is a copy of its KV instead of its
+    # prefill. The default 0.8: a host copy at memory/PCIe speed costs about a fifth of
+    # recomputing (docs/architecture.md, "KV offloading").
+    lower_tier_hit_weight: float = Field(0.8, ge=0, le=1)
     cache_index_max_blocks: int = Field(65536, ge=1)  # block hashes remembered per engine
     request_timeout: float = Field(120.0, gt=0)  # bound on every wait for one request
     health_check_interval: float = Field(2.0, gt=0)  # s between health checks of each engine

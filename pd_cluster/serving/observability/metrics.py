@@ -4,7 +4,8 @@ One name per series: vLLM's (vllm_metrics.py) where vLLM exports the same thing 
 latencies, token counts, running and waiting requests, KV cache usage, preemptions), ``pd_``
 only for what is P/D's own: the proxy's queue, routing and disaggregation decisions, retries
 and migrations, and the engines' KV transfer and step stats (engine_series.py), read from each
-engine's latest stats at scrape time (a stat an engine does not report is simply absent).
+engine's latest stats at scrape time (a stat an engine does not report is simply absent); the
+engines' KV offloading tiers per engine and tier (offload_series.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from pd_cluster.serving.observability.engine_series import (AS_VLLM, NOT_SERIES, describe,
                                                             series_name)
+from pd_cluster.serving.observability.offload_series import PREFIX as OFFLOAD, OffloadCollector
 from pd_cluster.serving.observability.vllm_metrics import VLLMEngineCollector, VLLMRequestMetrics
 
 disable_created_metrics()  # no *_created series: they double the scrape for no use here
@@ -70,6 +72,10 @@ class ProxyMetrics:
         self.route_cached_tokens = Counter(
             "pd_route_cached_prompt_tokens", "Prompt tokens the chosen engine was expected to "
             "hold in its prefix cache when routed, by role", ["role"], registry=r)
+        self.route_lower_tier_tokens = Counter(
+            "pd_route_lower_tier_prompt_tokens", "Of pd_route_cached_prompt_tokens, those the "
+            "chosen engine was expected to hold only in a lower KV tier (host or disk: "
+            "restored by a copy), by role", ["role"], registry=r)
         self.cache_report_failures = Counter(
             "pd_cache_report_failures", "Prefix-cache reports an engine failed to give (routing "
             "misses its cache until one succeeds), by engine", ["engine"], registry=r)
@@ -80,6 +86,7 @@ class ProxyMetrics:
             "pd_auth_failures", "Requests or peers refused for want of a valid key or cluster "
             "secret, by channel (api: the HTTP API)", ["channel"], registry=r)
         r.register(_EngineCollector(engines_snapshot))
+        r.register(OffloadCollector(engines_snapshot, model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -103,8 +110,8 @@ class _EngineCollector(Collector):
             healthy.add_metric(lv, 1.0 if e.healthy else 0.0)
             inflight.add_metric(lv, float(e.inflight))
             for key, value in e.stats.items():
-                if (key in AS_VLLM or key in NOT_SERIES or isinstance(value, bool)
-                        or not isinstance(value, (int, float))):
+                if (key in AS_VLLM or key in NOT_SERIES or key.startswith(OFFLOAD)
+                        or isinstance(value, bool) or not isinstance(value, (int, float))):
                     continue
                 fam = families.get(key)
                 if fam is None:

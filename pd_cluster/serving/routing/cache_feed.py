@@ -1,18 +1,19 @@
 """Feeds the proxy's CacheIndex from the engines' prefix-cache reports.
 
 Every ``interval`` seconds each healthy engine is asked for its cache events after this feed's
-cursor (``EngineActor.cache_events``: block hashes stored and removed; a reset with everything it
-holds). The cursor is this feed's own, so several proxies reading one engine each see every
-event. Pulled rather than pushed on the token path: one small Ray call per engine per interval
-(measured: 1.1 ms round trip, the full report of 620 held blocks as cheap as a delta; 4 calls a
-second at the default interval) keeps the per-step token messages' format and hot path
-unchanged. What a request puts in an engine's cache is recorded by the planner when it routes,
-so only blocks written after the prompt (the reply) wait for the next report. A new engine
-incarnation (a restart), or a report that failed (events may be lost), is resynchronised
-with a full report; meanwhile routing only misses, never errs. A failed report is counted
-(``on_failure``: the proxy's pd_cache_report_failures) and logged as a warning, at most once
-per engine every _WARN_EVERY seconds while its reports keep failing, so cache-aware routing
-never stops silently.
+cursor (``EngineActor.cache_events``: block hashes stored and removed, on the device and in
+the engine's lower KV tiers, host or disk; a reset with everything it holds in each). The
+cursor is this feed's own, so several proxies reading one engine each see every event.
+Pulled rather than pushed on the token path: one small Ray call per engine per interval
+(measured: 1.1 ms round trip, the full report of 620 held blocks as cheap as a delta; 4 calls
+a second at the default interval) keeps the per-step token messages' format and hot path
+unchanged. What a request puts in an engine's cache is recorded by the planner when it
+routes, so only blocks written after the prompt (the reply) wait for the next report. A new
+engine incarnation (a restart), or a report that failed (events may be lost), is
+resynchronised with a full report; meanwhile routing only misses, never errs. A failed
+report is counted (``on_failure``: the proxy's pd_cache_report_failures) and logged as a
+warning, at most once per engine every _WARN_EVERY seconds while its reports keep failing, so
+cache-aware routing never stops silently.
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ class CacheFeed:
             return
         self.index.block_size = int(report["block_size"])
         self.link.bytes_per_token = float(report["kv_bytes_per_token"])
-        self.index.apply(e.name, report["stored"], report["removed"], bool(report["reset"]))
+        self.index.apply(e.name, report["stored"], report["removed"], bool(report["reset"]),
+                         report.get("stored_lower", ()), report.get("removed_lower", ()))
         self._synced[e.name] = report["incarnation"]
         self._cursor[e.name] = int(report["cursor"])
         self.reports += 1

@@ -18,7 +18,7 @@ from typing import Any
 from pd_cluster.serving.cluster.cluster_config import ProxyConfig
 from pd_cluster.driver.messages import EngineInfo, EngineStatus
 from pd_cluster.serving.routing.cache_feed import CacheFeed
-from pd_cluster.serving.routing.cache_index import CacheIndex
+from pd_cluster.serving.routing.cache_index import CacheIndex, PrefixHit
 from pd_cluster.serving.routing.engine_load import EngineLoad, LinkStats
 from pd_cluster.serving.routing.peer_linker import PeerLinker
 from pd_cluster.serving.routing.router import Router, create_router
@@ -157,10 +157,19 @@ class EnginePool:
             raise NoHealthyEngine(f"no healthy {role} engine available")
         return self.routers[role].pick(candidates, cached)  # type: ignore[return-value]
 
+    def held(self, hashes: list[int], engines: list[EngineState]) -> dict[str, PrefixHit]:
+        """Per engine: the leading blocks of ``hashes`` it holds, per tier."""
+        return {e.name: self.cache.prefix(e.name, hashes) for e in engines}
+
     def cached_tokens(self, hashes: list[int], engines: list[EngineState]) -> dict[str, int]:
-        """Per engine: the prompt tokens (whole blocks) of ``hashes`` its cache holds."""
+        """Per engine: the prompt tokens (whole blocks) of ``hashes`` it need not prefill, a
+        lower-tier block counted at proxy.lower_tier_hit_weight (its restore is a copy)."""
+        return {name: self.weighted_tokens(hit)
+                for name, hit in self.held(hashes, engines).items()}
+
+    def weighted_tokens(self, hit: PrefixHit) -> int:
         bs = self.cache.block_size or 0
-        return {e.name: self.cache.prefix_blocks(e.name, hashes) * bs for e in engines}
+        return round(hit.weighted_blocks(self.config.lower_tier_hit_weight) * bs)
 
     def acquire(self, e: EngineState, work: int) -> None:
         e.inflight += 1

@@ -10,6 +10,10 @@ from the proxy's CacheIndex (cache_aware weighs it against load). In a disaggreg
 each request then goes through P (remote prefill, KV shipped to D) or to D alone, whichever
 the TTFT model (ttft_model.py) expects to answer first, from the rates measured online
 (engine_load.py). The choice and its reason go into metrics and the access log.
+
+A block an engine holds only in a lower KV tier (host, disk) is restored there by a copy, not
+recomputed: routing and the prefill estimates count it at proxy.lower_tier_hit_weight of a
+device hit; the KV a decode engine holds in any tier is not shipped to it (it restores it).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from pd_cluster.driver.messages import (ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFIL
                                         EngineRequest)
 from pd_cluster.engine.block_hash import hash_blocks
 from pd_cluster.serving.observability.metrics import ProxyMetrics
+from pd_cluster.serving.routing.cache_index import PrefixHit
 from pd_cluster.serving.routing.engine_pool import EnginePool, EngineState, NoHealthyEngine
 from pd_cluster.serving.routing.legs import GenerateJob, Leg, LegKind, Sent
 from pd_cluster.serving.routing.peer_linker import PeerLinker
@@ -69,11 +74,12 @@ class Planner:
         hashes = self._hashes(job)
 
         def whole(e: EngineState, why: str) -> list[Leg]:  # one engine computes the answer
-            cached = self.pool.cached_tokens(hashes, [e])[e.name]
+            hit = self.pool.held(hashes, [e])[e.name]
+            cached = self.pool.weighted_tokens(hit)
             leg = Leg(e, EngineRequest(params=job.params, **base), n_prompt + max_tokens,
                       LegKind.WHOLE)
             self._computes(leg, n_prompt - cached)
-            self._routed(job, e, hashes, cached, f"{e.name} {why}".strip())
+            self._routed(job, e, hit, hashes, f"{e.name} {why}".strip())
             _trace(self.pool.config, rid, leg, "first", e.name, why, n_prompt - cached)
             return [leg]
 
@@ -105,8 +111,10 @@ class Planner:
             self.metrics.degraded.labels("no_kv_link").inc()
             return whole(d, "degraded(no_kv_link)")
         p = self._pick(ROLE_PREFILL, linked, hashes)
-        cached = self.pool.cached_tokens(hashes, [p, d])
-        decision = self._decide(n_prompt, p, d, cached[p.name], cached[d.name])
+        hits = self.pool.held(hashes, [p, d])
+        cached = {name: self.pool.weighted_tokens(hit) for name, hit in hits.items()}
+        d_held = hits[d.name].blocks * (self.pool.cache.block_size or 0)  # in any tier
+        decision = self._decide(n_prompt, p, d, cached[p.name], cached[d.name], d_held)
         self.metrics.disagg_decisions.labels(decision.path, decision.reason).inc()
         if decision.path == LOCAL:
             legs = whole(d, decision.describe())
@@ -118,16 +126,16 @@ class Planner:
         d_kv = RecvKV(reuse_prefix=self.pool.config.decode_prefix_reuse)
         # Blocks past what the index says D holds stream at once; the ones before wait for
         # D's answer (what it really holds). Reuse off: D holds nothing, nothing waits.
-        p_kv = SendKV(to=d.kv_endpoint, expect_held=cached[d.name] * d_kv.reuse_prefix)
+        p_kv = SendKV(to=d.kv_endpoint, expect_held=d_held * d_kv.reuse_prefix)
         d_leg = Leg(d, EngineRequest(params=job.params, kv_transfer_params=d_kv, **base),
                     max_tokens + 1, LegKind.DECODE)
         p_leg = Leg(p, EngineRequest(params=p_params, kv_transfer_params=p_kv, **base),
                     n_prompt, LegKind.PREFILL)
         self._computes(p_leg, n_prompt - cached[p.name])
-        self._time_link(p_leg, d_leg, n_prompt - cached[d.name])
+        self._time_link(p_leg, d_leg, n_prompt - d_held)
         self._learn_bias(p_leg, decision)
-        self._routed(job, p, hashes, cached[p.name], "")
-        self._routed(job, d, hashes, cached[d.name], f"{p.name}->{d.name} {decision.describe()}")
+        self._routed(job, p, hits[p.name], hashes, "")
+        self._routed(job, d, hits[d.name], hashes, f"{p.name}->{d.name} {decision.describe()}")
         _trace(self.pool.config, rid, p_leg, "p_first", p.name, decision.describe(),
                n_prompt - cached[p.name])
         _trace(self.pool.config, rid, d_leg, "d_first", d.name, "", n_prompt - cached[d.name])
@@ -149,11 +157,13 @@ class Planner:
         return self.pool.pick(role, candidates=candidates, cached=cached)
 
     def _decide(self, n_prompt: int, p: EngineState, d: EngineState, p_cached: int,
-                d_cached: int) -> Decision:
+                d_cached: int, d_held: int) -> Decision:
+        """``*_cached``: prompt tokens each side need not prefill (lower-tier hits weighed);
+        ``d_held``: the tokens D holds in any tier, which P does not ship to it."""
         if self.pool.config.disaggregation == "always":
             return Decision(REMOTE, "always")
         link = self.pool.link
-        ship = n_prompt - d_cached if self.pool.config.decode_prefix_reuse else n_prompt
+        ship = n_prompt - d_held if self.pool.config.decode_prefix_reuse else n_prompt
         return decide(Side(n_prompt - p_cached, p.load.backlog(), self._rate(p)),
                       Side(n_prompt - d_cached, d.load.backlog(), self._rate(d)),
                       Link(ship, link.bytes_per_token or 0.0, link.bandwidth.get(),
@@ -214,10 +224,13 @@ class Planner:
                                      - nbytes / link.bandwidth.get(), 0.0))
         p_leg.on_first, d_leg.on_first = on_p, on_d
 
-    def _routed(self, job: GenerateJob, e: EngineState, hashes: list[int], cached: int,
+    def _routed(self, job: GenerateJob, e: EngineState, hit: PrefixHit, hashes: list[int],
                 route: str) -> None:
-        """Count the expected prefix hit; ``e`` holds the prompt's blocks from now on."""
-        self.metrics.route_cached_tokens.labels(e.role).inc(cached)
+        """Count the expected prefix hit (in any tier); ``e`` holds the prompt's blocks on its
+        device from now on."""
+        bs = self.pool.cache.block_size or 0
+        self.metrics.route_cached_tokens.labels(e.role).inc(hit.blocks * bs)
+        self.metrics.route_lower_tier_tokens.labels(e.role).inc(hit.lower * bs)
         self.metrics.route_prompt_tokens.labels(e.role).inc(len(job.prompt_token_ids))
         if hashes:
             self.pool.cache.record(e.name, hashes)

@@ -3,8 +3,9 @@
 Load is the proxy's own view (outstanding work it dispatched and not yet seen finish, the
 prefill tokens queued, the requests running), which is exact and immediate, unlike engine
 stats polled every few seconds. ``cached`` is, per engine name, how many of the prompt's
-tokens its prefix cache is believed to hold (the proxy's CacheIndex); policies other than
-cache_aware ignore it.
+tokens it need not prefill by the proxy's CacheIndex: those its device prefix cache holds,
+plus those only its lower KV tiers hold at proxy.lower_tier_hit_weight (restoring one costs a
+copy, a fraction of its prefill); policies other than cache_aware ignore it.
 """
 from __future__ import annotations
 

@@ -1,0 +1,121 @@
+"""The engines' KV offloading stats (``kv_offload_*``: the host and disk tiers below each engine's
+device pool, engine/kv_tiers/) on /metrics, labelled per engine and tier, and as one line per
+engine in `pd-cluster status`.
+
+An engine reports these stats only when it has a tier (engine.kv_offloading_size); an engine
+without one exports none of these series. vLLM's names where its KV offloading exports the same
+thing (its offloading connector: bytes and seconds loaded to / stored from the device, block
+evictions, CPU-cache usage; its tiered offloading: block hits per tier), with a ``tier`` label
+added where vLLM's series has none; ``pd_kv_offload_*`` for the rest. Read from each engine's
+latest stats at scrape time, like engine_series.py's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "kv_offload_"  # the engine stats this module exports (and engine_series.py does not)
+TIERS = ("host", "disk")
+
+
+@dataclass(frozen=True)
+class _TierSeries:
+    stat: str  # the engine stat, ``{tier}`` standing for host / disk
+    name: str  # the series
+    help: str
+    counter: bool = True
+
+
+_PER_TIER = (
+    _TierSeries("kv_offload_hit_blocks_{tier}", "vllm:kv_offload_tiering_block_hits",
+                "Prompt KV blocks the engine's device cache lacked and this tier held (restored "
+                "by a copy, counted as cached tokens)"),
+    _TierSeries("kv_offload_bytes_restored_{tier}", "vllm:kv_offload_load_bytes",
+                "KV bytes restored from this tier into the engine's device blocks"),
+    _TierSeries("kv_offload_bytes_saved_{tier}", "vllm:kv_offload_store_bytes",
+                "KV bytes saved into this tier (blocks leaving the tier above it)"),
+    _TierSeries("kv_offload_evicted_blocks_{tier}", "vllm:kv_offload_block_eviction",
+                "KV blocks dropped from this tier to make room (least recently used first)"),
+    _TierSeries("kv_offload_saved_blocks_{tier}", "pd_kv_offload_saved_blocks",
+                "KV blocks saved into this tier"),
+    _TierSeries("kv_offload_{tier}_blocks_used", "pd_kv_offload_blocks_used",
+                "KV blocks this tier holds now", counter=False),
+)
+
+
+def _vllm(series: _TierSeries) -> bool:
+    return series.name.startswith("vllm:")
+
+
+class OffloadCollector(Collector):
+    """The series above, for every engine whose latest stats carry ``kv_offload_*``."""
+
+    def __init__(self, snapshot: Callable[[], list[Any]], model_name: str):
+        self._snapshot, self._model = snapshot, model_name
+
+    def collect(self) -> Iterable[Metric]:
+        vllm_labels, pd_labels = ["model_name", "engine"], ["engine", "role"]
+        fams: dict[str, Metric] = {}
+        for s in _PER_TIER:
+            kind = CounterMetricFamily if s.counter else GaugeMetricFamily
+            labels = (vllm_labels if _vllm(s) else pd_labels) + ["tier"]
+            fams[s.name] = kind(s.name, s.help, labels=labels)
+        load_time = CounterMetricFamily(
+            "vllm:kv_offload_load_time", "Seconds spent restoring KV blocks from the engine's "
+            "lower tiers into its device blocks", labels=vllm_labels)
+        usage = GaugeMetricFamily(
+            "vllm:kv_offload_cpu_cache_usage_perc", "Share of the engine's host KV tier in use "
+            "(1 = all)", labels=vllm_labels)
+        host_total = GaugeMetricFamily("pd_kv_offload_host_blocks_total", "KV blocks the "
+                                       "engine's host tier holds at most", labels=pd_labels)
+        disk_misses = CounterMetricFamily(
+            "pd_kv_offload_disk_misses", "Disk-tier blocks found missing or corrupt when read "
+            "back (a miss: the prompt is computed instead)", labels=pd_labels)
+        for e in self._snapshot():
+            st = e.stats
+            vl, pl = [self._model, e.name], [e.name, e.role]
+            for s in _PER_TIER:
+                for tier in TIERS:
+                    value = st.get(s.stat.format(tier=tier))
+                    if _number(value):
+                        fams[s.name].add_metric((vl if _vllm(s) else pl) + [tier], float(value))
+            if _number(st.get("kv_offload_restore_seconds")):
+                load_time.add_metric(vl, float(st["kv_offload_restore_seconds"]))
+            total = st.get("kv_offload_host_blocks_total")
+            if _number(total):
+                host_total.add_metric(pl, float(total))
+                if total:
+                    usage.add_metric(vl, float(st.get("kv_offload_host_blocks_used", 0)) / total)
+            if _number(st.get("kv_offload_disk_misses")):
+                disk_misses.add_metric(pl, float(st["kv_offload_disk_misses"]))
+        yield from fams.values()
+        yield from (load_time, usage, host_total, disk_misses)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def tier_line(stats: dict[str, Any]) -> str | None:
+    """`pd-cluster status`'s line for an engine's KV tiers (None: it has none): host used/total,
+    disk used (once its disk tier saved anything), hits and bytes restored per tier."""
+    if "kv_offload_host_blocks_total" not in stats:
+        return None
+
+    def g(key: str) -> int:
+        return int(stats.get(key) or 0)
+    parts = [f"host {g('kv_offload_host_blocks_used')}/{g('kv_offload_host_blocks_total')} "
+             f"blocks"]
+    if g("kv_offload_disk_blocks_used") or g("kv_offload_saved_blocks_disk"):
+        parts.append(f"disk {g('kv_offload_disk_blocks_used')} blocks")
+    hits = ", ".join(f"{tier} {g(f'kv_offload_hit_blocks_{tier}')}" for tier in TIERS)
+    restored = ", ".join(f"{tier} {_mib(g(f'kv_offload_bytes_restored_{tier}'))}"
+                         for tier in TIERS)
+    return f"{'; '.join(parts)}; hits (blocks): {hits}; restored: {restored}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
