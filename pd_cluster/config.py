@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from connectors.config import KVTransferConfig
 
@@ -51,6 +51,28 @@ class StructuredOutputsConfig(BaseModel):
         return value
 
 
+class KVOffloadingDiskConfig(BaseModel):
+    """The engine section's ``kv_offloading_disk``: a disk tier written behind the host tier."""
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    path: str  # directory of the block files (made if missing; files of another model ignored)
+    size: float  # GiB of files at most (least recently used files go first)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        if not value:
+            raise ValueError("must name a directory")
+        return value
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError(f"must be > 0 GiB, got {value}")
+        return value
+
+
 class EngineArgs(BaseModel):
     """Everything about an engine except which model it serves and its KV transfer role:
     the cluster YAML's ``engine`` section, shared by every engine of a cluster."""
@@ -83,6 +105,13 @@ class EngineArgs(BaseModel):
     compile: bool | None = None
     # On CUDA: decode steps replay CUDA graphs captured per batch size (engine/cuda_graphs.py).
     cuda_graphs: bool = True
+    # GiB of host memory (pinned on CUDA) for KV blocks evicted from the device pool, summed
+    # over an engine's ranks (vLLM's --kv-offloading-size); prefix hits there are restored
+    # instead of recomputed (engine/kv_tiers/). None or 0: no host tier.
+    kv_offloading_size: float | None = None
+    # A disk tier below the host tier ({path, size}: GiB); needs kv_offloading_size and
+    # tensor_parallel_size 1. None: no disk tier.
+    kv_offloading_disk: KVOffloadingDiskConfig | None = None
 
     @field_validator("block_size")
     @classmethod
@@ -105,6 +134,28 @@ class EngineArgs(BaseModel):
         if value <= 0:
             raise ValueError(f"must be > 0, got {value}")
         return value
+
+    @field_validator("kv_offloading_size")
+    @classmethod
+    def _offload_size(cls, value: float | None) -> float | None:
+        if value is not None and value < 0:
+            raise ValueError(f"must be >= 0 GiB, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _offload_disk(self) -> "EngineArgs":
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size: the KV tiers hold prefix-cache blocks; "
+                             "they need enable_prefix_caching")
+        if self.kv_offloading_disk is None:
+            return self
+        if not self.kv_offloading_size:
+            raise ValueError("kv_offloading_disk: the disk tier is written behind the host "
+                             "tier; set kv_offloading_size too")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_offloading_disk: needs tensor_parallel_size 1 (got "
+                             f"{self.tensor_parallel_size})")
+        return self
 
     @field_validator("gpu_memory_utilization")
     @classmethod

@@ -7,6 +7,11 @@ ordered by release time, so the least recently used cached block is evicted firs
 become findable or stop being findable are recorded as numbered events (events_since: each
 reader, e.g. one proxy each, with its own cursor; a bounded log) for the proxy's
 cache-aware routing.
+
+With KV tiers (engine/kv_tiers/: host memory, disk), an evicted hashed block is saved to the
+host tier, and a prefix match continues there block by block: a block the device lacks but a
+lower tier holds gets a fresh device block and a load op (run at the start of the step), and
+counts as cached. Hashes entering or leaving the lower tiers are logged too (tier "lower").
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from pd_cluster.engine.block_hash import block_hash
+from pd_cluster.engine.kv_tiers.manager import TierManager
+from pd_cluster.engine.kv_tiers.ops import TierOps
 from pd_cluster.request import Request
 
 MAX_PENDING_EVENTS = 65536  # events kept; a reader further behind gets a reset
@@ -41,11 +48,15 @@ class PrefixCacheStats:
 
 @dataclass
 class CacheEvents:
-    """Prefix-cache changes after a reader's cursor. ``reset``: the events it missed are no
-    longer kept (or it has none): it must clear its view and take cached_hashes() afresh."""
+    """Prefix-cache changes after a reader's cursor: on the device (stored, removed) and in
+    the lower tiers (host or disk: findable below the device; a hash may be in both). ``reset``:
+    the events it missed are no longer kept (or it has none): it must clear its view and take
+    cached_hashes() and lower_cached_hashes() afresh."""
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
     reset: bool = False
+    stored_lower: list[int] = field(default_factory=list)
+    removed_lower: list[int] = field(default_factory=list)
 
 
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -54,7 +65,7 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 max_pending_events: int = MAX_PENDING_EVENTS):
+                 max_pending_events: int = MAX_PENDING_EVENTS, tiers: TierManager | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -65,11 +76,14 @@ class BlockManager:
         # Per request: how many leading blocks are registered in the prefix cache (or skipped).
         self.hashed: dict[str, int] = {}
         self.stats = PrefixCacheStats()
-        # The last max_pending_events changes, (stored?, hash), the newest numbered _seq - 1:
-        # each reader keeps its own cursor into it (one proxy's read hides nothing from another).
-        self._log: deque[tuple[bool, int]] = deque(maxlen=max_pending_events)
+        # The last max_pending_events changes, (lower tier?, stored?, hash), the newest numbered
+        # _seq - 1: each reader keeps its own cursor (one proxy's read hides nothing from another).
+        self._log: deque[tuple[bool, bool, int]] = deque(maxlen=max_pending_events)
         self._seq = 0
         self._take_cursor = 0  # take_events()' own reader
+        self.tiers = tiers if enable_prefix_caching else None
+        if self.tiers is not None:
+            self.tiers.on_event = lambda stored, h: self._event(stored, h, lower=True)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -83,22 +97,29 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _prefix_hits(self, request: Request, needs_logits: bool = True) -> list[int]:
-        """Cached blocks matching the request's leading full blocks. With ``needs_logits`` the
-        last token is never served from cache: the model must run on at least one token to
-        produce logits (without: a decode engine whose first token comes from a producer)."""
+    def _prefix_hits(self, request: Request, needs_logits: bool = True) -> list[int | None]:
+        """Cached blocks matching the request's leading full blocks: a device block id, or
+        None where only a lower tier holds it. With ``needs_logits`` the last token is never
+        served from cache: the model must run on at least one token to produce logits
+        (without: a decode engine whose first token comes from a producer)."""
         if not self.enable_prefix_caching:
             return []
-        hits: list[int] = []
+        hits: list[int | None] = []
         n = self._matchable(request, needs_logits) // self.block_size
         hashes = self._chain_hashes(request, n)
         for i in range(n):
+            tokens = self._block_tokens(request, i)
             block_id = self.hash_to_block.get(hashes[i])
-            if block_id is None or self.blocks[block_id].token_ids != tuple(
-                    request.token_ids_range(i * self.block_size, (i + 1) * self.block_size)):
+            if block_id is not None and self.blocks[block_id].token_ids == tokens:
+                hits.append(block_id)
+            elif self.tiers is not None and self.tiers.has(hashes[i], tokens):
+                hits.append(None)
+            else:
                 break
-            hits.append(block_id)
         return hits
+
+    def _block_tokens(self, request: Request, i: int) -> tuple[int, ...]:
+        return tuple(request.token_ids_range(i * self.block_size, (i + 1) * self.block_size))
 
     def _chain_hashes(self, request: Request, n: int) -> list[int]:
         """The chain hashes of (at least) the request's first ``n`` full blocks, memoised on
@@ -125,28 +146,45 @@ class BlockManager:
     def can_allocate(self, request: Request, use_prefix_cache: bool = True,
                      needs_logits: bool = True) -> bool:
         hits = self._prefix_hits(request, needs_logits) if use_prefix_cache else []
-        free_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        needed = self.blocks_needed(request.num_tokens) - len(hits)
+        device = [b for b in hits if b is not None]  # a lower-tier hit needs a fresh block
+        free_hits = sum(1 for b in device if self.blocks[b].ref_count == 0)
+        needed = self.blocks_needed(request.num_tokens) - len(device)
         return needed <= self.num_free_blocks - free_hits
 
     def allocate(self, request: Request, use_prefix_cache: bool = True,
                  needs_logits: bool = True) -> int:
-        """Give the request blocks for all its current tokens; returns prefix-cached tokens.
-        The hit blocks are pinned (ref counted) until the request frees them: no eviction
-        can take them between this match and their use."""
+        """Give the request blocks for all its current tokens; returns prefix-cached tokens
+        (lower-tier hits included: their blocks are loaded at the start of this step). The
+        hit blocks are pinned (ref counted) until the request frees them, and the host slots
+        of lower-tier hits until the step's ops are taken: no eviction can take them between
+        this match and their use. A lower-tier block that cannot be had after all (a disk
+        file found corrupt, every host slot in use) ends the match there."""
         if request.request_id in self.tables:
             raise BlockTableError(f"{request.request_id} already holds blocks "
                                   f"{self.tables[request.request_id][:8]}: allocated twice")
         hits = self._prefix_hits(request, needs_logits) if use_prefix_cache else []
+        slots: dict[int, int] = {}  # hit index -> host slot to load it from
+        for i, block_id in enumerate(hits):
+            if block_id is None:
+                slot = self.tiers.claim(request.block_hashes[i], self._block_tokens(request, i))
+                if slot is None:
+                    hits = hits[:i]
+                    break
+                slots[i] = slot
+        device = [b for b in hits if b is not None]
         if self.enable_prefix_caching and use_prefix_cache:
             self.stats.queried_blocks += self._matchable(request, needs_logits) // self.block_size
-            self.stats.hit_blocks += len(hits)
-        for block_id in hits:
+            self.stats.hit_blocks += len(device)
+        for block_id in device:  # all of them before any eviction below
             self._take(block_id)
-        table = hits + [self._pop_free() for _ in
-                        range(self.blocks_needed(request.num_tokens) - len(hits))]
+        table = [b if b is not None else self._pop_free() for b in hits]
+        for i, slot in slots.items():
+            self.tiers.load(slot, table[i])
+        table += [self._pop_free() for _ in
+                  range(self.blocks_needed(request.num_tokens) - len(hits))]
         self.tables[request.request_id] = table
-        self.hashed[request.request_id] = len(hits)
+        # Blocks from the first restored one on are registered once the step computed them.
+        self.hashed[request.request_id] = min(slots, default=len(hits))
         request.block_ids = table
         return len(hits) * self.block_size
 
@@ -211,6 +249,14 @@ class BlockManager:
             raise AssertionError(f"KV blocks leaked: requests holding tables="
                                  f"{sorted(self.tables)[:10]}, blocks with refs={leaked[:20]}, "
                                  f"free={len(self.free_queue)}/{self.num_blocks}")
+        if self.tiers is not None:
+            self.tiers.check_no_leaks()
+
+    # ---- KV tiers ------------------------------------------------------------------------
+    def take_tier_ops(self) -> TierOps | None:
+        """The step's tier ops (saves of evicted blocks, loads of lower-tier hits), once per
+        step after scheduling; None without tiers or ops."""
+        return self.tiers.take_ops() if self.tiers is not None else None
 
     # ---- cache events (for cache-aware routing) -------------------------------------------
     def events_since(self, cursor: int | None) -> tuple[CacheEvents, int]:
@@ -221,8 +267,11 @@ class BlockManager:
         if cursor is None or not start <= cursor <= end:
             return CacheEvents(reset=True), end
         events = CacheEvents()
-        for stored, h in itertools.islice(self._log, cursor - start, None):
-            (events.stored if stored else events.removed).append(h)
+        for lower, stored, h in itertools.islice(self._log, cursor - start, None):
+            if lower:
+                (events.stored_lower if stored else events.removed_lower).append(h)
+            else:
+                (events.stored if stored else events.removed).append(h)
         return events, end
 
     def take_events(self) -> CacheEvents:
@@ -234,8 +283,12 @@ class BlockManager:
         """Every findable block hash now (a full snapshot, e.g. after a reset)."""
         return list(self.hash_to_block)
 
-    def _event(self, stored: bool, h: int) -> None:
-        self._log.append((stored, h))  # the oldest falls out: its readers get a reset
+    def lower_cached_hashes(self) -> list[int]:
+        """Every hash findable in a lower tier (host or disk) now."""
+        return self.tiers.lower_cached_hashes() if self.tiers is not None else []
+
+    def _event(self, stored: bool, h: int, lower: bool = False) -> None:
+        self._log.append((lower, stored, h))  # the oldest falls out: its readers get a reset
         self._seq += 1
 
     # ---- internals -----------------------------------------------------------------------
@@ -252,6 +305,8 @@ class BlockManager:
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
                 self._event(False, block.block_hash)
+                if self.tiers is not None:  # saved at the step's start, before any overwrite
+                    self.tiers.on_evict(block_id, block.block_hash, block.token_ids)
             block.block_hash, block.token_ids = None, None
         block.ref_count = 1
         return block_id

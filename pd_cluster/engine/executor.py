@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pd_cluster.config import EngineConfig
+from pd_cluster.engine.kv_tiers.setup import create_tier_store
 from pd_cluster.engine.model_runner import ModelRunner
 from pd_cluster.engine.sampler import Sampler
 from pd_cluster.engine.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -93,6 +94,7 @@ class Executor:
             blocks = self.runner.fitting_blocks(kv.device_reserve_bytes() if kv else 0)
             self.num_blocks = self.workers.agree_num_blocks(blocks) if self.workers else blocks
             self.runner.allocate_kv_cache(self.num_blocks)
+            create_tier_store(config, self.runner)
             self.scheduler_connector = create_worker_connector(config, self.runner, tp)
             if self.workers is not None:
                 self.workers.start()
@@ -107,7 +109,8 @@ class Executor:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        step, plan = build_step(out.scheduled, self.config.block_size, out.kv_connector_metadata)
+        step, plan = build_step(out.scheduled, self.config.block_size, out.kv_connector_metadata,
+                                out.tier_ops)
         result = ModelRunnerOutput()
         with self.workers.step(step) if self.workers else nullcontext():
             logits = self.runner.run_step(step)

@@ -11,6 +11,7 @@ from connectors.transfer_params import KVTransferParams, check_transfer_params
 from pd_cluster.config import EngineConfig, read_hf_config
 from pd_cluster.engine.block_manager import BlockManager
 from pd_cluster.engine.executor import Executor, max_model_len_of
+from pd_cluster.engine.kv_tiers.manager import TierManager
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.scheduler import Scheduler
 from pd_cluster.engine.stop_checker import eos_ids
@@ -44,13 +45,21 @@ class LLMEngine:
         if config.enable_prefix_caching and not caching:
             logger.warning("prefix caching off: this model's RoPE depends on the sequence "
                            "length (longrope), so equal tokens need not have equal KV")
-        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, caching)
+        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, caching,
+                                          tiers=self._tier_manager())
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.executor.scheduler_connector)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.grammars = GrammarCompilerPool(config.structured_outputs, self.tokenizer,
                                             self.vocab_size, list(eos_ids(self.eos_token_id)))
         self.compiling = GrammarWaitlist()  # requests waiting for their grammar
+
+    def _tier_manager(self) -> TierManager | None:
+        store = self.runner.tier_store
+        if store is None:
+            return None
+        return TierManager(store.host[0].shape[0],
+                           store.block_bytes * self.config.tensor_parallel_size)
 
     def kv_endpoint(self) -> str | None:
         """Where producers send this engine's prompt KV (None without a consumer connector)."""
@@ -187,11 +196,21 @@ class LLMEngine:
                 "prefix_cache_hit_blocks": bm.stats.hit_blocks,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "kv_fallbacks": self.scheduler.num_kv_fallbacks,
+                **self._tier_stats(),
                 **self.executor.rank_stats(),
                 **(self.executor.connector_stats() if self.runner.connector else {})}
 
+    def _tier_stats(self) -> dict[str, Any]:
+        """The KV tiers' counters (absent without tiers); cumulative."""
+        tiers = self.block_manager.tiers
+        if tiers is None:
+            return {}
+        return {**tiers.stats(),
+                "kv_offload_restore_seconds": self.runner.tier_store.restore_seconds}
+
     def check_no_leaks(self) -> None:
-        """AssertionError unless no request is left and every KV block is free."""
+        """AssertionError unless no request is left, every KV block is free and no KV tier
+        op is pending (no host slot pinned)."""
         self.scheduler.check_no_leaks()
         if self.compiling:
             raise AssertionError("requests left waiting for their grammar")

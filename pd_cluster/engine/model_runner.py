@@ -59,6 +59,7 @@ class ModelRunner:
                                    config.block_size, self.device)
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, after the cache exists
         self.connector: Any = None  # worker-side KV connector
+        self.tier_store: Any = None  # this rank's KV host tier (kv_tiers/host_store.py)
 
     # ---- set-up --------------------------------------------------------------------------
     def _allocated(self) -> int:
@@ -130,15 +131,20 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def run_step(self, step: StepInput) -> list[torch.Tensor]:
-        """This rank's part of a step: the connector's loads and saves around one forward, and
-        the logits of each of ``step.logit_rows``'s groups (full vocabulary, on every rank)."""
+        """This rank's part of a step: the KV tiers' ops first, then the connector's loads and
+        saves around one forward, and the logits of each of ``step.logit_rows``'s groups (full
+        vocabulary, on every rank)."""
         conn = self.connector
+        # The previous step's sends may still read the cache (zero-copy views of its blocks):
+        # they settle before this step writes it, not at the end of their own step, so that
+        # step's tokens (P's first token) did not wait for its KV to leave.
+        if conn is not None and not step.empty:
+            conn.wait_for_save()
+        if step.tier_ops is not None:
+            # Before the connector binds (a consumer may write received KV into blocks just
+            # evicted: their save reads them first) and before the forward.
+            self.tier_store.execute(step.tier_ops)
         if conn is not None:
-            # The previous step's sends may still read the cache (zero-copy views of its
-            # blocks): they settle before this forward writes it, not at the end of their own
-            # step, so that step's tokens (P's first token) did not wait for its KV to leave.
-            if not step.empty:
-                conn.wait_for_save()
             if step.kv_meta is not None:
                 conn.bind_connector_metadata(step.kv_meta)
                 if conn.loads_layerwise:

@@ -31,6 +31,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     kv_connector_metadata: Any = None
+    tier_ops: Any = None  # KV tier ops (engine/kv_tiers/ops.py) decided while scheduling
 
     @property
     def num_tokens(self) -> int:
@@ -182,6 +183,7 @@ class Scheduler:
 
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        out.tier_ops = self.block_manager.take_tier_ops()
         return out
 
     def _preempt(self, request: Request) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from connectors.metadata import KVConnectorMetadata
+from pd_cluster.engine.kv_tiers.ops import TierOps
 from pd_cluster.engine.scheduler import ScheduledRequest
 from pd_cluster.request import Request
 
@@ -32,6 +33,7 @@ class StepInput(msgspec.Struct, tag="step", forbid_unknown_fields=True):
     # Each group is one compute_logits call over these [start, stop) hidden-row ranges.
     logit_rows: list[list[tuple[int, int]]] = []
     kv_meta: KVConnectorMetadata | None = None
+    tier_ops: TierOps | None = None  # run first, also in an empty step (kv_tiers/ops.py)
 
     @property
     def empty(self) -> bool:
@@ -56,10 +58,11 @@ class StepPlan:
 
 
 def build_step(scheduled: list[ScheduledRequest], block_size: int,
-               kv_meta: KVConnectorMetadata | None) -> tuple[StepInput, StepPlan]:
+               kv_meta: KVConnectorMetadata | None, tier_ops: TierOps | None = None
+               ) -> tuple[StepInput, StepPlan]:
     plan = StepPlan()
     if not scheduled:
-        return StepInput([], [], [0], [], [], 0, [], kv_meta=kv_meta), plan
+        return StepInput([], [], [0], [], [], 0, [], kv_meta=kv_meta, tier_ops=tier_ops), plan
     # Decodes first: backends batch the one-token queries at the front.
     batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
     tokens: list[int] = []
@@ -88,7 +91,7 @@ def build_step(scheduled: list[ScheduledRequest], block_size: int,
     num_decodes = sum(1 for s in batch if s.num_new_tokens == 1)
     prompt_lens = [s.request.num_prompt_tokens for s in batch]
     step = StepInput(tokens, positions, query_start, seq_lens, tables, num_decodes,
-                     prompt_lens, groups, kv_meta)
+                     prompt_lens, groups, kv_meta, tier_ops)
     return step, plan
 
 

@@ -43,6 +43,7 @@ def _device(config: EngineConfig, rank: int) -> torch.device:
 
 def run_worker(config: EngineConfig, rank: int, port: int) -> None:
     from pd_cluster.engine.executor import create_worker_connector, max_model_len_of
+    from pd_cluster.engine.kv_tiers.setup import create_tier_store
     from pd_cluster.engine.model_runner import ModelRunner
 
     size = config.tensor_parallel_size
@@ -59,6 +60,7 @@ def run_worker(config: EngineConfig, rank: int, port: int) -> None:
     store.set(f"blocks/{rank}", str(runner.fitting_blocks(kv.device_reserve_bytes() if kv else 0)))
     store.wait(["blocks/agreed"])
     runner.allocate_kv_cache(int(store.get("blocks/agreed")))
+    create_tier_store(config, runner)
     create_worker_connector(config, runner, tp)
     if runner.connector is not None:
         store.set(f"endpoint/{rank}", runner.connector.endpoint() or "")

@@ -94,8 +94,8 @@ def _section(title: str, prefix: str, model: type[BaseModel], hidden: set[str],
     out += ["| key | type | default | description |", "|---|---|---|---|"]
     for key, field, comment in _rows(model, hidden):
         path = f"{prefix}.{key}" if prefix else key
-        out.append(f"| `{path}` | {_type(field)} | `{_yaml(_default(field))}` | "
-                   f"{_cell(comment)} |")
+        default = "required" if field.is_required() else f"`{_yaml(_default(field))}`"
+        out.append(f"| `{path}` | {_type(field)} | {default} | {_cell(comment)} |")
     return out + [""]
 
 

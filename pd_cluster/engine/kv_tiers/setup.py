@@ -1,0 +1,39 @@
+"""Sizing the KV tiers from the config, and giving a rank its host store."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine.kv_tiers.host_store import HostTierStore
+
+logger = logging.getLogger(__name__)
+
+
+def tiers_enabled(config: EngineConfig, runner: Any) -> bool:
+    """A host tier is configured and this model's blocks can be prefix-cached at all."""
+    return bool(config.kv_offloading_size) and runner.model.args.prefix_cacheable
+
+
+def num_host_slots(config: EngineConfig, rank_block_bytes: int) -> int:
+    """Blocks the host tier holds: kv_offloading_size GiB over the engine's ranks (vLLM's
+    meaning), each rank holding its own part (its heads) of every block."""
+    per_block = rank_block_bytes * config.tensor_parallel_size
+    slots = int(config.kv_offloading_size * 2**30) // per_block
+    if slots < 1:
+        raise ValueError(f"kv_offloading_size: {config.kv_offloading_size} GiB holds no KV "
+                         f"block ({per_block} bytes each over the engine's ranks)")
+    return slots
+
+
+def create_tier_store(config: EngineConfig, runner: Any) -> None:
+    """This rank's host store (runner.tier_store), after its device cache exists."""
+    if not tiers_enabled(config, runner):
+        if config.kv_offloading_size:
+            logger.warning("kv_offloading_size ignored: this model's blocks are not "
+                           "prefix-cacheable (longrope)")
+        return
+    slots = num_host_slots(config, runner.kv_spec.block_bytes)
+    runner.tier_store = HostTierStore(runner.kv_caches, slots)
+    logger.info("KV host tier: %d blocks (%.1f MiB on this rank)", slots,
+                slots * runner.kv_spec.block_bytes / 2**20)
