@@ -108,6 +108,14 @@ if [ "$MODE" = gpu ]; then
         "$(grep -E '^(output_tokens_per_s|greedy_outputs_equal)' "$DIR/bench_offline_compile.log" \
            | tr '\n' ' ')$(tail -n 1 "$DIR/bench_offline_compile.log")"
 
+    # ---- 3a'. KV tiers on CUDA: pinned host slots, non_blocking saves/loads on the compute
+    # stream, HF-exact after a restore (also in step 2; its own row says which part broke) ----
+    timeout 900 "$PY" -m pytest -q -rs -m cuda tests/test_kv_tiers.py -p no:cacheprovider \
+        >"$DIR/kv_tiers.log" 2>&1
+    rc=$?
+    row "kv tiers cuda" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" \
+        "$(grep -E '(passed|failed|error|skipped)' "$DIR/kv_tiers.log" | tail -n 1)"
+
     # ---- 3b. tensor parallelism: TP1 vs TP2 offline throughput (NCCL) ------------------------
     if [ "$GPUS" -ge 2 ]; then
         timeout 900 "$PY" scripts/bench_offline.py --tensor-parallel-size 2 \

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from connectors.transfer_params import RecvKV, SendKV
 from pd_cluster import LLM, SamplingParams
@@ -168,5 +169,27 @@ def test_config_errors_name_the_field(tiny_model) -> None:
     llm = LLM(model=model, block_size=BS, num_kv_blocks=16)
     try:  # no tier configured: no tier keys
         assert not any(k.startswith("kv_offload") for k in llm.engine.stats())
+    finally:
+        llm.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 1 CUDA GPU")
+def test_cuda_host_tier_is_pinned_and_exact(tiny_model) -> None:
+    """On CUDA the host slots are pinned and the copies non_blocking on the compute stream:
+    the forward after a restore must still read the restored bytes (fp32, exact with HF)."""
+    model = tiny_model()
+    llm = LLM(model=model, device="cuda", dtype="float32", block_size=BS, num_kv_blocks=16,
+              cuda_graphs=True, kv_offloading_size=gib(64))
+    try:
+        assert all(h.is_pinned() for h in llm.engine.runner.tier_store.host)
+        gen = lambda p: llm.generate([p], [GREEDY])[0]  # noqa: E731
+        turn2 = history_turns(gen, model)
+        out = gen(turn2)
+        assert out.num_cached_tokens == 5 * BS
+        assert llm.engine.stats()["kv_offload_hit_blocks_host"] >= 5
+        assert_greedy_matches(model, turn2, out.outputs[0].token_ids,
+                              hf_greedy(model, turn2, NEW))
+        llm.engine.check_no_leaks()
     finally:
         llm.close()

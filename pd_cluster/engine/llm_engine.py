@@ -12,6 +12,7 @@ from pd_cluster.config import EngineConfig, read_hf_config
 from pd_cluster.engine.block_manager import BlockManager
 from pd_cluster.engine.executor import Executor, max_model_len_of
 from pd_cluster.engine.kv_tiers.manager import TierManager
+from pd_cluster.engine.kv_tiers.setup import create_disk_tier
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.scheduler import Scheduler
 from pd_cluster.engine.stop_checker import eos_ids
@@ -58,8 +59,10 @@ class LLMEngine:
         store = self.runner.tier_store
         if store is None:
             return None
+        disk = (create_disk_tier(self.config, self.runner)
+                if self.config.kv_offloading_disk is not None else None)
         return TierManager(store.host[0].shape[0],
-                           store.block_bytes * self.config.tensor_parallel_size)
+                           store.block_bytes * self.config.tensor_parallel_size, disk)
 
     def kv_endpoint(self) -> str | None:
         """Where producers send this engine's prompt KV (None without a consumer connector)."""
@@ -85,6 +88,9 @@ class LLMEngine:
         """Stop the connector, any tensor-parallel workers and the grammar compilers."""
         self.grammars.close()
         self.executor.close()
+        tiers = self.block_manager.tiers
+        if tiers is not None and tiers.disk is not None:
+            tiers.disk.close()
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

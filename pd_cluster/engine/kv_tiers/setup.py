@@ -4,7 +4,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import json
+from hashlib import blake2b
+
 from pd_cluster.config import EngineConfig
+from pd_cluster.engine.kv_tiers.disk import DiskTier
 from pd_cluster.engine.kv_tiers.host_store import HostTierStore
 
 logger = logging.getLogger(__name__)
@@ -24,6 +28,24 @@ def num_host_slots(config: EngineConfig, rank_block_bytes: int) -> int:
         raise ValueError(f"kv_offloading_size: {config.kv_offloading_size} GiB holds no KV "
                          f"block ({per_block} bytes each over the engine's ranks)")
     return slots
+
+
+def create_disk_tier(config: EngineConfig, runner: Any) -> DiskTier:
+    """The disk tier behind rank 0's host store (tensor_parallel_size 1, checked by the
+    config); its files carry a fingerprint of everything that makes their bytes mean this
+    engine's KV (a file of another model, dtype or block shape is a miss)."""
+    from connectors.hello import model_fingerprint
+    spec = runner.kv_spec
+    what = {"model": model_fingerprint(config.model), "dtype": str(spec.dtype),
+            "block_size": spec.block_size, "layers": spec.describe(), "tp_rank": runner.tp.rank,
+            "tp_size": config.tensor_parallel_size}
+    fingerprint = blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=16).digest()
+    disk = config.kv_offloading_disk
+    tier = DiskTier(disk.path, disk.size, fingerprint, spec.block_size,
+                    runner.tier_store.block_bytes)
+    runner.tier_store.disk = tier
+    logger.info("KV disk tier: %d blocks in %s", tier.capacity, disk.path)
+    return tier
 
 
 def create_tier_store(config: EngineConfig, runner: Any) -> None:
