@@ -19,6 +19,8 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16"
 # What device "auto" means in this process and every process it starts (they inherit it):
 # tests set it so that no process of a CPU test picks a GPU; unset, "auto" is CUDA if available.
 DEVICE_ENV = "PD_CLUSTER_DEVICE"
+# engine.cpu_gemm's values (the layouts are models/layers/cpu_gemm.py's).
+CPU_GEMM_MODES = ("auto", "torch", "transposed", "packed")
 
 
 def _check_device(value: str) -> str:
@@ -103,6 +105,10 @@ class EngineArgs(BaseModel):
     # torch.compile the decoder (attention outside the graph; engine/compiled_model.py).
     # None: $PD_CLUSTER_COMPILE decides (default off); true/false decide here.
     compile: bool | None = None
+    # CPU linear weights' layout after loading (models/layers/cpu_gemm.py): auto (per dtype,
+    # as measured: fp32 transposed, bf16 oneDNN-packed, fp16 as loaded) | torch (as loaded) |
+    # transposed | packed. None: $PD_CLUSTER_CPU_GEMM decides (default auto). CUDA: as loaded.
+    cpu_gemm: str | None = None
     # On CUDA: decode steps replay CUDA graphs captured per batch size (engine/cuda_graphs.py).
     cuda_graphs: bool = True
     # GiB of host memory (pinned on CUDA) for KV blocks evicted from the device pool, summed
@@ -162,6 +168,13 @@ class EngineArgs(BaseModel):
     def _fraction(cls, value: float) -> float:
         if not 0 < value <= 1:
             raise ValueError(f"must be in (0, 1], got {value}")
+        return value
+
+    @field_validator("cpu_gemm")
+    @classmethod
+    def _cpu_gemm(cls, value: str | None) -> str | None:
+        if value is not None and value not in CPU_GEMM_MODES:
+            raise ValueError(f"must be one of {list(CPU_GEMM_MODES)}, got {value!r}")
         return value
 
     @field_validator("dtype")

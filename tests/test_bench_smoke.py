@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(600)  # each benchmark script runs as a subproc
     ("bench_multiturn.py", "ttft_p50_speedup="),  # 1P1D twice: baseline and prefix-aware
     ("bench_attention.py", "cpu_attention_offline_ratio_vs_torch="),  # both CPU backends
     ("bench_linear.py", "linear_gemm_fraction_eager="),  # eager and compiled, tiny model
+    ("bench_linear_kernels.py", "linear_kernels_speedup_vs_torch"),  # CPU GEMM kernels
     ("bench_grammar_backends.py", "vocab"),  # xgrammar vs llguidance vs outlines-core
     ("bench_structured.py", "batch="),  # TPOT with and without a JSON schema
 ])

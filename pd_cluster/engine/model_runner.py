@@ -16,6 +16,7 @@ from pd_cluster.engine.cuda_graphs import DecodeGraphs
 from pd_cluster.engine.input_buffers import InputBuffers
 from pd_cluster.engine.step_input import StepInput
 from pd_cluster.models.context import ForwardContext
+from pd_cluster.models.layers.cpu_gemm import prepare_model
 from pd_cluster.models.layers.tp import TPGroup
 from pd_cluster.models.loader import load_model
 
@@ -48,6 +49,7 @@ class ModelRunner:
         before = self._allocated()
         self.model = load_model(config.model, hf_config, self.dtype, self.device, tp=tp)
         self.weights_bytes = self._allocated() - before  # this engine's, not the process's
+        prepare_model(self.model, self.dtype, self.device, config.cpu_gemm)  # CPU GEMM layout
         self.kv_spec = KVCacheSpec(config.block_size, tuple(self.model.kv_cache_specs(self.dtype)))
         self.backend = create_backend(config.attention_backend, self.device)
         # What runs a forward: the model, or the same through one compiled graph.

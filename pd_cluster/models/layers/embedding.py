@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pd_cluster.models.layers import cpu_gemm
 from pd_cluster.models.layers.tp import TPGroup
 
 
@@ -40,11 +41,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits = hidden @ W^T, W split by vocabulary rows; the slices are gathered."""
+    """Logits = hidden @ W^T, W split by vocabulary rows; the slices are gathered. On CPU the
+    weight may be stored transposed or (untied) packed after loading (cpu_gemm.py)."""
+
+    cpu_gemm_layouts = ("transposed", "packed")
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = TPGroup()) -> None:
+        super().__init__(vocab_size, hidden_size, tp)
+        self.packed: torch.Tensor | None = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tied embeddings); the checkpoint's lm_head is unused."""
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return self.tp.all_gather(F.linear(hidden, self.weight), dim=-1)
+        return self.tp.all_gather(cpu_gemm.linear(hidden, self.weight, None, self.packed), dim=-1)

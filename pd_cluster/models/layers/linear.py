@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pd_cluster.models.layers import cpu_gemm
 from pd_cluster.models.layers.tp import TPGroup
 
 
@@ -45,11 +45,16 @@ def attach_weight_loaders(root: nn.Module) -> None:
 
 
 class _Linear(nn.Module):
-    """y = x W^T (+ b) with W of shape [out_per_rank, in_per_rank]; subclasses say how to slice."""
+    """y = x W^T (+ b) with W of shape [out_per_rank, in_per_rank]; subclasses say how to slice.
+    On CPU the weight may be stored transposed or packed after loading (cpu_gemm.py)."""
+
+    cpu_gemm_layouts = ("transposed", "packed")
+    keep_layout = False  # True: the weight is read as a tensor elsewhere (cpu_gemm leaves it)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
+        self.packed: torch.Tensor | None = None  # cpu_gemm's packed weight, if any
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -60,7 +65,7 @@ class _Linear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_gemm.linear(x, self.weight, self.bias, self.packed)
 
 
 class ReplicatedLinear(_Linear):
@@ -153,6 +158,10 @@ class RowParallelLinear(_Linear):
         part = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.tp.rank * part, part))
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product (no bias, not reduced)."""
+        return cpu_gemm.linear(x, self.weight, None, self.packed)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.partial(x))
         return y if self.bias is None else y + self.bias

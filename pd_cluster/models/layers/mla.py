@@ -87,6 +87,7 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps, model.norm)
         self.kv_b_proj = ColumnParallelLinear(
             m.kv_lora_rank, a.num_heads * (m.qk_nope_head_dim + m.v_head_dim), tp=tp)
+        self.kv_b_proj.keep_layout = True  # read as per-head W_UK / W_UV (_kv_b), not called
         self.o_proj = RowParallelLinear(a.num_heads * m.v_head_dim, h, bias=a.o_bias, tp=tp)
         self.rope_key, self.scale = a.rope.key, a.scale
         # What the engine reads (KVLayout): one cached "head" of the whole vector.

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pd_cluster.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -51,7 +50,7 @@ class SharedExperts(nn.Module):
         self.act = gated_activation(ExpertsSpec(1, hidden_size, intermediate_size, act))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.act(self.gate_up_proj(x)), self.down_proj.weight)
+        return self.down_proj.partial(self.act(self.gate_up_proj(x)))
 
 
 class SparseMoE(nn.Module):

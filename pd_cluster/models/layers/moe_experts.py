@@ -103,6 +103,11 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 class MoEExperts(nn.Module):
+    # Expert weights [E, out, in] may be stored with their last two dims column-major on CPU
+    # (cpu_gemm.py): F.linear on w[e] then runs a plain GEMM. Packing would need one op per
+    # expert and the torch loop's signature (the CUDA kernel's too) to change.
+    cpu_gemm_layouts = ("transposed",)
+
     def __init__(self, spec: ExpertsSpec, tp: TPGroup = TPGroup()) -> None:
         super().__init__()
         self.spec, self.tp = spec, tp

