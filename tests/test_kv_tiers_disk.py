@@ -21,8 +21,9 @@ NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 
-def tiered_llm(model: str, path: Path, host_blocks: int = 8, disk_blocks: int = 128) -> LLM:
-    return LLM(model=model, block_size=BS, num_kv_blocks=16,
+def tiered_llm(model: str, path: Path, host_blocks: int = 8, disk_blocks: int = 128,
+               chunk: int = 2048) -> LLM:
+    return LLM(model=model, block_size=BS, num_kv_blocks=16, max_num_batched_tokens=chunk,
                kv_offloading_size=host_blocks * BLOCK_BYTES / 2**30,
                kv_offloading_disk={"path": str(path), "size": disk_blocks * FILE_BYTES / 2**30})
 
@@ -80,8 +81,9 @@ def test_history_restored_from_disk_and_found_after_restart(tiny_model, tmp_path
 
 
 def test_corrupt_truncated_deleted_files_are_misses(tiny_model, tmp_path) -> None:
+    """(With chunked prefill: 16 tokens a step.)"""
     model = tiny_model()
-    llm = tiered_llm(model, tmp_path / "kv")
+    llm = tiered_llm(model, tmp_path / "kv", chunk=16)
     try:
         (a, ha), (b, hb), (c, hc) = conversations(llm, model, 3)
         disk = llm.engine.block_manager.tiers.disk
