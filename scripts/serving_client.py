@@ -20,6 +20,8 @@ class Result:
     output_tokens: int = 0
     error: str = ""
     token_ids: list[int] = field(default_factory=list)  # the reply's, when asked for
+    prompt_tokens: int = 0  # from the usage chunk
+    cached_tokens: int = 0  # of them served from a cache (usage.prompt_tokens_details)
 
     @property
     def tpot(self) -> float:
@@ -45,7 +47,11 @@ async def send(session: Any, url: str, model: str, prompt: list[int], max_tokens
                 if "error" in data:
                     return Result(ok=False, error=data["error"]["message"])
                 if data.get("usage"):
-                    res.output_tokens = data["usage"]["completion_tokens"]
+                    u = data["usage"]
+                    res.output_tokens = u["completion_tokens"]
+                    res.prompt_tokens = u["prompt_tokens"]
+                    res.cached_tokens = (u.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens", 0)
                 if token_ids and data.get("choices"):
                     res.token_ids.extend(data["choices"][0].get("token_ids") or [])
                 if data.get("choices") and data["choices"][0]["text"]:
