@@ -212,3 +212,47 @@ def test_a_report_without_lower_tier_fields_is_a_device_only_engine() -> None:
                         handle=SimpleNamespace(cache_events=SimpleNamespace(remote=events)))
     asyncio.run(feed.poll([e]))
     assert idx.prefix("c0", a) == PrefixHit(4, 0) and idx.lower_size("c0") == 0
+
+
+# ---- the engine's side of the report -----------------------------------------------------------
+def test_engine_report_carries_lower_tier_events_and_a_snapshot_after_a_reset() -> None:
+    """EngineActor.cache_events' body from a real BlockManager with a host tier: blocks the
+    device evicts are removed from it and stored below; a reader without a cursor (or behind)
+    gets both snapshots; the report is plain msgpack (as every message here)."""
+    import msgpack
+
+    from pd_cluster.engine.block_manager import BlockManager
+    from pd_cluster.engine.kv_tiers.manager import TierManager
+    from pd_cluster.request import Request
+    from pd_cluster.serving.engine.engine_actor import cache_report
+
+    bm = BlockManager(num_blocks=4, block_size=BS, tiers=TierManager(8, block_bytes=64))
+
+    def run(rid: str, tokens: list[int]) -> None:
+        r = Request(rid, tokens, SamplingParams(max_tokens=1))
+        r.num_computed_tokens = bm.allocate(r)
+        r.num_computed_tokens = r.num_tokens
+        bm.cache_full_blocks(r)
+        bm.free(r)
+    first = cache_report(bm, None)
+    assert first["reset"] and first["stored"] == first["stored_lower"] == []
+    a, b = list(range(16)), list(range(100, 116))
+    run("a", a)  # 4 blocks on the device
+    report = cache_report(bm, first["cursor"])
+    assert report["stored"] == hash_blocks(a, BS) and report["stored_lower"] == []
+    run("b", b)  # evicts a's blocks: saved to the host tier
+    report = msgpack.unpackb(msgpack.packb(cache_report(bm, report["cursor"])))
+    assert sorted(report["removed"]) == sorted(report["stored_lower"]) == sorted(hash_blocks(a, BS))
+    assert report["stored"] == hash_blocks(b, BS) and not report["reset"]
+    idx = CacheIndex()
+    idx.apply("e", report["stored"], report["removed"], report["reset"],
+              report["stored_lower"], report["removed_lower"])
+    snapshot = cache_report(bm, None)  # a new reader: everything, per tier
+    assert snapshot["reset"] and sorted(snapshot["stored"]) == sorted(hash_blocks(b, BS))
+    assert sorted(snapshot["stored_lower"]) == sorted(hash_blocks(a, BS))
+    fresh = CacheIndex()
+    fresh.apply("e", snapshot["stored"], (), True, snapshot["stored_lower"])
+    assert fresh.prefix("e", hash_blocks(a, BS)) == idx.prefix("e", hash_blocks(a, BS)) \
+        == PrefixHit(0, 4)
+    bm.take_tier_ops()  # the step would run the saves
+    bm.check_no_leaks()

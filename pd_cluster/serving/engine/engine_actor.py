@@ -115,18 +115,13 @@ class EngineActor:
 
     async def cache_events(self, full: bool = False, timeout: float = 10.0,
                            cursor: int | None = None) -> dict[str, Any]:
-        """The prefix cache's changes after ``cursor`` (block hashes stored, removed; each
-        reader passes the ``cursor`` its previous report returned), for the proxy's
-        cache-aware routing; ``full``, no cursor, or one too old sends every hash held, with
-        ``reset`` set. Taken between engine steps, on the engine thread."""
+        """The prefix cache's changes after ``cursor`` (block hashes stored, removed, on the
+        device and in the lower KV tiers; each reader passes the ``cursor`` its previous report
+        returned), for the proxy's cache-aware routing; ``full``, no cursor, or one too old
+        sends every hash held in each, with ``reset`` set. Taken between engine steps, on the
+        engine thread."""
         def take(engine: Any) -> dict[str, Any]:
-            bm = engine.block_manager
-            events, nxt = bm.events_since(None if full else cursor)
-            if events.reset:
-                return {"reset": True, "stored": list(bm.cached_hashes()), "removed": [],
-                        "cursor": nxt}
-            return {"reset": False, "stored": list(events.stored),
-                    "removed": list(events.removed), "cursor": nxt}
+            return cache_report(engine.block_manager, None if full else cursor)
         out = await asyncio.wait_for(asyncio.wrap_future(self.loop.call(take)), timeout)
         spec = self.engine.runner.kv_spec
         return {**out, "incarnation": self.incarnation, "block_size": spec.block_size,
@@ -253,6 +248,20 @@ class EngineActor:
         timer = threading.Timer(_FATAL_EXIT_DELAY, lambda: os._exit(1))
         timer.daemon = True
         timer.start()
+
+
+def cache_report(block_manager: Any, cursor: int | None) -> dict[str, Any]:
+    """The block manager's cache events after ``cursor`` as the proxy's CacheFeed reads them
+    (plain lists: msgpack-able), or, after a reset, everything it holds on the device and in
+    its lower tiers."""
+    events, nxt = block_manager.events_since(cursor)
+    if events.reset:
+        return {"reset": True, "stored": list(block_manager.cached_hashes()), "removed": [],
+                "stored_lower": list(block_manager.lower_cached_hashes()),
+                "removed_lower": [], "cursor": nxt}
+    return {"reset": False, "stored": list(events.stored), "removed": list(events.removed),
+            "stored_lower": list(events.stored_lower),
+            "removed_lower": list(events.removed_lower), "cursor": nxt}
 
 
 def on_this_node(kv_transfer: dict[str, Any], node_ip: str) -> dict[str, Any]:
