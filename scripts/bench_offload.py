@@ -135,6 +135,7 @@ def tier_stats(cluster: Any) -> dict[str, float]:
 
 def run(topology: str, config: str, args: argparse.Namespace, system: list[int],
         users: list[list[list[int]]]) -> dict[str, Any]:
+    from pd_cluster.config import EngineArgs
     from pd_cluster.serving.cluster.cluster_config import load_config
     from pd_cluster.serving.cluster.launcher import launch
     label = f"{topology} {config}"
@@ -145,8 +146,8 @@ def run(topology: str, config: str, args: argparse.Namespace, system: list[int],
                                  f"{os.getpid()}"},
             "engine": {"num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len,
                        **tier_config(config, args, disk_dir)}}
-        if topology == "colocated":
-            over["colocated"] = {"replicas": 2, "num_cpus": 1}  # the CPUs 1P1D gets
+        if topology == "colocated":  # the CPUs 1P1D gets (one engine: --smoke, sooner up)
+            over["colocated"] = {"replicas": 1 if args.smoke else 2, "num_cpus": 1}
         cfg = load_config(REPO / TOPOLOGIES[topology], over)
         tiers = {k: v for k, v in over["engine"].items() if k.startswith("kv_offloading")}
         print(f"[{label}] launching {TOPOLOGIES[topology]} {tiers or '(no tier)'} ...",
@@ -160,7 +161,12 @@ def run(topology: str, config: str, args: argparse.Namespace, system: list[int],
         finally:
             cluster.shutdown()
     later = [r for t in turns[1:] for r in t]
+    bs = int(cfg.engine.get("block_size", EngineArgs.model_fields["block_size"].default))
+    # at best, a turn finds the previous turn's prompt and reply cached, in whole blocks
+    # (less the reply's last token, whose KV was never computed)
+    ideal = sum((r.prompt_tokens + r.output_tokens - 1) // bs * bs for t in turns[:-1] for r in t)
     return {"cached_share": cached_share(later),
+            "ideal_share": ideal / max(1, sum(r.prompt_tokens for r in later)),
             "ttft_p50": pct([r.ttft for r in later], 50),
             "ttft_p99": pct([r.ttft for r in later], 99),
             "tpot_p99": pct([r.tpot for r in later if r.output_tokens > 1], 99),
@@ -169,7 +175,8 @@ def run(topology: str, config: str, args: argparse.Namespace, system: list[int],
 
 def report(topology: str, runs: dict[str, dict[str, Any]]) -> None:
     off = runs["off"]
-    print(f"\n=== {topology} (turns >= 2)")
+    print(f"\n=== {topology} (turns >= 2; at most {100 * off['ideal_share']:.1f}% of their "
+          f"prompt tokens can be cached: the previous turns, in whole blocks)")
     print(f"{'config':<11}{'cached%':>8}{'TTFT p50':>10}{'p99':>9}{'TPOT p99':>10}"
           f"{'host MB':>9}{'disk MB':>9}{'hits h/d':>11}{'TTFT x':>8}{'TPOT x':>8}")
     for name, r in runs.items():
@@ -189,7 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--conversations", type=int, default=24)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=64, help="the shared system prompt")
-    p.add_argument("--user-tokens", type=int, default=32, help="new user tokens a turn (+-8)")
+    p.add_argument("--user-tokens", type=int, default=16, help="new user tokens a turn (+-8)")
     p.add_argument("--output-len", type=int, default=32, help="tokens of each reply")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     p.add_argument("--num-kv-blocks", type=int, default=64, help="device KV blocks per engine")
@@ -204,11 +211,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="seconds: tiny-llama, 2 conversations x 2 turns, colocated only")
     args = p.parse_args(argv)
-    if args.smoke:
+    if args.smoke:  # still more histories than the device holds: restores happen
         args.model, args.topologies, args.conversations, args.turns = \
-            "tiny-llama", "colocated", 2, 2
+            "tiny-llama", "colocated", 4, 2
         args.system_tokens, args.user_tokens, args.output_len = 32, 16, 4
-        args.num_kv_blocks, args.max_model_len, args.settle = 32, 256, 0.2
+        args.concurrency, args.num_kv_blocks, args.max_model_len = 2, 8, 128
+        args.settle = 0.2
     return args
 
 
