@@ -102,8 +102,9 @@ class EngineArgs(BaseModel):
     tensor_parallel_size: int = 1
     collective_timeout: float = 60.0  # s: bounds every collective between an engine's ranks
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
-    # torch.compile the decoder (attention outside the graph; engine/compiled_model.py).
-    # None: $PD_CLUSTER_COMPILE decides (default off); true/false decide here.
+    # torch.compile the decoder (attention outside the graph; engine/compiled_model.py), once
+    # per model and kept on disk for the next start. None: $PD_CLUSTER_COMPILE decides
+    # (neither: on for CPUs, off on GPUs until measured there); true/false decide here.
     compile: bool | None = None
     # CPU linear weights' layout after loading (models/layers/cpu_gemm.py): auto (per dtype,
     # as measured: fp32 transposed, bf16 oneDNN-packed, fp16 as loaded) | torch (as loaded) |

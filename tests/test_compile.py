@@ -5,18 +5,20 @@ RoPEs, MoE routings, latent attention), at TP 1, TP 2 (Gloo) and through P/D; an
 every batch size (no recompile when the batch size changes, one token included).
 
 The rest of the suite runs eager (conftest sets PD_CLUSTER_COMPILE=0); ``PD_CLUSTER_COMPILE=1``
-runs any test file compiled (the family sweeps: see README). Compiled code is cached on disk
-(TORCHINDUCTOR_CACHE_DIR, one dir for this module), so engines of the same model after the
-first (P and D, the TP test's rank 0 after TP1) load it instead of generating it.
+runs any test file compiled (the family sweeps: see README). Compiled models are cached on disk
+(under TORCHINDUCTOR_CACHE_DIR, one dir for this module), so engines of the same model after
+the first (P and D, the TP test's rank 0 after TP1) load them instead of compiling again.
 """
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
 
+from pd_cluster.engine.compile_cache import artifact_dir
 from pd_cluster.engine.compiled_model import CompiledModel, compile_enabled
 from pd_cluster.llm import LLM
 from pd_cluster.sampling_params import SamplingParams
@@ -34,51 +36,99 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module", autouse=True)
 def _inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """One compiled-code cache for this module's engines (and their worker processes)."""
+    """A fresh compiled-code cache for this module's engines (and their worker processes)."""
     old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if old is None:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
     yield
     if old is None:
         os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
-def graphs_compiled() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+def compiled(llm: LLM) -> CompiledModel:
+    model = llm.engine.runner.forward_model
+    assert isinstance(model, CompiledModel)
+    return model
 
 
-def test_compile_setting_and_its_default() -> None:
+def test_compile_setting_and_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compile_enabled(True) and not compile_enabled(False)
     assert not compile_enabled(None)  # conftest: the suite's default is eager
-    os.environ["PD_CLUSTER_COMPILE"] = "1"
-    try:
-        assert compile_enabled(None)
-    finally:
-        os.environ["PD_CLUSTER_COMPILE"] = "0"
+    monkeypatch.setenv("PD_CLUSTER_COMPILE", "1")
+    assert compile_enabled(None)
+    monkeypatch.delenv("PD_CLUSTER_COMPILE")
+    assert compile_enabled(None, "cpu")  # a user's default on CPUs: on
+    assert not compile_enabled(None, "cuda")  # not measured on GPUs yet
+    assert compile_enabled(True, "cuda")
 
 
-def test_one_graph_for_every_batch_size(tiny_model) -> None:
+def test_one_graph_for_every_batch_size_and_a_restart_loads_it(
+        tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir = tiny_model(arch="llama", num_layers=2)
     llm = LLM(model=model_dir, compile=True, block_size=8, max_num_batched_tokens=24)
-    assert isinstance(llm.engine.runner.forward_model, CompiledModel)
     prompts = [random_prompt(n, seed=n) for n in (5, 17, 30, 41)]
     check_greedy(llm, model_dir, prompts)  # prefill chunks, mixed steps, 4..1 decodes
-    before = graphs_compiled()
-    # Other batch sizes and token counts, a lone one-token decode included: no new graph.
+    # Other batch sizes and token counts, a lone one-token decode included: all compiled.
     check_greedy(llm, model_dir, [random_prompt(n, seed=n + 1) for n in (3, 9, 60)])
     check_greedy(llm, model_dir, [random_prompt(7, seed=2)])
-    assert graphs_compiled() == before
+    assert compiled(llm).compiled_steps > 10 and compiled(llm).eager_steps == 0
+    assert compiled(llm).path.is_file()
+    # The next engine of this model (a restart) loads the artifact: it never compiles.
+    monkeypatch.setattr(CompiledModel, "_compile", lambda *a: pytest.fail("compiled again"))
+    again = LLM(model=model_dir, compile=True, block_size=8, max_num_batched_tokens=24)
+    check_greedy(again, model_dir, prompts[:2])
+    assert compiled(again).path == compiled(llm).path and compiled(again).eager_steps == 0
+
+
+def test_a_stale_artifact_is_compiled_again(tiny_model, caplog: pytest.LogCaptureFixture
+                                            ) -> None:
+    model_dir = tiny_model(arch="qwen2", num_layers=1)
+    first = compiled(LLM(model=model_dir, compile=True, block_size=8))
+    first.path.write_bytes(b"not an artifact")  # a torn write, another torch's pickle
+    llm = LLM(model=model_dir, compile=True, block_size=8)
+    assert "not usable" in caplog.text
+    check_greedy(llm, model_dir, [random_prompt(9, seed=1)])
+    assert compiled(llm).compiled_steps and not compiled(llm).eager_steps
+    assert compiled(llm).path.read_bytes() != b"not an artifact"
+
+
+def test_the_key_covers_dtype_rank_and_shapes(tiny_model) -> None:
+    import json
+    from pathlib import Path
+
+    from pd_cluster.engine.compile_cache import artifact_key
+    from pd_cluster.models.loader import load_model
+    model_dir = tiny_model(arch="llama", num_layers=1)
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    cpu = torch.device("cpu")
+
+    def key(dtype: torch.dtype, rank: int = 0, size: int = 1, **config: int) -> str:
+        m = load_model(model_dir, {**hf, **config}, dtype, cpu)
+        return artifact_key(m.model, m.spec, rank, size, cpu)
+
+    base = key(torch.float32)
+    assert base == key(torch.float32)
+    assert len({base, key(torch.bfloat16), key(torch.float32, 1, 2),
+                key(torch.float32, rms_norm_eps=1e-3)}) == 4
 
 
 def _tp1_and_tp2(model_dir: str, prompts: list[list[int]]) -> None:
-    check_greedy(LLM(model=model_dir, compile=True, block_size=8, max_num_batched_tokens=12),
-                 model_dir, prompts)
+    tp1 = LLM(model=model_dir, compile=True, block_size=8, max_num_batched_tokens=12)
+    check_greedy(tp1, model_dir, prompts)
+    assert compiled(tp1).compiled_steps and not compiled(tp1).eager_steps
+    cached = artifacts()
     llm = LLM(model=model_dir, compile=True, tensor_parallel_size=2, block_size=8,
               max_num_batched_tokens=12, num_kv_blocks=64, collective_timeout=60.0)
     try:
         check_greedy(llm, model_dir, prompts)
     finally:
         llm.close()
+    assert len(artifacts() - cached) == 2  # each rank compiled its slice (and kept it)
+
+
+def artifacts() -> set[Path]:
+    return set(artifact_dir().glob("*.aot"))
 
 
 @pytest.mark.slow

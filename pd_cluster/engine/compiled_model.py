@@ -1,49 +1,56 @@
-"""The decoder's forward compiled once per process (``torch.compile``, inductor), attention
-left out of the graph as an opaque op (models/layers/paged_call.py).
+"""The decoder's forward compiled once (``torch.compile``, inductor), attention left out of the
+graph as an opaque op (models/layers/paged_call.py), kept on disk for the next start.
 
 One graph covers the whole decoder (embedding, every layer's projections, norms, rotary and
-MLP or MoE, the final norm), dynamic in the number of tokens, so a step of any batch size
-reuses it (no recompile per size; a one-token step may add one specialised graph). Inductor's
-caches (FX graph, AOT autograd) persist under ``cache_root()/inductor``, so a restarted
-process loads the compiled code instead of generating it again; it still traces the model
-(seconds).
+MLP or MoE, the final norm), dynamic in the number of tokens (unbacked: one graph for every
+step, one token included). It is compiled ahead of the first step, while the engine starts,
+from example inputs (tracing runs the opaque ops' fake forms only: no cache, no collective), and
+saved as one artifact (``torch.compile(...).aot_compile``: dynamo's bytecode and guards with
+inductor's code) named by ``compile_cache.artifact_key``. A later start with the same key loads
+it (about a second) instead of tracing and compiling again; a stale or unreadable one is
+deleted and compiled again. Engines that start together with the same key (P and D of one
+model) compile once: the others wait for the artifact and load it.
 
-``engine.compile`` turns it on or off; unset, ``$PD_CLUSTER_COMPILE`` decides ("1" on;
-default off until measured to win), so a test suite can default to eager and opt in per test.
+A step whose inputs fail the graph's guards (never in the engine's own steps) runs eagerly,
+with a warning, and so does every step of a model that failed to compile (logged): the result
+is the same, only slower.
+
+``engine.compile`` turns it on or off; unset, ``$PD_CLUSTER_COMPILE`` decides; neither: on for
+CPUs, off on GPUs (``compile_enabled``).
 """
 from __future__ import annotations
 
+import copyreg
 import logging
 import os
-from typing import Any
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
+from pd_cluster.engine.compile_cache import (artifact_dir, artifact_key, remember_isa_probe,
+                                             skip_known_isa_probe)
 from pd_cluster.models.context import ForwardContext
 from pd_cluster.models.layers.paged_call import step_scope
-from pd_cluster.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
 COMPILE_ENV = "PD_CLUSTER_COMPILE"
+_LOCK_WAIT_S = 600.0  # another process compiling the same artifact (the launcher's own bound)
+_EXAMPLE_TOKENS = 8
 
 
-def compile_enabled(setting: bool | None) -> bool:
-    """``engine.compile`` when set, else ``$PD_CLUSTER_COMPILE`` (default off)."""
+def compile_enabled(setting: bool | None, device: torch.device | str = "cpu") -> bool:
+    """``engine.compile`` when set, else ``$PD_CLUSTER_COMPILE``; neither: on for CPUs (where
+    it was measured to win), off on GPUs until measured there (scripts/gpu_check.sh)."""
     if setting is not None:
         return setting
-    return os.environ.get(COMPILE_ENV, "0").strip().lower() not in ("0", "false", "no", "off")
-
-
-def use_persistent_cache() -> str:
-    """Point inductor's on-disk caches at the project's cache dir (unless the user chose
-    one with ``TORCHINDUCTOR_CACHE_DIR``); returns the dir."""
-    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not path:
-        path = str(cache_root() / "inductor")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-    os.makedirs(path, exist_ok=True)
-    return path
+    env = os.environ.get(COMPILE_ENV, "").strip().lower()
+    if env:
+        return env not in ("0", "false", "no", "off")
+    return torch.device(device).type == "cpu"
 
 
 class CompiledModel:
@@ -51,23 +58,120 @@ class CompiledModel:
     graph (the logits stay eager: one matmul on the rows that sample)."""
 
     def __init__(self, model: Any, device: torch.device) -> None:
-        self.model = model
-        self.cache_dir = use_persistent_cache()
-        self._layers = [layer.self_attn for layer in model.model.layers]
-        for rotary in model.model.rotary.values():
-            rotary.frequencies(device)  # copied before tracing, not a guard that fails once
-        # Dynamo keeps one cache per code object (DecoderModel.forward), shared by every model
-        # in the process: each model (a test process holds many) takes an entry or two.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        # fullgraph: a graph break would silently split the step into many small graphs.
-        self._compiled = torch.compile(model.model, fullgraph=True)
+        self.model, self.decoder = model, model.model
+        self._layers = [layer.self_attn for layer in self.decoder.layers]
+        for rotary in self.decoder.rotary.values():
+            rotary.frequencies(device)  # computed before tracing: inputs, not a guard
+        self.compiled_steps = self.eager_steps = 0
+        key = artifact_key(self.decoder, model.spec, model.tp.rank, model.tp.size, device)
+        self.path = artifact_dir() / f"{key}.aot"
+        skip_known_isa_probe()
+        with torch.inference_mode():  # the engine's steps run in it: so do the guards' checks
+            try:
+                self._fn = self._load_or_compile(device)
+            except Exception:  # a torch without aot_compile, a graph break in a new model
+                logger.exception("compiling the model failed: it runs eagerly")
+                self._fn = None
+        remember_isa_probe()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor:
-        # The token count varies every step: one graph for all of them, one token included
-        # (unbacked: no specialisation of sizes 0 and 1).
-        for t in (input_ids, positions, ctx.rope_lens):
-            if t is not None:
-                torch._dynamo.decorators.mark_unbacked(t, 0)
+        args = (self.decoder, input_ids, positions, ctx)
         with step_scope(ctx, self._layers, self.model.tp):
-            return self._compiled(input_ids, positions, ctx)
+            if self._fn is not None and self._fn.guard_check(*args):
+                self.compiled_steps += 1
+                return self._fn(*args)
+            if self._fn is not None and not self.eager_steps:
+                logger.warning("a step did not match the compiled graph's guards (%s); it runs "
+                               "eagerly", self._fn._artifacts.guard_manager.check_verbose(
+                                   self._fn.prepare_f_locals(*args)))
+            self.eager_steps += 1
+            return self.decoder(input_ids, positions, ctx)
+
+    # ---- the artifact ----------------------------------------------------------------------
+    def _load_or_compile(self, device: torch.device) -> Any:
+        from filelock import FileLock, Timeout
+        lock = FileLock(f"{self.path}.lock")
+        try:
+            lock.acquire(timeout=_LOCK_WAIT_S)
+        except Timeout:
+            logger.warning("%s stayed locked for %.0f s: compiling without it", lock.lock_file,
+                           _LOCK_WAIT_S)
+            return self._compile(device, save=False)
+        try:
+            if self.path.is_file():
+                fn = self._load()
+                if fn is not None:
+                    return fn
+            return self._compile(device, save=True)
+        finally:
+            lock.release()
+
+    def _load(self) -> Any:
+        start = time.monotonic()
+        try:
+            fn = _deserialize(self.path.read_bytes(), self.decoder)
+        except Exception as e:  # another torch, a truncated file: compile it again
+            logger.warning("compiled model %s not usable (%s: %s); compiling again", self.path,
+                           type(e).__name__, e)
+            self.path.unlink(missing_ok=True)
+            return None
+        logger.info("loaded the compiled model from %s in %.1f s", self.path,
+                    time.monotonic() - start)
+        return fn
+
+    def _compile(self, device: torch.device, save: bool) -> Any:
+        logger.info("compiling the model (first start, cached for the next) ...")
+        start = time.monotonic()
+        with torch.inference_mode(False):  # like the runner's input buffers (guarded)
+            ids = torch.zeros(_EXAMPLE_TOKENS, dtype=torch.long, device=device)
+            positions = torch.arange(_EXAMPLE_TOKENS, device=device)
+            ctx = ForwardContext(None, [], None, rope_lens=positions + 1)  # type: ignore[arg-type]
+        for t in (ids, positions, ctx.rope_lens):
+            torch._dynamo.decorators.mark_unbacked(t, 0)  # any token count, 0 and 1 included
+        with _unpicklable_as_none(self.model.tp.group):
+            compiled = torch.compile(type(self.decoder).forward, fullgraph=True).aot_compile(
+                ((self.decoder, ids, positions, ctx), {}))
+        try:
+            data = type(compiled).serialize(compiled, {"decoder": self.decoder}).serialized_data
+            fn = _deserialize(data, self.decoder)  # what every later start runs: run it now
+        except Exception as e:
+            logger.warning("compiled model not cacheable (%s: %s): the next start compiles again",
+                           type(e).__name__, e)
+            compiled.disable_guard_check()
+            return compiled
+        if save:
+            _write_atomic(self.path, data)
+        logger.info("compiled the model in %.1f s%s", time.monotonic() - start,
+                    f" (cached in {self.path})" if save else "")
+        return fn
+
+
+@contextmanager
+def _unpicklable_as_none(*objects: Any) -> Iterator[None]:
+    """Pickle these objects' types as None while compiling: the guards' saved state holds the
+    module tree, whose tensor-parallel group (a ProcessGroup) cannot be pickled and is never
+    guarded on (the collectives are opaque ops)."""
+    types = {type(o) for o in objects if o is not None} - set(copyreg.dispatch_table)
+    for t in types:
+        copyreg.pickle(t, lambda _: (type(None), ()))
+    try:
+        yield
+    finally:
+        for t in types:
+            copyreg.dispatch_table.pop(t, None)
+
+
+def _deserialize(data: bytes, decoder: torch.nn.Module) -> Any:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+    fn = AOTCompiledFunction.deserialize(data, type(decoder).forward.__globals__,
+                                         {"decoder": decoder})
+    fn.disable_guard_check()  # __call__ checks them once itself, and falls back to eager
+    return fn
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+

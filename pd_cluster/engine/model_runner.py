@@ -54,7 +54,7 @@ class ModelRunner:
         self.backend = create_backend(config.attention_backend, self.device)
         # What runs a forward: the model, or the same through one compiled graph.
         self.forward_model: Any = (CompiledModel(self.model, self.device)
-                                   if compile_enabled(config.compile) else self.model)
+                                   if compile_enabled(config.compile, self.device) else self.model)
         self.kv_caches: list[torch.Tensor] = []
         self.inputs = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                    -(-self.max_model_len // config.block_size),

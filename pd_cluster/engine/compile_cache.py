@@ -1,0 +1,173 @@
+"""Where a compiled decoder is kept between processes, and what its key covers.
+
+An artifact (``artifact_dir()``, inside inductor's cache dir) is one ``torch.compile(...).aot_compile`` result (dynamo's bytecode and guards
+plus inductor's generated code, serialized), so a restart loads it without tracing the model
+again. It is named by a key over everything that changes the graph: the module tree and its
+parameters' names, shapes and dtypes (the model family, its config, quantization and this
+rank's tensor-parallel slice), the rank and group size, the device (and this CPU's flags or
+this GPU), the Python and torch versions, the inductor and dynamo settings, and the source of
+the code that is traced (``pd_cluster/models``, ``kernels``, this package's compile modules).
+Weights are inputs of the graph, not part of it, so a checkpoint with the same shapes reuses
+the artifact. A stale or unreadable artifact is rejected by its loader (``compiled_model.py``),
+deleted and compiled again.
+
+It also remembers, per CPU, compiler and torch version, that inductor's instruction-set probe
+passed (it builds and loads a test library per vector ISA, in child processes, on every start:
+about a second), so later starts skip it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from pd_cluster.paths import cache_root
+
+logger = logging.getLogger(__name__)
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # pd_cluster/
+_TRACED_CODE = (_PACKAGE / "models", _PACKAGE.parent / "kernels", Path(__file__).parent)
+_COMPILE_MODULES = ("compiled_model.py", "compile_cache.py")
+
+
+def inductor_cache_dir() -> Path:
+    """Inductor's on-disk caches (the kernels an artifact loads): ``TORCHINDUCTOR_CACHE_DIR``
+    if the user chose one, else the project's cache dir (set for this process and its
+    children, so tensor-parallel workers share it)."""
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not path:
+        path = str(cache_root() / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return Path(path)
+
+
+def artifact_dir() -> Path:
+    """Our artifacts, beside inductor's caches (one dir holds all compiled code)."""
+    path = inductor_cache_dir() / "pd_cluster"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _source_files() -> Iterable[Path]:
+    models, kernels, engine = _TRACED_CODE
+    yield from sorted(models.rglob("*.py"))
+    yield from sorted(kernels.rglob("*.py"))
+    for name in _COMPILE_MODULES:
+        yield engine / name
+
+
+def _code_digest() -> str:
+    h = hashlib.sha256()
+    for path in _source_files():
+        h.update(str(path.relative_to(_PACKAGE.parent)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _device_facts(device: torch.device) -> str:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"cuda {props.name} sm{props.major}{props.minor} {torch.version.cuda}"
+    return f"{device.type} {platform.machine()} {_cpu_flags()}"
+
+
+def _module_fingerprint(model: torch.nn.Module) -> str:
+    """The module tree (classes, extra reprs) and every parameter's and buffer's name, shape
+    and dtype: what the traced graph depends on, without the weights' values."""
+    tensors = [(name, tuple(t.shape), str(t.dtype))
+               for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    return repr(model) + json.dumps(tensors)
+
+
+def _settings() -> str:
+    """Inductor's and dynamo's settings (less the ISA probe's shortcut, which we set)."""
+    from torch._dynamo import config as dynamo_config
+    from torch._inductor import config as inductor_config
+    inductor = inductor_config.save_config_portable()
+    inductor.pop("cpp.vec_isa_ok", None)
+    return json.dumps([inductor, dynamo_config.save_config_portable()], sort_keys=True,
+                      default=lambda o: sorted(map(repr, o)) if isinstance(o, (set, frozenset))
+                      else repr(o))
+
+
+def artifact_key(model: torch.nn.Module, spec: Any, tp_rank: int, tp_size: int,
+                 device: torch.device) -> str:
+    """The name of ``model``'s compiled artifact (see the module's docstring)."""
+    h = hashlib.sha256()
+    for part in (_module_fingerprint(model), repr(spec), f"tp {tp_rank}/{tp_size}",
+                 _device_facts(device), sys.version, torch.__version__, _settings(),
+                 _code_digest()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+# ---- inductor's instruction-set probe ---------------------------------------------------------
+def _isa_record() -> Path | None:
+    """This machine's probe record (x86-64 Linux only, where inductor probes by building)."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    try:
+        compiler = subprocess.run([get_cpp_compiler(), "--version"], capture_output=True,
+                                  text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError, RuntimeError):
+        return None
+    h = hashlib.sha256("\0".join((_cpu_flags(), compiler, torch.__version__)).encode())
+    return artifact_dir() / f"vec-isa-{h.hexdigest()[:16]}.json"
+
+
+def _claimed_isas() -> list[str]:
+    """The vector ISAs inductor knows that this CPU's flags list (before any build probe)."""
+    from torch._inductor.cpu_vec_isa import supported_vec_isa_list, x86_isa_checker
+    flags = x86_isa_checker()
+    return [str(isa) for isa in supported_vec_isa_list
+            if all(flag in flags for flag in str(isa).split())]
+
+
+def skip_known_isa_probe() -> None:
+    """When an earlier start on this CPU, compiler and torch found every ISA the CPU claims
+    usable, tell inductor so (``cpp.vec_isa_ok``): the probe would find the same."""
+    record = _isa_record()
+    if record is None or not record.is_file():
+        return
+    try:
+        ok = json.loads(record.read_text()) == _claimed_isas()
+    except (OSError, ValueError):
+        ok = False
+    if ok:
+        from torch._inductor import config as inductor_config
+        inductor_config.cpp.vec_isa_ok = True
+
+
+def remember_isa_probe() -> None:
+    """After inductor probed (a compile or a load did): record it if every claimed ISA
+    passed (otherwise the probe keeps running, and keeps deciding)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    record = _isa_record()
+    if record is None or record.is_file() or inductor_config.cpp.vec_isa_ok is not None:
+        return
+    claimed = _claimed_isas()
+    if [str(isa) for isa in valid_vec_isa_list()] == claimed:
+        tmp = record.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(claimed))
+        os.replace(tmp, record)
