@@ -81,6 +81,16 @@ def test_one_graph_for_every_batch_size_and_a_restart_loads_it(
     assert compiled(again).path == compiled(llm).path and compiled(again).eager_steps == 0
 
 
+def test_packed_weights_compile_and_load(tiny_model) -> None:
+    """cpu_gemm.py's oneDNN-packed weights (an opaque tensor, the dense one left on the meta
+    device) in a saved graph: HF-exact, every step compiled, and a restart loads it."""
+    model_dir = tiny_model(arch="llama", num_layers=2)
+    for _ in range(2):  # compiles, then loads
+        llm = LLM(model=model_dir, compile=True, cpu_gemm="packed", block_size=8)
+        check_greedy(llm, model_dir, [random_prompt(n, seed=n) for n in (4, 21)])
+        assert compiled(llm).compiled_steps and not compiled(llm).eager_steps
+
+
 def test_a_stale_artifact_is_compiled_again(tiny_model, caplog: pytest.LogCaptureFixture
                                             ) -> None:
     model_dir = tiny_model(arch="qwen2", num_layers=1)
@@ -98,6 +108,7 @@ def test_the_key_covers_dtype_rank_and_shapes(tiny_model) -> None:
     from pathlib import Path
 
     from pd_cluster.engine.compile_cache import artifact_key
+    from pd_cluster.models.layers.cpu_gemm import transpose_in_place
     from pd_cluster.models.loader import load_model
     model_dir = tiny_model(arch="llama", num_layers=1)
     hf = json.loads((Path(model_dir) / "config.json").read_text())
@@ -111,6 +122,10 @@ def test_the_key_covers_dtype_rank_and_shapes(tiny_model) -> None:
     assert base == key(torch.float32)
     assert len({base, key(torch.bfloat16), key(torch.float32, 1, 2),
                 key(torch.float32, rms_norm_eps=1e-3)}) == 4
+    # A weight layout (cpu_gemm's transposed storage: same shape, other strides) is a new key.
+    m = load_model(model_dir, hf, torch.float32, cpu)
+    transpose_in_place(m.model.layers[0].mlp.down_proj.weight)
+    assert artifact_key(m.model, m.spec, 0, 1, cpu) != base
 
 
 def _tp1_and_tp2(model_dir: str, prompts: list[list[int]]) -> None:

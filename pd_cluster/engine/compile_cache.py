@@ -90,11 +90,23 @@ def _device_facts(device: torch.device) -> str:
 
 
 def _module_fingerprint(model: torch.nn.Module) -> str:
-    """The module tree (classes, extra reprs) and every parameter's and buffer's name, shape
-    and dtype: what the traced graph depends on, without the weights' values."""
-    tensors = [(name, tuple(t.shape), str(t.dtype))
-               for name, t in [*model.named_parameters(), *model.named_buffers()]]
-    return repr(model) + json.dumps(tensors)
+    """The module tree (classes, extra reprs) and every tensor it holds (parameters, buffers,
+    plain attributes such as a prepacked weight): name, shape, strides, dtype and device,
+    what the traced graph depends on (a transposed or packed weight layout included), without
+    the weights' values."""
+    tensors = []
+    for prefix, module in model.named_modules():
+        for name, t in vars(module).items():
+            if name in ("_parameters", "_buffers"):
+                continue
+            if isinstance(t, torch.Tensor):
+                tensors.append((f"{prefix}.{name}", t))
+        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None:
+                tensors.append((f"{prefix}.{name}", t))
+    described = [(name, tuple(t.shape), t.stride() if t.layout == torch.strided else None,
+                  str(t.dtype), t.device.type) for name, t in tensors]
+    return repr(model) + json.dumps(described)
 
 
 def _settings() -> str:

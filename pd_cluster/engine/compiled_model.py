@@ -26,7 +26,7 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -130,7 +130,8 @@ class CompiledModel:
         for t in (ids, positions, ctx.rope_lens):
             torch._dynamo.decorators.mark_unbacked(t, 0)  # any token count, 0 and 1 included
         with _unpicklable_as_none(self.model.tp.group):
-            compiled = torch.compile(type(self.decoder).forward, fullgraph=True).aot_compile(
+            compiled = torch.compile(type(self.decoder).forward, fullgraph=True,
+                                     options={"guard_filter_fn": _savable_guards}).aot_compile(
                 ((self.decoder, ids, positions, ctx), {}))
         try:
             data = type(compiled).serialize(compiled, {"decoder": self.decoder}).serialized_data
@@ -145,6 +146,23 @@ class CompiledModel:
         logger.info("compiled the model in %.1f s%s", time.monotonic() - start,
                     f" (cached in {self.path})" if save else "")
         return fn
+
+
+def _savable_guards(guards: Sequence[Any]) -> list[bool]:
+    """The guards an artifact keeps: dynamo's own choice for saved graphs (no globals, no
+    object identities), less those on cpu_gemm.py's packed weights: the oneDNN tensor (not
+    strided: its guard state cannot be saved) and the released dense weight left on the meta
+    device (never read). The artifact's key covers their shapes, dtypes, devices and layouts,
+    and the model they belong to is the one passed to every call."""
+    from torch._dynamo.guards import CheckFunctionManager
+    unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    return [not (g.is_global or g.guard_type in unsupported or _opaque_weight(g.value))
+            for g in guards]
+
+
+def _opaque_weight(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and (value.layout != torch.strided
+                                                or value.device.type == "meta")
 
 
 @contextmanager
