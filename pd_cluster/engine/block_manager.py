@@ -146,6 +146,11 @@ class BlockManager:
     def can_allocate(self, request: Request, use_prefix_cache: bool = True,
                      needs_logits: bool = True) -> bool:
         hits = self._prefix_hits(request, needs_logits) if use_prefix_cache else []
+        if None in hits and self.tiers.disk is not None:
+            # A disk block can still be a miss in allocate() (a corrupt file, no host slot
+            # free this step): the match ends there and the device hits after it need fresh
+            # blocks too. Admit what fits that worst case (it needs the most free blocks).
+            hits = hits[:hits.index(None) + 1]
         device = [b for b in hits if b is not None]  # a lower-tier hit needs a fresh block
         free_hits = sum(1 for b in device if self.blocks[b].ref_count == 0)
         needed = self.blocks_needed(request.num_tokens) - len(device)

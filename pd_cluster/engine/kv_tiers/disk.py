@@ -10,11 +10,21 @@ a miss (counted), never an error. Reads run in the engine process at admission, 
 the disk tier needs tensor_parallel_size 1 (one rank: the engine's own). Files of the same
 fingerprint left by an earlier engine are indexed at start (block hashes are the same in every
 process).
+
+Faults: a path that cannot be made or written at start is a ValueError naming
+``kv_offloading_disk.path``. At run time a failed write (a full disk, the directory gone: it is
+made again for the next write) leaves no partial file, is counted (``write_errors``) and drops
+its block from the index (a miss, not a failed read, from then on); a failed read is a miss.
+Neither ever raises into the step. Temporary files carry the writer's pid (engines may share
+the directory); those of dead processes are removed at start.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
+import tempfile
 import queue
 import struct
 import threading
@@ -38,6 +48,8 @@ class DiskTier:
         self.dir = Path(path)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.dir) as probe:  # writable, not just there
+                probe.write(b"\0")
         except OSError as e:
             raise ValueError(f"kv_offloading_disk.path: cannot use {path!r} ({e})") from None
         self.fingerprint = fingerprint
@@ -49,10 +61,12 @@ class DiskTier:
                              f"({self.file_bytes} bytes per file)")
         self._index: OrderedDict[int, tuple[int, ...]] = OrderedDict()
         self._pending: dict[int, bytes] = {}  # written in a step, not yet on disk
+        self._failed: set[int] = set()  # writes that failed, to drop from the index
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, int, tuple[int, ...], bytes] | None] = queue.Queue()
         self.saved_blocks = self.saved_bytes = self.evicted_blocks = 0
         self.restored_bytes = self.misses = self.write_errors = 0
+        self._last_errno: int | None = None
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer",
                                         daemon=True)
@@ -60,10 +74,22 @@ class DiskTier:
 
     # ---- the engine thread: index ----------------------------------------------------------
     def has(self, block_hash: int, token_ids: tuple[int, ...]) -> bool:
+        if self._failed:
+            self._drop_failed()
         return self._index.get(block_hash) == token_ids
 
     def hashes(self) -> list[int]:
+        if self._failed:
+            self._drop_failed()
         return list(self._index)
+
+    def _drop_failed(self) -> None:
+        """Forget blocks whose write failed (unless written again since: then it is queued)."""
+        with self._lock:
+            failed, self._failed = self._failed, set()
+            failed -= self._pending.keys()
+        for block_hash in failed:
+            self._index.pop(block_hash, None)
 
     def touch(self, block_hash: int) -> None:
         self._index.move_to_end(block_hash)
@@ -101,7 +127,8 @@ class DiskTier:
                 "kv_offload_evicted_blocks_disk": self.evicted_blocks,
                 "kv_offload_bytes_saved_disk": self.saved_bytes,
                 "kv_offload_bytes_restored_disk": self.restored_bytes,
-                "kv_offload_disk_misses": self.misses}
+                "kv_offload_disk_misses": self.misses,
+                "kv_offload_disk_write_errors": self.write_errors}
 
     # ---- the step (rank 0's store) ---------------------------------------------------------
     def write(self, block_hash: int, token_ids: tuple[int, ...], payload: bytes) -> None:
@@ -157,6 +184,9 @@ class DiskTier:
 
     def _scan(self) -> None:
         """Index this engine's kind of files an earlier engine left (oldest first)."""
+        for f in self.dir.glob("*.tmp"):
+            if not _writer_alive(f):
+                f.unlink(missing_ok=True)
         found = []
         for f in self.dir.glob(f"*{SUFFIX}"):
             try:
@@ -184,19 +214,54 @@ class DiskTier:
                     self.file_of(block_hash).unlink(missing_ok=True)
             except OSError as e:  # a full or failing disk: the block is a miss later
                 self.write_errors += 1
-                logger.warning("KV disk tier: %s", e)
+                # Once per kind of error: a full disk fails every write.
+                log = logger.warning if e.errno != self._last_errno else logger.debug
+                self._last_errno = e.errno
+                log("KV disk tier: a write failed (%d so far; dropped): %s",
+                    self.write_errors, e)
             finally:
                 self._queue.task_done()
 
     def _write_file(self, block_hash: int, token_ids: tuple[int, ...], payload: bytes) -> None:
         path = self.file_of(block_hash)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+        ok = False
         try:
-            tmp.write_bytes(self._encode(block_hash, token_ids, payload))
+            data = self._encode(block_hash, token_ids, payload)
+            try:
+                self._write_bytes(tmp, data)
+            except FileNotFoundError:  # the directory was removed: make it again, once
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._write_bytes(tmp, data)
             os.replace(tmp, path)
+            ok = True
             self.saved_blocks += 1
             self.saved_bytes += len(payload)
         finally:
+            if not ok:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)  # no partial file left taking space
             with self._lock:
+                if ok:
+                    self._failed.discard(block_hash)  # an earlier failure of this hash
                 if self._pending.get(block_hash) is payload:
                     del self._pending[block_hash]
+                    if not ok:
+                        self._failed.add(block_hash)
+
+    @staticmethod
+    def _write_bytes(path: Path, data: bytes) -> None:
+        path.write_bytes(data)
+
+
+def _writer_alive(tmp: Path) -> bool:
+    """A temporary file's writer (``<hash>.<pid>.tmp``) is a live process."""
+    try:
+        os.kill(int(tmp.name.split(".")[1]), 0)
+    except (IndexError, ValueError):
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    except OSError as e:
+        return e.errno != errno.ESRCH
+    return True
