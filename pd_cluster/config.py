@@ -57,7 +57,9 @@ class KVOffloadingDiskConfig(BaseModel):
     """The engine section's ``kv_offloading_disk``: a disk tier written behind the host tier."""
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    path: str  # directory of the block files (made if missing; files of another model ignored)
+    # directory of the block files (made if missing; files of another model ignored); in a
+    # cluster each engine writes <path>/<engine name>
+    path: str
     size: float  # GiB of files at most (least recently used files go first)
 
     @field_validator("path")
@@ -117,7 +119,8 @@ class EngineArgs(BaseModel):
     # instead of recomputed (engine/kv_tiers/). None or 0: no host tier.
     kv_offloading_size: float | None = None
     # A disk tier below the host tier ({path, size}: GiB); needs kv_offloading_size and
-    # tensor_parallel_size 1. None: no disk tier.
+    # tensor_parallel_size 1. In a cluster each engine uses <path>/<engine name> (its own
+    # LRU and size; a restarted engine finds its files). None: no disk tier.
     kv_offloading_disk: KVOffloadingDiskConfig | None = None
 
     @field_validator("block_size")

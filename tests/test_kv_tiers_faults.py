@@ -1,6 +1,7 @@
 """The KV tiers under faults (issue 32): a disk path that cannot be written (a start-up error
 naming the field), a disk directory removed at run time and a full disk (misses and dropped,
-counted writes; never an exception in the step, never a partial file), a disk miss in the
+counted writes reported to routing; never an exception in the step, never a partial file),
+engines of a cluster in disk directories of their own, a disk miss in the
 middle of a prefix match while the pool is tight, and in whole engines: preemption of
 requests that restored from host, several requests restoring one prefix in the same step, a
 client abort of a request whose restore was planned, and a decode engine's KV fallback after
@@ -102,6 +103,41 @@ def test_a_full_disk_drops_the_write_counts_it_and_leaves_no_partial_file(tmp_pa
         assert tier.has(7, tok) and tier.read(7, tok) == bytearray(b"\x07" * 64)
     finally:
         tier.close()
+
+
+def test_a_failed_write_leaves_the_routers_view_of_the_lower_tiers(tmp_path) -> None:
+    """The proxy routes by the lower tiers' events: a block whose disk write failed (and that
+    the host tier no longer holds) is reported gone."""
+    disk = _tier(tmp_path)
+    tiers = TierManager(1, block_bytes=64, disk=disk)
+    events: list[tuple[bool, int]] = []
+    tiers.on_event = lambda stored, h: events.append((stored, h))
+
+    def write_bytes(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    disk._write_bytes = write_bytes
+    try:
+        tiers.on_evict(0, 1, (1,) * BS)  # hash 1 saved to the host slot
+        tiers.take_ops()
+        tiers.on_evict(1, 2, (2,) * BS)  # hash 2 takes the slot: hash 1 spills to disk
+        ops = tiers.take_ops()
+        assert [s.block_hash for s in ops.spills] == [1]
+        disk.write(1, (1,) * BS, b"\x01" * 64)  # what the step does with the spill: it fails
+        assert disk.wait_idle(10.0)
+        assert not tiers.has(1, (1,) * BS)
+        assert events == [(True, 1), (True, 2), (False, 1)]
+        assert tiers.lower_cached_hashes() == [2]
+    finally:
+        disk.close()
+
+
+def test_each_engine_of_a_cluster_has_its_own_disk_directory(tmp_path) -> None:
+    from pd_cluster.serving.cluster.cluster_config import parse_config
+    cfg = parse_config({"prefill": {"replicas": 2}, "engine": {
+        "kv_offloading_size": 0.01, "kv_offloading_disk": {"path": str(tmp_path), "size": 1}}})
+    paths = {s.name: s.engine_args["kv_offloading_disk"]["path"] for s in cfg.engine_specs()}
+    assert paths == {n: str(tmp_path / n) for n in ("prefill-0", "prefill-1", "decode-0")}
+    assert cfg.engine["kv_offloading_disk"]["path"] == str(tmp_path)  # the section unchanged
 
 
 def test_temporary_files_of_dead_writers_are_removed_at_start(tmp_path) -> None:

@@ -30,6 +30,7 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ SUFFIX = ".kvb"
 class DiskTier:
     def __init__(self, path: str, size_gib: float, fingerprint: bytes, block_size: int,
                  payload_bytes: int) -> None:
-        self.dir = Path(path)
+        self.dir = Path(path).expanduser()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=self.dir) as probe:  # writable, not just there
@@ -62,6 +63,9 @@ class DiskTier:
         self._index: OrderedDict[int, tuple[int, ...]] = OrderedDict()
         self._pending: dict[int, bytes] = {}  # written in a step, not yet on disk
         self._failed: set[int] = set()  # writes that failed, to drop from the index
+        # on_drop(hash): an entry left the index because its write failed (the TierManager
+        # reports it to routing; misses and LRU removals it sees itself).
+        self.on_drop: Callable[[int], None] = lambda block_hash: None
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, int, tuple[int, ...], bytes] | None] = queue.Queue()
         self.saved_blocks = self.saved_bytes = self.evicted_blocks = 0
@@ -89,7 +93,8 @@ class DiskTier:
             failed, self._failed = self._failed, set()
             failed -= self._pending.keys()
         for block_hash in failed:
-            self._index.pop(block_hash, None)
+            if self._index.pop(block_hash, None) is not None:
+                self.on_drop(block_hash)
 
     def touch(self, block_hash: int) -> None:
         self._index.move_to_end(block_hash)

@@ -47,6 +47,8 @@ class TierManager:
         self._spilling: set[int] = set()  # hashes whose disk write is decided this step
         self._ops = TierOps([], [], [], [])
         self.counters = TierCounters()
+        if disk is not None:
+            disk.on_drop = self._disk_dropped
 
     # ---- lookups (pure) ------------------------------------------------------------------
     def has(self, block_hash: int, token_ids: tuple[int, ...]) -> bool:
@@ -142,6 +144,11 @@ class TierManager:
         return out
 
     # ---- internals -----------------------------------------------------------------------
+    def _disk_dropped(self, block_hash: int) -> None:
+        """A block's disk write failed: findable below the device no more, unless on host."""
+        if block_hash not in self._lru:
+            self.on_event(False, block_hash)
+
     def _fill(self, slot: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
         self._lru[block_hash] = slot
         self._tokens[slot] = token_ids

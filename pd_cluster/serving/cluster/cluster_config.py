@@ -130,8 +130,10 @@ class ClusterConfig(ConfigSection):
             if cap is not None:
                 args["max_prefill_tokens_per_step"] = cap
             for i in range(rc.replicas):
-                specs.append(EngineSpec(name=f"{role}-{i}", role=role, model=self.model,
-                                        engine_args=args, num_cpus=rc.num_cpus,
+                name = f"{role}-{i}"
+                specs.append(EngineSpec(name=name, role=role, model=self.model,
+                                        engine_args=own_disk_tier(args, name),
+                                        num_cpus=rc.num_cpus,
                                         num_gpus=rc.num_gpus,
                                         pin_threads=self.cpu.pin_threads,
                                         reserve_cores=self.cpu.reserve_cores))
@@ -154,6 +156,16 @@ class ClusterConfig(ConfigSection):
             return cls.model_validate(data)
         except ValidationError as e:
             raise config_error(e, cls) from None
+
+
+def own_disk_tier(args: dict[str, Any], name: str) -> dict[str, Any]:
+    """Each engine's KV disk tier in a directory of its own, ``<path>/<engine name>``: engines
+    of one node never evict each other's files nor exceed ``size`` together, and a restarted
+    engine (same name) finds the files its previous incarnation wrote."""
+    disk = args.get("kv_offloading_disk")
+    if not disk:
+        return args
+    return {**args, "kv_offloading_disk": {**disk, "path": str(Path(disk["path"]) / name)}}
 
 
 def prefill_cap(role: str, rc: RoleConfig, engine: dict[str, Any]) -> int | None:
