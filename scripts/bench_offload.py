@@ -121,16 +121,32 @@ def cached_share(results: list[Result]) -> float:
     return sum(r.cached_tokens for r in results) / total if total else 0.0
 
 
-def tier_stats(cluster: Any) -> dict[str, float]:
-    """The engines' kv_offload_* counters summed (fresh, from the actors)."""
+def engine_stats(cluster: Any) -> dict[str, float]:
+    """The engines' kv_offload_* and step counters summed (fresh, from the actors)."""
     import ray
     stats = ray.get([h.stats.remote() for h in cluster.engines.values()], timeout=60)
     out: dict[str, float] = {}
     for st in stats:
         for k, v in st.items():
-            if k.startswith("kv_offload_") and isinstance(v, (int, float)):
+            if (k.startswith("kv_offload_") or k in ("steps", "step_seconds")) \
+                    and isinstance(v, (int, float)):
                 out[k] = out.get(k, 0.0) + float(v)
     return out
+
+
+def decisions(url: str) -> str:
+    """The proxy's remote/local prefill choices (1P1D), as ``path/reason=n``."""
+    import re
+
+    import httpx
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = re.findall(r'^pd_disaggregation_decisions_total\{path="(\w+)",reason="(\w+)"\} '
+                       r'([0-9.e+-]+)$', text, re.M)
+    return " ".join(f"{p}/{r}={int(float(n))}" for p, r, n in found if float(n)) or "-"
+
+
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
 
 
 def run(topology: str, config: str, args: argparse.Namespace, system: list[int],
@@ -154,10 +170,12 @@ def run(topology: str, config: str, args: argparse.Namespace, system: list[int],
               flush=True)
         cluster = launch(cfg, progress=False)
         try:
+            load = [loadavg()]
             turns = asyncio.run(run_turns(cluster.url, cfg.model_name, system, users, args,
                                           label))
+            load.append(loadavg())
             time.sleep(args.settle)  # the last steps' counters land
-            stats = tier_stats(cluster)
+            stats, choices = engine_stats(cluster), decisions(cluster.url)
         finally:
             cluster.shutdown()
     later = [r for t in turns[1:] for r in t]
@@ -170,7 +188,9 @@ def run(topology: str, config: str, args: argparse.Namespace, system: list[int],
             "ttft_p50": pct([r.ttft for r in later], 50),
             "ttft_p99": pct([r.ttft for r in later], 99),
             "tpot_p99": pct([r.tpot for r in later if r.output_tokens > 1], 99),
-            "stats": stats}
+            # controls: turn 1 restores nothing in any config; the machine's load meanwhile
+            "ttft_p50_turn1": pct([r.ttft for r in turns[0]], 50),
+            "load": load, "decisions": choices, "stats": stats}
 
 
 def report(topology: str, runs: dict[str, dict[str, Any]]) -> None:
@@ -178,15 +198,26 @@ def report(topology: str, runs: dict[str, dict[str, Any]]) -> None:
     print(f"\n=== {topology} (turns >= 2; at most {100 * off['ideal_share']:.1f}% of their "
           f"prompt tokens can be cached: the previous turns, in whole blocks)")
     print(f"{'config':<11}{'cached%':>8}{'TTFT p50':>10}{'p99':>9}{'TPOT p99':>10}"
-          f"{'host MB':>9}{'disk MB':>9}{'hits h/d':>11}{'TTFT x':>8}{'TPOT x':>8}")
+          f"{'TTFT x':>8}{'TPOT x':>8}{'hits h/d':>10}{'MB h/d':>14}{'restore ms':>11}"
+          f"{'step ms':>9}{'turn1 TTFT':>11}{'load':>10}  decisions")
     for name, r in runs.items():
         st = r["stats"]
-        restored = [st.get(f"kv_offload_bytes_restored_{t}", 0.0) / 1e6 for t in TIERS]
+        # bytes out of each tier: host -> device (disk hits too: they pass through a host
+        # slot) and disk -> host
+        mb = "/".join(f"{st.get(f'kv_offload_bytes_restored_{t}', 0.0) / 1e6:.1f}"
+                      for t in TIERS)
         hits = "/".join(str(int(st.get(f"kv_offload_hit_blocks_{t}", 0))) for t in TIERS)
+        step = 1e3 * st.get("step_seconds", 0.0) / max(1.0, st.get("steps", 0.0))
+        load = "-".join(f"{x:.1f}" for x in r["load"])
         print(f"{name:<11}{100 * r['cached_share']:>8.1f}{1e3 * r['ttft_p50']:>10.1f}"
-              f"{1e3 * r['ttft_p99']:>9.1f}{1e3 * r['tpot_p99']:>10.2f}{restored[0]:>9.2f}"
-              f"{restored[1]:>9.2f}{hits:>11}{off['ttft_p50'] / r['ttft_p50']:>8.2f}"
-              f"{r['tpot_p99'] / off['tpot_p99']:>8.2f}")
+              f"{1e3 * r['ttft_p99']:>9.1f}{1e3 * r['tpot_p99']:>10.2f}"
+              f"{off['ttft_p50'] / r['ttft_p50']:>8.2f}{r['tpot_p99'] / off['tpot_p99']:>8.2f}"
+              f"{hits:>10}{mb:>14}{1e3 * st.get('kv_offload_restore_seconds', 0.0):>11.1f}"
+              f"{step:>9.1f}{1e3 * r['ttft_p50_turn1']:>11.1f}{load:>10}  {r['decisions']}")
+    print("(TTFT x: off's TTFT p50 over this one's; TPOT x: this one's TPOT p99 over off's; "
+          "MB h/d: restored out of the host tier (disk hits included) / out of the disk tier; "
+          "step ms: mean engine step; turn1 TTFT: p50 of turn 1, which restores nothing "
+          "anywhere: a control for noise; load: 1-minute load average at start-end)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

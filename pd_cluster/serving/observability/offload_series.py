@@ -34,7 +34,8 @@ _PER_TIER = (
                 "Prompt KV blocks the engine's device cache lacked and this tier held (restored "
                 "by a copy, counted as cached tokens)"),
     _TierSeries("kv_offload_bytes_restored_{tier}", "vllm:kv_offload_load_bytes",
-                "KV bytes restored from this tier into the engine's device blocks"),
+                "KV bytes read out of this tier on restores: host, into device blocks (disk "
+                "hits included: they pass through a host slot); disk, into host slots"),
     _TierSeries("kv_offload_bytes_saved_{tier}", "vllm:kv_offload_store_bytes",
                 "KV bytes saved into this tier (blocks leaving the tier above it)"),
     _TierSeries("kv_offload_evicted_blocks_{tier}", "vllm:kv_offload_block_eviction",
