@@ -23,7 +23,7 @@ def _tier_stats(**over: float) -> dict[str, float]:
              "kv_offload_evicted_blocks_disk": 10, "kv_offload_bytes_saved_host": 400 * MIB,
              "kv_offload_bytes_saved_disk": 310 * MIB, "kv_offload_bytes_restored_host": 40 * MIB,
              "kv_offload_bytes_restored_disk": 6 * MIB, "kv_offload_restore_seconds": 0.25,
-             "kv_offload_disk_misses": 2}
+             "kv_offload_disk_misses": 2, "kv_offload_disk_write_errors": 1}
     return {**stats, **over}
 
 
@@ -33,7 +33,8 @@ def _engine(name: str, stats: dict[str, Any]) -> SimpleNamespace:
 
 
 def test_offload_series_per_engine_and_tier() -> None:
-    engines = [_engine("decode-0", _tier_stats()), _engine("prefill-0", {})]
+    engines = [_engine("decode-0", _tier_stats(kv_offload_new_thing=3)),
+               _engine("prefill-0", {})]
     text = ProxyMetrics(lambda: engines, "m").render().decode()
     vl, pl = 'engine="decode-0",model_name="m"', 'engine="decode-0",role="decode"'
     for series in (f'vllm:kv_offload_tiering_block_hits_total{{{vl},tier="host"}} 40.0',
@@ -48,13 +49,18 @@ def test_offload_series_per_engine_and_tier() -> None:
                    f'pd_kv_offload_blocks_used{{{pl},tier="host"}} 128.0',
                    f'pd_kv_offload_blocks_used{{{pl},tier="disk"}} 300.0',
                    f'pd_kv_offload_host_blocks_total{{{pl}}} 512.0',
-                   f'pd_kv_offload_disk_misses_total{{{pl}}} 2.0'):
+                   f'pd_kv_offload_disk_misses_total{{{pl}}} 2.0',
+                   f'pd_kv_offload_disk_write_errors_total{{{pl}}} 1.0',
+                   f'pd_kv_offload_new_thing{{{pl}}} 3.0'):  # a stat not described yet
         assert series in text, series
     # an engine without tiers has none of these series; no stat is exported twice
     assert 'engine="prefill-0",model_name="m",tier=' not in text
     assert "pd_engine_kv_offload" not in text
     helps = [ln for ln in text.splitlines() if ln.startswith("# HELP") and "offload" in ln]
-    assert len(helps) == 10 and not [h for h in helps if "Engine stat" in h]
+    undescribed = [h for h in helps if "not described yet" in h]
+    assert len(helps) == 12 and undescribed == [
+        "# HELP pd_kv_offload_new_thing Engine stat kv_offload_new_thing (not described yet in "
+        "serving/observability/offload_series.py)"]
 
 
 def test_status_tier_line() -> None:
@@ -82,3 +88,14 @@ def test_pd_cluster_status_prints_a_tier_line_per_engine_with_tiers(
     lines = capsys.readouterr().out.splitlines()
     tiers = [ln for ln in lines if "KV tiers" in ln]
     assert tiers == ["decode-0 KV tiers: " + tier_line(_tier_stats())]
+
+
+def test_every_offload_stat_of_a_real_engine_has_a_described_series(tmp_path) -> None:
+    """An engine with a host and a disk tier reports only kv_offload_* stats the tables name
+    (a new one would still be exported, but undescribed)."""
+    from pd_cluster import LLM
+    from pd_cluster.serving.observability.offload_series import _KNOWN, PREFIX
+    with LLM(num_kv_blocks=16, kv_offloading_size=0.001,
+             kv_offloading_disk={"path": str(tmp_path / "kv"), "size": 0.001}) as llm:
+        keys = {k for k in llm.engine.stats() if k.startswith(PREFIX)}
+    assert "kv_offload_hit_blocks_disk" in keys and keys <= _KNOWN, keys - _KNOWN

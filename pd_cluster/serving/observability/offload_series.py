@@ -47,12 +47,31 @@ _PER_TIER = (
 )
 
 
+# Per engine, no tier: (stat, series, help, counter?)
+_PER_ENGINE = (
+    _TierSeries("kv_offload_restore_seconds", "vllm:kv_offload_load_time",
+                "Seconds spent restoring KV blocks from the engine's lower tiers into its "
+                "device blocks"),
+    _TierSeries("kv_offload_host_blocks_total", "pd_kv_offload_host_blocks_total",
+                "KV blocks the engine's host tier holds at most", counter=False),
+    _TierSeries("kv_offload_disk_misses", "pd_kv_offload_disk_misses",
+                "Disk-tier blocks found missing or corrupt when read back (a miss: the prompt "
+                "is computed instead)"),
+    _TierSeries("kv_offload_disk_write_errors", "pd_kv_offload_disk_write_errors",
+                "Disk-tier writes that failed (full disk, directory gone): the block is not "
+                "kept"),
+)
+_KNOWN = ({s.stat.format(tier=t) for s in _PER_TIER for t in TIERS}
+          | {s.stat for s in _PER_ENGINE})
+
+
 def _vllm(series: _TierSeries) -> bool:
     return series.name.startswith("vllm:")
 
 
 class OffloadCollector(Collector):
-    """The series above, for every engine whose latest stats carry ``kv_offload_*``."""
+    """The series above, for every engine whose latest stats carry ``kv_offload_*``; a
+    ``kv_offload_*`` stat not in the tables yet is still exported, as ``pd_<stat>``."""
 
     def __init__(self, snapshot: Callable[[], list[Any]], model_name: str):
         self._snapshot, self._model = snapshot, model_name
@@ -60,21 +79,15 @@ class OffloadCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         vllm_labels, pd_labels = ["model_name", "engine"], ["engine", "role"]
         fams: dict[str, Metric] = {}
-        for s in _PER_TIER:
+        for s in (*_PER_TIER, *_PER_ENGINE):
             kind = CounterMetricFamily if s.counter else GaugeMetricFamily
-            labels = (vllm_labels if _vllm(s) else pd_labels) + ["tier"]
+            labels = (vllm_labels if _vllm(s) else pd_labels) + (["tier"] if "{tier}" in s.stat
+                                                                  else [])
             fams[s.name] = kind(s.name, s.help, labels=labels)
-        load_time = CounterMetricFamily(
-            "vllm:kv_offload_load_time", "Seconds spent restoring KV blocks from the engine's "
-            "lower tiers into its device blocks", labels=vllm_labels)
         usage = GaugeMetricFamily(
             "vllm:kv_offload_cpu_cache_usage_perc", "Share of the engine's host KV tier in use "
             "(1 = all)", labels=vllm_labels)
-        host_total = GaugeMetricFamily("pd_kv_offload_host_blocks_total", "KV blocks the "
-                                       "engine's host tier holds at most", labels=pd_labels)
-        disk_misses = CounterMetricFamily(
-            "pd_kv_offload_disk_misses", "Disk-tier blocks found missing or corrupt when read "
-            "back (a miss: the prompt is computed instead)", labels=pd_labels)
+        others: dict[str, Metric] = {}
         for e in self._snapshot():
             st = e.stats
             vl, pl = [self._model, e.name], [e.name, e.role]
@@ -83,17 +96,23 @@ class OffloadCollector(Collector):
                     value = st.get(s.stat.format(tier=tier))
                     if _number(value):
                         fams[s.name].add_metric((vl if _vllm(s) else pl) + [tier], float(value))
-            if _number(st.get("kv_offload_restore_seconds")):
-                load_time.add_metric(vl, float(st["kv_offload_restore_seconds"]))
+            for s in _PER_ENGINE:
+                if _number(st.get(s.stat)):
+                    fams[s.name].add_metric(vl if _vllm(s) else pl, float(st[s.stat]))
             total = st.get("kv_offload_host_blocks_total")
-            if _number(total):
-                host_total.add_metric(pl, float(total))
-                if total:
-                    usage.add_metric(vl, float(st.get("kv_offload_host_blocks_used", 0)) / total)
-            if _number(st.get("kv_offload_disk_misses")):
-                disk_misses.add_metric(pl, float(st["kv_offload_disk_misses"]))
+            if _number(total) and total:
+                usage.add_metric(vl, float(st.get("kv_offload_host_blocks_used", 0)) / total)
+            for key, value in st.items():
+                if key.startswith(PREFIX) and key not in _KNOWN and _number(value):
+                    fam = others.get(key)
+                    if fam is None:
+                        fam = others[key] = GaugeMetricFamily(
+                            f"pd_{key}", f"Engine stat {key} (not described yet in "
+                            f"serving/observability/offload_series.py)", labels=pd_labels)
+                    fam.add_metric(pl, float(value))
         yield from fams.values()
-        yield from (load_time, usage, host_total, disk_misses)
+        yield usage
+        yield from others.values()
 
 
 def _number(value: Any) -> bool:
