@@ -1,12 +1,13 @@
-"""The KV tiers under faults (issue 32): a disk path that cannot be written (a start-up error
-naming the field), a disk directory removed at run time and a full disk (misses and dropped,
-counted writes reported to routing; never an exception in the step, never a partial file),
-engines of a cluster in disk directories of their own, a disk miss in the
-middle of a prefix match while the pool is tight, and in whole engines: preemption of
-requests that restored from host, several requests restoring one prefix in the same step, a
-client abort of a request whose restore was planned, and a decode engine's KV fallback after
-it restored part of the prompt from its own tier. Outputs are checked against HF (greedy fp32)
-and every engine ends with a leak check (device blocks and host slots)."""
+"""The KV tiers under faults (issue 32): a disk path that cannot be written and a host tier
+larger than the node's available memory (start-up errors naming the field), a disk directory
+removed at run time and a full disk (misses; dropped, counted writes reported to routing;
+never an exception in the step, never a partial file), engines of a cluster in disk
+directories of their own, a disk miss in the middle of a prefix match while the pool is
+tight; and in whole engines: preemption of requests that restored from host, several
+requests restoring one prefix in the same step, a client abort of a request whose restore
+ran, a decode engine's KV fallback after it restored part of the prompt from its own tier,
+and a step that raises while restoring. Outputs are checked against HF (greedy fp32) and
+every engine ends with a leak check (device blocks and host slots)."""
 from __future__ import annotations
 
 import errno
@@ -75,6 +76,16 @@ def test_an_unwritable_disk_path_is_a_start_up_error_naming_the_field(tiny_model
     afile.write_text("x")
     with pytest.raises(ValueError, match=r"kv_offloading_disk\.path"):
         tiered_llm(tiny_model(), disk=afile / "kv")
+
+
+def test_a_host_tier_the_node_cannot_hold_is_a_start_up_error(tiny_model) -> None:
+    from pd_cluster.engine.kv_tiers.setup import available_host_bytes
+    available = available_host_bytes()
+    if available is None:
+        pytest.skip("no MemAvailable in /proc/meminfo on this system")
+    with pytest.raises(ValueError, match=r"kv_offloading_size: .* GiB available"):
+        LLM(model=tiny_model(), block_size=BS, num_kv_blocks=16,
+            kv_offloading_size=2 * available / 2**30)
 
 
 def test_a_full_disk_drops_the_write_counts_it_and_leaves_no_partial_file(tmp_path) -> None:
@@ -322,3 +333,44 @@ def test_decode_falls_back_after_restoring_part_of_the_prompt(tiny_model) -> Non
         d.check_no_leaks()
     finally:
         d.close()
+
+
+def test_a_step_that_fails_while_restoring_ends_its_requests_with_an_engine_error(
+        tiny_model) -> None:
+    """The restore's copies raise inside the step (the step's ops were already taken): the
+    engine loop ends every active request with an engine error (the proxy retries or migrates
+    them) and reports the engine fatal (the actor exits and Ray starts a fresh one: a host
+    tier whose ops half ran is never used again)."""
+    import gc
+    import threading
+
+    from pd_cluster.driver.engine_loop import EngineLoop
+    from pd_cluster.driver.messages import ERROR_ENGINE, EngineRequest
+
+    model = tiny_model()
+    llm = tiered_llm(model)
+    store = llm.engine.runner.tier_store
+    try:
+        turn2 = history(llm, model)
+        push_out(llm, model)
+        run_ops = store.execute
+
+        def failing(ops):
+            if ops is not None and ops.loads:
+                raise RuntimeError("host tier copy failed")
+            run_ops(ops)
+        store.execute = failing
+        deltas, fatal = [], threading.Event()
+        loop = EngineLoop(llm.engine, deltas.extend, lambda e: fatal.set())
+        loop.start()
+        try:
+            loop.submit(EngineRequest("t2", turn2, GREEDY))
+            assert fatal.wait(30.0), "the engine loop never reported the failure"
+        finally:
+            loop.stop()
+            gc.unfreeze()  # the loop froze this process's objects for the engine's lifetime
+        [end] = [d for d in deltas if d.request_id == "t2"]
+        assert end.finished and end.error_type == ERROR_ENGINE
+        assert "host tier copy failed" in end.error
+    finally:
+        llm.close()

@@ -26,6 +26,7 @@ import logging
 import os
 import tempfile
 import queue
+import shutil
 import struct
 import threading
 import zlib
@@ -60,6 +61,10 @@ class DiskTier:
         if self.capacity < 1:
             raise ValueError(f"kv_offloading_disk.size: {size_gib} GiB holds no KV block "
                              f"({self.file_bytes} bytes per file)")
+        free = shutil.disk_usage(self.dir).free
+        if free < size_gib * 2**30:  # writes beyond it fail (counted, dropped): not an error
+            logger.warning("kv_offloading_disk.size: %s GiB, but %s has %.1f GiB free",
+                           size_gib, self.dir, free / 2**30)
         self._index: OrderedDict[int, tuple[int, ...]] = OrderedDict()
         self._pending: dict[int, bytes] = {}  # written in a step, not yet on disk
         self._failed: set[int] = set()  # writes that failed, to drop from the index

@@ -30,6 +30,29 @@ def num_host_slots(config: EngineConfig, rank_block_bytes: int) -> int:
     return slots
 
 
+def available_host_bytes() -> int | None:
+    """The node's MemAvailable (None where /proc/meminfo does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(rank_bytes: int, size_gib: float) -> None:
+    """A host tier the node cannot hold is a start-up error, not an engine the kernel kills
+    (again at every restart) once the tier's memory is committed. Per rank: a rank that
+    starts after another sees the memory that one committed."""
+    available = available_host_bytes()
+    if available is not None and rank_bytes > available:
+        raise ValueError(f"kv_offloading_size: {size_gib} GiB of host memory for KV blocks "
+                         f"({rank_bytes / 2**30:.1f} GiB on this rank), but this node has "
+                         f"{available / 2**30:.1f} GiB available")
+
+
 def create_disk_tier(config: EngineConfig, runner: Any) -> DiskTier:
     """The disk tier behind rank 0's host store (tensor_parallel_size 1, checked by the
     config); its files carry a fingerprint of everything that makes their bytes mean this
@@ -56,6 +79,7 @@ def create_tier_store(config: EngineConfig, runner: Any) -> None:
                            "prefix-cacheable (longrope)")
         return
     slots = num_host_slots(config, runner.kv_spec.block_bytes)
+    check_host_memory(slots * runner.kv_spec.block_bytes, config.kv_offloading_size)
     runner.tier_store = HostTierStore(runner.kv_caches, slots)
     logger.info("KV host tier: %d blocks (%.1f MiB on this rank)", slots,
                 slots * runner.kv_spec.block_bytes / 2**20)
