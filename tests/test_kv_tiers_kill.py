@@ -1,12 +1,12 @@
 """An engine killed while its requests restore their histories from the KV tiers (issue 32).
 
 1P1D on Ray, tiny device pools (histories are evicted between turns), a small host tier
-spilling to a disk tier both engines share. Six conversations come back at once with long
+spilling to a disk tier (a directory per engine). Six conversations come back at once with long
 replies; once the decode engine has restored blocks from its tiers and streams are under way,
 its process is SIGKILLed. Every request still completes (migrated or retried, as the failure
-rules say) with the offline engine's tokens; the restarted decode engine finds its previous
-incarnation's disk files (verified hits or misses: the next turn is exact again); nothing is
-left held anywhere (device blocks, host slots).
+rules say) with the offline engine's tokens; the restarted decode engine indexes its previous
+incarnation's disk files and restores the next turn's histories from them (verified: that turn
+is exact again); nothing is left held anywhere (device blocks, host slots).
 """
 from __future__ import annotations
 
@@ -146,14 +146,16 @@ def test_decode_killed_mid_restore_loses_nothing_and_holds_nothing(cluster, offl
         d = _engine(cluster.url, "decode-0")
         return d if d["healthy"] and d["pid"] != old_pid and d["restarts"] >= 1 else None
     d0 = wait_until(restarted, 120, "decode-0 restarted by Ray and healthy again", 0.5)
-    # The new incarnation indexed the files its predecessor (and P) left in the shared
-    # disk directory; whatever it restores from them is verified (turn 3 is exact).
+    # The new incarnation indexed the files its predecessor left in its disk directory;
+    # whatever it restores from them is verified (turn 3 is exact).
     assert d0["stats"]["kv_offload_disk_blocks_used"] > 0
     assert _restored(d0["stats"]) == 0
 
-    # Turn 3 of every conversation through the surviving P and the restarted D.
+    # Turn 3 of every conversation through the surviving P and the restarted D, exact ...
     turn3 = [p + ids + tokens(16) for p, ids in zip(turn2, expected2)]
     _turn(cluster.url, turn3, 16, _greedy(offline, turn3, 16))
+    # ... restoring the histories from its predecessor's files (its host tier started empty)
+    assert _engine(cluster.url, "decode-0")["stats"]["kv_offload_hit_blocks_disk"] > 0
 
     st = wait_idle(cluster.url, timeout=60)  # P's blocks for the dead D free after the timeout
     assert all(e["stats"]["kv_blocks_used"] == 0 for e in st["engines"])
