@@ -121,7 +121,8 @@ class CompiledModel:
         return fn
 
     def _compile(self, device: torch.device, save: bool) -> Any:
-        logger.info("compiling the model (first start, cached for the next) ...")
+        # Warnings: the one start that waits on it says why, in an engine actor's log too.
+        logger.warning("compiling the model (first start, cached for the next) ...")
         start = time.monotonic()
         with torch.inference_mode(False):  # like the runner's input buffers (guarded)
             ids = torch.zeros(_EXAMPLE_TOKENS, dtype=torch.long, device=device)
@@ -143,8 +144,8 @@ class CompiledModel:
             return compiled
         if save:
             _write_atomic(self.path, data)
-        logger.info("compiled the model in %.1f s%s", time.monotonic() - start,
-                    f" (cached in {self.path})" if save else "")
+        logger.warning("compiled the model in %.1f s%s", time.monotonic() - start,
+                       f" (cached in {self.path})" if save else "")
         return fn
 
 
