@@ -105,6 +105,8 @@ def _metric(url: str, name: str) -> float:
 
 
 def test_decode_killed_mid_restore_loses_nothing_and_holds_nothing(cluster, offline) -> None:
+    import ray
+
     rng = random.Random(11)
 
     def tokens(n: int) -> list[int]:
@@ -130,10 +132,13 @@ def test_decode_killed_mid_restore_loses_nothing_and_holds_nothing(cluster, offl
             await asyncio.wait_for(first.wait(), 120)  # D is streaming a returning turn
 
             def restoring() -> bool:
-                return _restored(_engine(cluster.url, "decode-0")["stats"]) > restored_before
-            # D restored history blocks from its tiers; the other turns are still queued on it
+                # the engine's own stats (a step old at most, not the last health check's)
+                st = ray.get(cluster.engines["decode-0"].stats.remote(), timeout=10)
+                more = st["num_running"] + st["num_waiting"] + st["num_waiting_for_remote_kv"]
+                return _restored(st) > restored_before and more > 1
+            # D restored history blocks from its tiers, and has more returning turns to run
             await asyncio.to_thread(wait_until, restoring, 60, "decode-0 restoring from its "
-                                    "KV tiers", 0.05)
+                                    "KV tiers with more turns to come", 0.02)
             assert not all(t.done() for t in tasks), "every turn ended before the kill"
             os.kill(old_pid, signal.SIGKILL)  # Ray restarts it (max_restarts)
             return await asyncio.wait_for(asyncio.gather(*tasks), 240)
