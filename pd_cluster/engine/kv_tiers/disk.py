@@ -24,10 +24,10 @@ import contextlib
 import errno
 import logging
 import os
-import tempfile
 import queue
 import shutil
 import struct
+import tempfile
 import threading
 import zlib
 from collections import OrderedDict
@@ -196,7 +196,8 @@ class DiskTier:
         """Index this engine's kind of files an earlier engine left (oldest first)."""
         for f in self.dir.glob("*.tmp"):
             if not _writer_alive(f):
-                f.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    f.unlink(missing_ok=True)
         found = []
         for f in self.dir.glob(f"*{SUFFIX}"):
             try:
