@@ -16,6 +16,7 @@ is ``vs_vllm_offline=X vs_vllm_served_tok_s=Y vs_vllm_tpot=Z`` (1P1D, the first 
 
   python scripts/bench_vs_vllm.py --setup-vllm --parts none   # once: vLLM's own venv
   flock /tmp/pd-bench.lock python scripts/bench_vs_vllm.py --dtype fp32,bf16
+  ... --parts offline --pd-eager    # also pd-cluster eager beside its default (compiled) run
   python scripts/bench_vs_vllm.py --smoke    # pd-cluster's side only, tiny model (tests)
 """
 from __future__ import annotations
