@@ -103,6 +103,20 @@ def test_a_stale_artifact_is_compiled_again(tiny_model, caplog: pytest.LogCaptur
     assert compiled(llm).path.read_bytes() != b"not an artifact"
 
 
+def test_compiled_code_lives_in_the_project_cache(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unless the user chose a dir: inductor's own default (set by importing it) is a temp dir."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from pd_cluster.engine.compile_cache import inductor_cache_dir
+    monkeypatch.setenv("PD_CLUSTER_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert inductor_cache_dir() == tmp_path / "inductor"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")  # children too
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert inductor_cache_dir() == tmp_path / "mine"
+
+
 def test_the_key_covers_dtype_rank_and_shapes(tiny_model) -> None:
     import json
     from pathlib import Path

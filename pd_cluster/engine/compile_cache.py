@@ -41,9 +41,11 @@ _COMPILE_MODULES = ("compiled_model.py", "compile_cache.py")
 def inductor_cache_dir() -> Path:
     """Inductor's on-disk caches (the kernels an artifact loads): ``TORCHINDUCTOR_CACHE_DIR``
     if the user chose one, else the project's cache dir (set for this process and its
-    children, so tensor-parallel workers share it)."""
+    children, so tensor-parallel workers share it). Importing inductor sets the variable to
+    its own default (a temp dir, lost on reboot): that one counts as not chosen."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not path:
+    if not path or os.path.abspath(path) == os.path.abspath(default_cache_dir()):
         path = str(cache_root() / "inductor")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     return Path(path)
