@@ -161,11 +161,53 @@ def pd_server(kind: str, model: str, dtype: str, progress: bool) -> Iterator[tup
     cluster = launch(load_config(REPO / path, over), progress=progress)
     try:
         import ray
+        threads = {}
         for name, actor in cluster.engines.items():
             info = ray.get(actor.cpu_setup.remote(), timeout=60)
             cores = info["cores"] or "not pinned: " + info["why_not_pinned"]
             print(f"  [{kind}] {name}: cores {cores}, torch threads {info['torch_threads']}, "
                   f"LD_PRELOAD {info['ld_preload'] or '-'}", flush=True)
+            threads[name] = (info["pid"], info["engine_thread_id"])
+        before = engine_time(cluster.engines, threads)
         yield cluster.url, "bench"
+        print_engine_time(kind, before, engine_time(cluster.engines, threads))
     finally:
         cluster.shutdown()
+
+
+def engine_time(engines: dict[str, Any], threads: dict[str, tuple[int, int]]
+                ) -> dict[str, dict[str, float]]:
+    """Per engine: its step counters and its engine thread's seconds on a core and waiting
+    for one (runnable, /proc/<pid>/task/<tid>/schedstat; this node's engines only)."""
+    import ray
+    out = {}
+    for name, actor in engines.items():
+        stats = ray.get(actor.stats.remote(), timeout=60)
+        row = {k: float(stats.get(k, 0)) for k in ("steps", "output_steps",
+                                                  "output_step_seconds", "tokens_generated")}
+        pid, tid = threads[name]
+        try:
+            on_cpu, waiting = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[:2]
+            row.update(on_cpu=int(on_cpu) / 1e9, runnable=int(waiting) / 1e9)
+        except (OSError, ValueError):  # another node, or no schedstat in this kernel
+            pass
+        row["wall"] = time.monotonic()
+        out[name] = row
+    return out
+
+
+def print_engine_time(kind: str, before: dict[str, dict[str, float]],
+                      after: dict[str, dict[str, float]]) -> None:
+    """Where each engine thread's time went while the cluster served (the forward is the
+    on-core time of its steps; runnable: other threads had its core)."""
+    for name, b in before.items():
+        d = {k: v - b.get(k, 0.0) for k, v in after[name].items()}
+        n = max(d["output_steps"], 1)
+        line = (f"  [{kind}] {name}: {d['steps']:.0f} steps, {d['tokens_generated']:.0f} tokens "
+                f"in {d['output_steps']:.0f} output steps ({d['tokens_generated'] / n:.1f} per "
+                f"step, {1e3 * d['output_step_seconds'] / n:.1f} ms per step)")
+        if "on_cpu" in d:
+            line += (f"; engine thread over {d['wall']:.1f}s: {d['on_cpu']:.1f}s on its core, "
+                     f"{d['runnable']:.1f}s runnable waiting for it, "
+                     f"{d['wall'] - d['on_cpu'] - d['runnable']:.1f}s idle or blocked")
+        print(line, flush=True)

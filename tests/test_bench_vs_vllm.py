@@ -25,6 +25,9 @@ def test_bench_vs_vllm_smoke() -> None:
     assert lines[-1].startswith("vs_vllm_offline=n/a vs_vllm_served_tok_s=n/a"), out
     for figure in ("offline pd", "served  pd", "served  colocated", "stream  colocated"):
         assert any(figure in ln for ln in lines), (figure, out)
+    # where each engine thread's time went while serving (decode-0 produced the tokens)
+    split = [ln for ln in lines if ln.startswith("  [pd] decode-0:") and "output steps" in ln]
+    assert split and " 0 tokens" not in split[0], out
 
 
 def test_bench_vs_vllm_rejects_unknown_parts() -> None:

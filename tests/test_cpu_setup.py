@@ -24,6 +24,28 @@ def test_claim_order_takes_reserved_cores_last() -> None:
     assert claim_order([2, 5], reserve=5) == [5, 2]
 
 
+def test_prefill_engines_claim_the_serving_cores_first() -> None:
+    # 1P1D on 2 cores: whichever engine starts first, P shares core 0 with serving, D has 1.
+    assert claim_order([0, 1], reserve=1, serving_first=True) == [0, 1]
+    assert claim_order([0, 1], reserve=1) == [1, 0]
+    assert claim_order([0, 1, 2, 3], reserve=1, serving_first=True) == [0, 1, 2, 3]
+    assert claim_order([0, 1, 2, 3], reserve=2, serving_first=True) == [1, 0, 2, 3]
+
+
+def test_prefill_and_decode_claims_do_not_depend_on_start_order(tmp_path: Path) -> None:
+    cores = node_cores()
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    for prefill_first in (True, False):
+        claims = {}
+        for role in (("p", "d") if prefill_first else ("d", "p")):
+            claims[role] = claim_cores(1, reserve=1, lock_dir=tmp_path,
+                                       serving_first=role == "p")
+        assert claims["p"].cores == (cores[0],) and claims["d"].cores == (cores[-1],)
+        for claim in claims.values():
+            claim.release()
+
+
 def test_claims_are_exclusive_and_released(tmp_path: Path) -> None:
     cores = node_cores()
     first = claim_cores(1, reserve=1, lock_dir=tmp_path)

@@ -172,8 +172,9 @@ class CpuConfig(ConfigSection):
     # Each engine on CPU pins its compute threads (num_cpus of them) to cores of its own,
     # claimed on its node; with none free it does not pin and says so (driver/cpu_setup.py).
     pin_threads: bool = CpuPolicy.pin_threads
-    # Cores of each node that engines claim last: the proxy's, Ray's and the OS's (on a
-    # 2-core node, one engine on core 1 leaves core 0 to serving; two engines take both).
+    # Cores of each node kept for the proxy, Ray and the OS: decode and colocated engines
+    # claim them last, prefill engines first (on a 2-core node, one engine on core 1 leaves
+    # core 0 to serving; in 1P1D, P shares core 0 with serving and D has core 1).
     reserve_cores: int = Field(CpuPolicy.reserve_cores, ge=0)
     # LD_PRELOAD tcmalloc and Intel OpenMP (libiomp5) into engines where the node has them.
     preload_libraries: bool = CpuPolicy.preload_libraries

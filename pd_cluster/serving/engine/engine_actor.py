@@ -21,8 +21,8 @@ from typing import Any
 
 from pd_cluster.driver.cpu_setup import CoreClaim, claim_cores
 from pd_cluster.driver.engine_loop import EngineLoop
-from pd_cluster.driver.messages import (ERROR_ENGINE, EngineDelta, EngineInfo, EngineRequest,
-                                        EngineSpec)
+from pd_cluster.driver.messages import (ERROR_ENGINE, ROLE_PREFILL, EngineDelta, EngineInfo,
+                                        EngineRequest, EngineSpec)
 from pd_cluster.serving.engine.output_sender import OutputSender
 from pd_cluster.serving.engine.request_reader import RequestReader
 
@@ -274,10 +274,11 @@ def on_this_node(kv_transfer: dict[str, Any], node_ip: str) -> dict[str, Any]:
 
 def claim_engine_cores(spec: EngineSpec, threads: int) -> CoreClaim:
     """The cores this engine's compute threads are pinned to (none when its spec says not
-    to, it runs on a GPU, or its node has no free cores; the log says which)."""
+    to, it runs on a GPU, or its node has no free cores; the log says which). A prefill
+    engine takes the serving path's cores first (driver/cpu_setup.py)."""
     if not spec.pin_threads or spec.num_gpus > 0:
         return CoreClaim(why_not="pinning is off" if not spec.pin_threads else "GPU engine")
-    claim = claim_cores(threads, spec.reserve_cores)
+    claim = claim_cores(threads, spec.reserve_cores, serving_first=spec.role == ROLE_PREFILL)
     if claim.cores:
         logger.info("%s: compute threads pinned to cores %s", spec.name, list(claim.cores))
     else:
