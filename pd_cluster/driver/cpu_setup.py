@@ -9,8 +9,8 @@ never pin onto the same core. The node's ``reserve`` lowest cores are the servin
 (proxy, Ray, the OS): decode and colocated engines take them last, prefill engines first. Where
 an engine must share a core with serving (1P1D on 2 cores), P's does: a prefill is a burst of
 throughput work that serving's short wake-ups hardly delay, while every wait in a decode step
-is every running request's inter-token time (measured, 1P1D bench-50m: D on the serving core
-waited runnable 12% of its time). When fewer than ``n`` cores are free the engine does not
+is every running request's inter-token time; and the placement no longer depends on which
+engine starts first. When fewer than ``n`` cores are free the engine does not
 pin at all (two engines pinned to one core while another idles is worse than letting the OS
 place them) and says so.
 
