@@ -12,61 +12,43 @@ import pytest
 from pd_cluster.engine.block_hash import hash_blocks
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.cluster.cluster_config import ProxyConfig
-from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.cache_feed import CacheFeed
 from pd_cluster.serving.routing.engine_load import LinkStats
 from pd_cluster.serving.routing.engine_pool import EnginePool
-from pd_cluster.serving.routing.legs import GenerateJob, LegKind
-from pd_cluster.serving.routing.planner import Planner
+from pd_cluster.serving.routing.legs import LegKind
 from tests.launch_helpers import launched_cluster
+from tests.routing_helpers import fake_pool, greedy_job
 
 BS = 4
 
 
 # ---- the planner on a fake pool ------------------------------------------------------------
-def _pool(**cfg: Any) -> tuple[EnginePool, Planner]:
-    names = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
-    pool = EnginePool([(n, n.split("-")[0], None) for n in names], ProxyConfig(**cfg))
-    for st in pool.engines:
-        st.healthy, st.incarnation = True, "i0"
-        st.kv_endpoint = f"tcp://{st.name}" if st.role == "decode" else None
-    for st in pool.engines:
-        if st.role == "prefill":
-            st.kv_peers = {d.kv_endpoint: d.incarnation for d in pool.engines if d.kv_endpoint}
-    pool.cache.block_size = BS
-    return pool, Planner(pool, "disaggregated", ProxyMetrics(lambda: pool.engines))
-
-
-def _job(prompt: list[int], max_tokens: int = 8) -> GenerateJob:
-    return GenerateJob("r", prompt, SamplingParams(temperature=0, max_tokens=max_tokens), 1e18)
-
-
 def test_planner_routes_to_the_engines_that_hold_the_prefix() -> None:
-    pool, planner = _pool()
+    pool, planner = fake_pool(BS)
     prompt = list(range(64))
     h = hash_blocks(prompt, BS)
     pool.cache.apply("decode-1", stored=h)
     pool.cache.apply("prefill-1", stored=h[:10])
     for _ in range(3):  # every time, not by rotation
-        legs = planner.plan(_job(prompt + [7, 8]), set(), "r")
+        legs = planner.plan(greedy_job(prompt + [7, 8]), set(), "r")
         assert {lg.kind: lg.engine.name for lg in legs} == {
             LegKind.DECODE: "decode-1", LegKind.PREFILL: "prefill-1"}
 
 
 def test_planner_falls_back_to_load_when_no_engine_holds_the_prefix() -> None:
-    pool, planner = _pool()
+    pool, planner = fake_pool(BS)
     pool.cache.apply("decode-0", stored=hash_blocks(list(range(500, 564)), BS))  # other prompt
     by_name = {e.name: e for e in pool.engines}
     by_name["decode-0"].outstanding_work = 50
     by_name["prefill-0"].outstanding_work = 50
-    legs = planner.plan(_job(list(range(64))), set(), "r")
+    legs = planner.plan(greedy_job(list(range(64))), set(), "r")
     assert {lg.engine.name for lg in legs} == {"decode-1", "prefill-1"}
 
 
 def test_planner_records_what_it_routed_for_the_next_turn() -> None:
-    pool, planner = _pool()
+    pool, planner = fake_pool(BS)
     turn1 = list(range(40))
-    legs = planner.plan(_job(turn1), set(), "r")
+    legs = planner.plan(greedy_job(turn1), set(), "r")
     p, d = (next(lg.engine.name for lg in legs if lg.kind is k)
             for k in (LegKind.PREFILL, LegKind.DECODE))
     for lg in legs:  # turn 1 answered: its prefill no longer queues
@@ -76,7 +58,7 @@ def test_planner_records_what_it_routed_for_the_next_turn() -> None:
             e.outstanding_work = 0
         else:
             e.outstanding_work = 20
-    legs2 = planner.plan(_job(turn1 + list(range(900, 940))), set(), "r2")
+    legs2 = planner.plan(greedy_job(turn1 + list(range(900, 940))), set(), "r2")
     assert {lg.engine.name for lg in legs2} == {p, d}
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
@@ -15,7 +14,7 @@ from pd_cluster import LLM, SamplingParams
 from pd_cluster.serving.cluster.cluster_config import resolve_model
 from pd_cluster.serving.cluster.testing import (cluster_status, leak_reports, wait_idle,
                                                 wait_until)
-from tests.launch_helpers import launched_cluster
+from tests.launch_helpers import launched_cluster, stream_completion
 
 MODEL = "tiny-llama"
 
@@ -84,30 +83,6 @@ def test_32_concurrent_requests_use_all_engines(cluster, offline) -> None:
     assert leak_reports(cluster) == {}
 
 
-async def _stream(http: httpx.AsyncClient, prompt: list[int], max_tokens: int,
-                  started: asyncio.Event | None = None, seed: int | None = None
-                  ) -> tuple[str, list[int], str | None]:
-    """('ok'|'error'|'http-<status>', token ids, error message) for one streamed request."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
-    if seed is not None:
-        body.update(temperature=0.8, seed=seed)
-    ids: list[int] = []
-    async with http.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            return f"http-{resp.status_code}", ids, (await resp.aread()).decode()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                return "error", ids, data["error"]["message"]
-            ids.extend(data["choices"][0].get("token_ids") or [])
-            if started is not None and len(ids) >= 3:
-                started.set()
-    return "ok", ids, None
-
-
 def test_decode_killed_mid_run_loses_nothing(cluster, offline) -> None:
     """24 streams (half greedy, half seeded); decode-0's process is SIGKILLed while they run:
     its requests move to decode-1 mid-stream and every one ends exactly as an unbroken run."""
@@ -124,7 +99,7 @@ def test_decode_killed_mid_run_loses_nothing(cluster, offline) -> None:
     async def run() -> list[tuple[str, list[int], str | None]]:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=90) as http:
             events = [asyncio.Event() for _ in work]
-            tasks = [asyncio.create_task(_stream(http, p, m, ev, seed))
+            tasks = [asyncio.create_task(stream_completion(http, MODEL, p, m, ev, seed))
                      for (p, m), ev, seed in zip(work, events, seeds)]
             await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in events)), 60)
             os.kill(old_pid, signal.SIGKILL)  # Ray restarts it (max_restarts)
@@ -142,7 +117,7 @@ def test_decode_killed_mid_run_loses_nothing(cluster, offline) -> None:
 
     async def after() -> list[tuple[str, list[int], str | None]]:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as http:
-            return await asyncio.gather(*(_stream(http, p, 24) for p, _ in work))
+            return await asyncio.gather(*(stream_completion(http, MODEL, p, 24) for p, _ in work))
 
     ref_after = references(offline, [(p, 24) for p, _ in work])
     for (outcome, ids, err), ref in zip(asyncio.run(after()), ref_after):
@@ -169,7 +144,8 @@ def test_prefill_killed_mid_run_loses_nothing(cluster, offline) -> None:
     async def run() -> list[tuple[str, list[int], str | None]]:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=90) as http:
             first = asyncio.Event()
-            tasks = [asyncio.create_task(_stream(http, p, m, first)) for p, m in work]
+            tasks = [asyncio.create_task(stream_completion(http, MODEL, p, m, first))
+                     for p, m in work]
             await asyncio.wait_for(first.wait(), 60)  # prefill is under way
             os.kill(pid, signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*tasks), 120)

@@ -11,7 +11,6 @@ is exact again); nothing is left held anywhere (device blocks, host slots).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
@@ -24,7 +23,7 @@ from pd_cluster import LLM, SamplingParams
 from pd_cluster.serving.cluster.cluster_config import resolve_model
 from pd_cluster.serving.cluster.testing import (cluster_status, leak_reports, wait_idle,
                                                 wait_until)
-from tests.launch_helpers import launched_cluster
+from tests.launch_helpers import launched_cluster, stream_completion
 
 MODEL = "tiny-llama"
 BLOCK_BYTES = 4 * 2 * 16 * 2 * 32 * 4  # tiny-llama: layers x K,V x tokens x kv heads x dim x fp32
@@ -57,32 +56,12 @@ def _greedy(offline: LLM, prompts: list[list[int]], max_tokens: int) -> list[lis
     return [list(o.outputs[0].token_ids) for o in offline.generate(prompts, [params] * len(prompts))]
 
 
-async def _stream(http: httpx.AsyncClient, prompt: list[int], max_tokens: int,
-                  started: asyncio.Event | None = None) -> tuple[str, list[int], str | None]:
-    """('ok'|'error'|'http-<status>', token ids, error message) for one streamed request."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
-    ids: list[int] = []
-    async with http.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            return f"http-{resp.status_code}", ids, (await resp.aread()).decode()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                return "error", ids, data["error"]["message"]
-            ids.extend(data["choices"][0].get("token_ids") or [])
-            if started is not None and len(ids) >= 3:
-                started.set()
-    return "ok", ids, None
-
-
 def _turn(url: str, prompts: list[list[int]], max_tokens: int, expected: list[list[int]]
           ) -> list[list[int]]:
     async def run() -> list[tuple[str, list[int], str | None]]:
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-            return await asyncio.gather(*(_stream(http, p, max_tokens) for p in prompts))
+            return await asyncio.gather(*(stream_completion(http, MODEL, p, max_tokens)
+                                           for p in prompts))
     results = asyncio.run(run())
     for i, ((outcome, ids, err), ref) in enumerate(zip(results, expected)):
         assert outcome == "ok" and ids == ref, (i, outcome, err)
@@ -128,7 +107,8 @@ def test_decode_killed_mid_restore_loses_nothing_and_holds_nothing(cluster, offl
     async def run() -> list[tuple[str, list[int], str | None]]:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
             first = asyncio.Event()
-            tasks = [asyncio.create_task(_stream(http, p, 160, first)) for p in turn2]
+            tasks = [asyncio.create_task(stream_completion(http, MODEL, p, 160, first))
+                     for p in turn2]
             await asyncio.wait_for(first.wait(), 120)  # D is streaming a returning turn
 
             def restoring() -> bool:

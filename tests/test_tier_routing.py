@@ -13,13 +13,13 @@ import pytest
 from pd_cluster.engine.block_hash import hash_blocks
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.cluster.cluster_config import ProxyConfig
-from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.cache_feed import CacheFeed
 from pd_cluster.serving.routing.cache_index import CacheIndex, PrefixHit
 from pd_cluster.serving.routing.engine_load import LinkStats
 from pd_cluster.serving.routing.engine_pool import EnginePool
-from pd_cluster.serving.routing.legs import GenerateJob, LegKind
+from pd_cluster.serving.routing.legs import LegKind
 from pd_cluster.serving.routing.planner import Planner
+from tests.routing_helpers import fake_pool, greedy_job
 
 BS = 4
 
@@ -53,25 +53,8 @@ def test_index_reset_and_forget_clear_both_tiers_and_each_tier_is_bounded() -> N
 
 
 # ---- the router, through the pool ------------------------------------------------------------
-def _pool(**cfg: Any) -> tuple[EnginePool, Planner]:
-    names = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
-    pool = EnginePool([(n, n.split("-")[0], None) for n in names], ProxyConfig(**cfg))
-    for st in pool.engines:
-        st.healthy, st.incarnation = True, "i0"
-        st.kv_endpoint = f"tcp://{st.name}" if st.role == "decode" else None
-    for st in pool.engines:
-        if st.role == "prefill":
-            st.kv_peers = {d.kv_endpoint: d.incarnation for d in pool.engines if d.kv_endpoint}
-    pool.cache.block_size = BS
-    return pool, Planner(pool, "disaggregated", ProxyMetrics(lambda: pool.engines))
-
-
-def _job(prompt: list[int], max_tokens: int = 8) -> GenerateJob:
-    return GenerateJob("r", prompt, SamplingParams(temperature=0, max_tokens=max_tokens), 1e18)
-
-
 def _legs(planner: Planner, prompt: list[int]) -> dict[LegKind, str]:
-    return {lg.kind: lg.engine.name for lg in planner.plan(_job(prompt), set(), "r")}
+    return {lg.kind: lg.engine.name for lg in planner.plan(greedy_job(prompt), set(), "r")}
 
 
 @pytest.mark.parametrize("weight, expected", [(0.8, "decode-0"), (0.4, "decode-1")])
@@ -79,7 +62,7 @@ def test_a_longer_prefix_in_a_host_tier_against_a_shorter_one_on_a_device(
         weight: float, expected: str) -> None:
     """decode-0 holds the 16-block history in its host tier, decode-1 its first 8 blocks on the
     device: 16 x 0.8 = 12.8 blocks' worth beats 8; at 0.4 (6.4) the device prefix wins."""
-    pool, planner = _pool(lower_tier_hit_weight=weight, disaggregation="always")
+    pool, planner = fake_pool(BS, lower_tier_hit_weight=weight, disaggregation="always")
     prompt = list(range(64))
     h = hash_blocks(prompt, BS)
     pool.cache.apply("decode-0", stored_lower=h)
@@ -90,7 +73,7 @@ def test_a_longer_prefix_in_a_host_tier_against_a_shorter_one_on_a_device(
 
 
 def test_equal_prefixes_a_device_hit_beats_a_host_hit_and_a_host_hit_beats_a_miss() -> None:
-    pool, planner = _pool(disaggregation="always")
+    pool, planner = fake_pool(BS, disaggregation="always")
     prompt = list(range(64))
     h = hash_blocks(prompt, BS)
     pool.cache.apply("prefill-0", stored_lower=h)
@@ -106,7 +89,7 @@ def test_equal_prefixes_a_device_hit_beats_a_host_hit_and_a_host_hit_beats_a_mis
 
 
 def test_weight_zero_treats_a_lower_tier_hit_as_a_miss() -> None:
-    pool, _ = _pool(lower_tier_hit_weight=0.0)
+    pool, _ = fake_pool(BS, lower_tier_hit_weight=0.0)
     h = hash_blocks(list(range(64)), BS)
     pool.cache.apply("decode-0", stored_lower=h)
     assert pool.cached_tokens(h, pool.engines)["decode-0"] == 0
@@ -121,9 +104,9 @@ def test_a_history_in_ds_host_tier_is_restored_there_not_prefilled_on_p() -> Non
     prompt = list(range(400))
     h = hash_blocks(prompt, BS)
     for weight, kinds in ((0.8, {LegKind.WHOLE}), (0.0, {LegKind.DECODE, LegKind.PREFILL})):
-        pool, planner = _pool(lower_tier_hit_weight=weight, local_prefill_margin_ms=20.0)
+        pool, planner = fake_pool(BS, lower_tier_hit_weight=weight, local_prefill_margin_ms=20.0)
         pool.cache.apply("decode-0", stored_lower=h)
-        legs = planner.plan(_job(prompt + [7]), set(), "r")
+        legs = planner.plan(greedy_job(prompt + [7]), set(), "r")
         assert {lg.kind for lg in legs} == kinds, weight
         assert any(lg.engine.name == "decode-0" for lg in legs)
 
@@ -131,13 +114,13 @@ def test_a_history_in_ds_host_tier_is_restored_there_not_prefilled_on_p() -> Non
 def test_p_does_not_wait_for_or_ship_what_d_holds_in_a_lower_tier() -> None:
     """P streams at once only the blocks past what D is expected to hold in any tier (D restores
     the rest from its own tiers); P's prefill estimate counts its own host hits weighed."""
-    pool, planner = _pool(disaggregation="always")
+    pool, planner = fake_pool(BS, disaggregation="always")
     prompt = list(range(64))
     h = hash_blocks(prompt, BS)
     pool.cache.apply("decode-0", stored=h[:4], stored_lower=h[4:10])
     pool.cache.apply("decode-1", removed=[])
     pool.cache.apply("prefill-0", stored_lower=h)
-    legs = {lg.kind: lg for lg in planner.plan(_job(prompt + [7]), set(), "r")}
+    legs = {lg.kind: lg for lg in planner.plan(greedy_job(prompt + [7]), set(), "r")}
     assert legs[LegKind.DECODE].engine.name == "decode-0"
     p_leg = legs[LegKind.PREFILL]
     assert p_leg.engine.name == "prefill-0"
