@@ -3,7 +3,8 @@
 The build is keyed by everything that makes its binary valid: the sources, torch's version
 and ABI, the compiler and its flags, and this CPU's instruction set (``-march=native``), so a
 cache shared between machines or torch upgrades never loads a stale or illegal binary. It
-lives in ``$PD_CLUSTER_KERNEL_CACHE`` (default ``~/.cache/pd-cluster/kernels``); a fresh
+lives in ``$PD_CLUSTER_KERNEL_CACHE`` (default ``kernels/`` under the project cache,
+``pd_cluster.paths.cache_root()``); a fresh
 build costs ~10 s of one core. ``PD_CLUSTER_CPU_KERNELS=0`` skips it. A failed build is
 logged as a warning with the compiler's error, once per process, and reported to the caller
 (who falls back to the torch reference or, when the kernel was asked for by name, raises).
@@ -64,7 +65,10 @@ def build_key() -> str:
 
 def cache_dir() -> Path:
     root = os.environ.get("PD_CLUSTER_KERNEL_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "pd-cluster" / "kernels"
+    if root:
+        return Path(root)
+    from pd_cluster.paths import cache_root  # the one rule for the project's cache
+    return cache_root() / "kernels"
 
 
 def load_cpu_kernels() -> bool:

@@ -7,6 +7,6 @@ from pathlib import Path
 
 def cache_root() -> Path:
     """``$PD_CLUSTER_CACHE``, else ``~/.cache/pd_cluster``: generated checkpoints (models/),
-    launch records, the compiled-model cache (inductor/)."""
+    launch records, the compiled-model cache (inductor/), the CPU kernels (kernels/)."""
     return Path(os.environ.get("PD_CLUSTER_CACHE") or Path.home() / ".cache" / "pd_cluster"
                 ).expanduser()

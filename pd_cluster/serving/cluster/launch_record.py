@@ -10,13 +10,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from pd_cluster.paths import cache_root
+
 
 def state_dir() -> Path:
     root = os.environ.get("PD_CLUSTER_STATE_DIR")
     if root:
         return Path(root)
-    cache = os.environ.get("PD_CLUSTER_CACHE") or Path.home() / ".cache" / "pd_cluster"
-    return Path(cache) / "run"
+    return cache_root() / "run"
 
 
 @dataclass
