@@ -15,16 +15,16 @@ counts as cached. Hashes entering or leaving the lower tiers are logged too (tie
 """
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from pd_cluster.engine.block_hash import block_hash
+from pd_cluster.engine.cache_events import (MAX_PENDING_EVENTS, CacheEventLog,
+                                             CacheEvents)
 from pd_cluster.engine.kv_tiers.manager import TierManager
 from pd_cluster.engine.kv_tiers.ops import TierOps
 from pd_cluster.request import Request
 
-MAX_PENDING_EVENTS = 65536  # events kept; a reader further behind gets a reset
 
 
 class BlockTableError(RuntimeError):
@@ -46,19 +46,6 @@ class PrefixCacheStats:
     hit_blocks: int = 0
 
 
-@dataclass
-class CacheEvents:
-    """Prefix-cache changes after a reader's cursor: on the device (stored, removed) and in
-    the lower tiers (host or disk: findable below the device; a hash may be in both). ``reset``:
-    the events it missed are no longer kept (or it has none): it must clear its view and take
-    cached_hashes() and lower_cached_hashes() afresh."""
-    stored: list[int] = field(default_factory=list)
-    removed: list[int] = field(default_factory=list)
-    reset: bool = False
-    stored_lower: list[int] = field(default_factory=list)
-    removed_lower: list[int] = field(default_factory=list)
-
-
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return block_hash(parent_hash, token_ids)
 
@@ -76,14 +63,12 @@ class BlockManager:
         # Per request: how many leading blocks are registered in the prefix cache (or skipped).
         self.hashed: dict[str, int] = {}
         self.stats = PrefixCacheStats()
-        # The last max_pending_events changes, (lower tier?, stored?, hash), the newest numbered
-        # _seq - 1: each reader keeps its own cursor (one proxy's read hides nothing from another).
-        self._log: deque[tuple[bool, bool, int]] = deque(maxlen=max_pending_events)
-        self._seq = 0
+        # Each reader keeps its own cursor (one proxy's read hides nothing from another).
+        self._events = CacheEventLog(max_pending_events)
         self._take_cursor = 0  # take_events()' own reader
         self.tiers = tiers if enable_prefix_caching else None
         if self.tiers is not None:
-            self.tiers.on_event = lambda stored, h: self._event(stored, h, lower=True)
+            self.tiers.on_event = lambda stored, h: self._events.record(stored, h, lower=True)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -224,7 +209,7 @@ class BlockManager:
             if block.block_hash is None and hashes[i] not in self.hash_to_block:
                 block.block_hash, block.token_ids = hashes[i], chunk
                 self.hash_to_block[hashes[i]] = block.block_id
-                self._event(True, hashes[i])
+                self._events.record(True, hashes[i])
         self.hashed[rid] = full
 
     # ---- release -------------------------------------------------------------------------
@@ -268,16 +253,7 @@ class BlockManager:
         """Hashes that became findable / stopped being findable after ``cursor`` (what a
         previous call returned; None: nothing seen yet), and the cursor to pass next. A cursor
         older than the kept log (or from another incarnation) gets a reset."""
-        end, start = self._seq, self._seq - len(self._log)
-        if cursor is None or not start <= cursor <= end:
-            return CacheEvents(reset=True), end
-        events = CacheEvents()
-        for lower, stored, h in itertools.islice(self._log, cursor - start, None):
-            if lower:
-                (events.stored_lower if stored else events.removed_lower).append(h)
-            else:
-                (events.stored if stored else events.removed).append(h)
-        return events, end
+        return self._events.since(cursor)
 
     def take_events(self) -> CacheEvents:
         """Changes since the previous take_events() (a single reader's shorthand)."""
@@ -292,10 +268,6 @@ class BlockManager:
         """Every hash findable in a lower tier (host or disk) now."""
         return self.tiers.lower_cached_hashes() if self.tiers is not None else []
 
-    def _event(self, stored: bool, h: int, lower: bool = False) -> None:
-        self._log.append((lower, stored, h))  # the oldest falls out: its readers get a reset
-        self._seq += 1
-
     # ---- internals -----------------------------------------------------------------------
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -309,7 +281,7 @@ class BlockManager:
         if block.block_hash is not None:  # evict: the block is about to hold other tokens
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
-                self._event(False, block.block_hash)
+                self._events.record(False, block.block_hash)
                 if self.tiers is not None:  # saved at the step's start, before any overwrite
                     self.tiers.on_evict(block_id, block.block_hash, block.token_ids)
             block.block_hash, block.token_ids = None, None
