@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-vllm", action="store_true", help="pd-cluster's side only")
     p.add_argument("--pd-eager", action="store_true", help="offline: also run pd-cluster "
                    "eager (PD_CLUSTER_COMPILE=0) beside its default (compiled) run")
+    p.add_argument("--pd-set", default="", help="pd-cluster config overrides for the served "
+                   "and streamed parts, comma list of dotted.key=value (a YAML value), e.g. "
+                   "proxy.disaggregation=always")
     p.add_argument("--offline-requests", type=int, default=48)
     p.add_argument("--served-requests", type=int, default=64)
     p.add_argument("--clients", type=int, default=16)
@@ -177,8 +180,10 @@ def served(args: argparse.Namespace, url: str, model: str, side: str, dtype: str
     check(results, f"served {side}")
     tps = sum(r.output_tokens for r in results) / seconds
     tpot = 1e3 * pct([r.tpot for r in results if r.output_tokens > 1], 50)
-    print(f"  served  {side:<10} {dtype}: {tps:.1f} output tok/s, TPOT p50 {tpot:.2f} ms "
-          f"({len(results)} requests, {args.clients} clients, {loadavg()})", flush=True)
+    ttft = 1e3 * pct([r.ttft for r in results], 50)
+    print(f"  served  {side:<10} {dtype}: {tps:.1f} output tok/s, TPOT p50 {tpot:.2f} ms, "
+          f"TTFT p50 {ttft:.0f} ms ({len(results)} requests, {args.clients} clients, "
+          f"{loadavg()})", flush=True)
     return tps, tpot
 
 
@@ -211,7 +216,7 @@ def with_server(args: argparse.Namespace, side: str, model: str, dtype: str, log
         ctx = vllm_server(args.vllm_venv, model, DTYPES[dtype],
                           logs / f"vllm-serve-{dtype}-{Path(model).name}.log", args.port)
     else:
-        ctx = pd_server(side, model, DTYPES[dtype], progress=False)
+        ctx = pd_server(side, model, DTYPES[dtype], progress=False, overrides=args.pd_set)
     got: dict[str, Any] = {}
     with ctx as (url, name):
         if "served" in loads:

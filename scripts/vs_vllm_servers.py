@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
+import yaml
 
 from pd_cluster.driver.cpu_setup import TCMALLOC, claim_order, find_library, node_cores
 
@@ -136,9 +137,11 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def pd_server(kind: str, model: str, dtype: str, progress: bool) -> Iterator[tuple[str, str]]:
+def pd_server(kind: str, model: str, dtype: str, progress: bool, overrides: str = ""
+              ) -> Iterator[tuple[str, str]]:
     """pd-cluster as configs ship it, on this machine's 2 cores: ``pd`` (1P1D, an engine on
-    each core) or ``colocated`` (one engine on one core, the other left to serving)."""
+    each core) or ``colocated`` (one engine on one core, the other left to serving).
+    ``overrides``: ``dotted.key=value`` items, comma-separated (values parsed as YAML)."""
     from pd_cluster.serving.cluster.cluster_config import load_config
     from pd_cluster.serving.cluster.launcher import launch
     from pd_cluster.serving.cluster.testing import ensure_ray
@@ -158,6 +161,13 @@ def pd_server(kind: str, model: str, dtype: str, progress: bool) -> Iterator[tup
                                        "num_kv_blocks": 4096}}
     if kind == "colocated":
         over["colocated"] = {"replicas": 1, "num_cpus": 1}
+    for item in filter(None, overrides.split(",")):
+        key, _, value = item.partition("=")
+        *parents, leaf = key.strip().split(".")
+        node = over
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
     cluster = launch(load_config(REPO / path, over), progress=progress)
     try:
         import ray
@@ -171,8 +181,23 @@ def pd_server(kind: str, model: str, dtype: str, progress: bool) -> Iterator[tup
         before = engine_time(cluster.engines, threads)
         yield cluster.url, "bench"
         print_engine_time(kind, before, engine_time(cluster.engines, threads))
+        print_decisions(kind, cluster.url)
     finally:
         cluster.shutdown()
+
+
+def print_decisions(kind: str, url: str) -> None:
+    """The proxy's P-or-D choices (``pd_disaggregation_decisions``: path and reason)."""
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    counts = [f"{s.labels['path']}/{s.labels['reason']} {s.value:.0f}"
+              for fam in text_string_to_metric_families(text)
+              if fam.name == "pd_disaggregation_decisions"
+              for s in fam.samples if s.name.endswith("_total") and s.value]
+    if counts:
+        print(f"  [{kind}] P-or-D decisions: {', '.join(sorted(counts))}", flush=True)
 
 
 def engine_time(engines: dict[str, Any], threads: dict[str, tuple[int, int]]

@@ -51,6 +51,19 @@ def test_margin_keeps_small_gains_remote() -> None:
     assert d.describe() == "remote(remote_cheaper: remote=100.0ms <= local=110.0ms)"
 
 
+def test_stall_on_d_running_requests_keeps_prefill_remote() -> None:
+    # P's queue costs the new request 4 s, D alone 1 s: 3 s sooner. But 8 requests decoding on D
+    # would each wait out that 1 s prefill: 8 s of their time for 3 s of the new one's.
+    p_busy, dd = Side(500, 4000, 1000.0), Side(500, 0, 500.0)
+    d = decide(p_busy, dd, NO_LINK, 0.02, stall=8 * 1.0)
+    assert d.path == REMOTE and d.reason == "stall" and d.stall_s == 8.0
+    assert d.describe() == ("remote(stall: local=1000.0ms sooner than remote=4500.0ms by less than "
+                            "the margin 20.0ms plus the stall 8000.0ms it adds to D's running "
+                            "requests)")
+    d = decide(p_busy, dd, NO_LINK, 0.02, stall=2.0)  # fewer running: 3.5 s > 2 s + margin
+    assert d.path == LOCAL and d.reason == "local_cheaper"
+
+
 def test_cached_prefix_on_d_and_shipping_cost_count() -> None:
     # Multi-turn: D holds the history, P does not; P must compute and ship it all.
     p, dd = Side(600, 0, 2000.0), Side(40, 0, 1000.0)
@@ -218,6 +231,18 @@ def test_planner_prefills_on_d_when_p_is_backed_up() -> None:
     assert len(planner.plan(_job(300), set(), "r10")) == 2
 
 
+@pytest.mark.parametrize("weight, path", [(1.0, REMOTE), (0.0, LOCAL)])
+def test_planner_weighs_the_stall_of_d_running_requests(weight: float, path: str) -> None:
+    pool, planner, metrics = _planner(local_prefill_stall_weight=weight)
+    busy = [_Leg() for _ in range(4)]
+    for leg in busy:  # P has 4k prompt tokens queued: D alone answers ~4 s sooner
+        pool.engines[0].load.add(leg, 1000)
+    pool.engines[1].inflight = 16  # ... but 16 requests decode there, each stalled ~0.3 s
+    legs = planner.plan(_job(300), set(), "r9")
+    assert len(legs) == (2 if path == REMOTE else 1)
+    assert _count(metrics, path, "stall" if path == REMOTE else "local_cheaper") == 1
+
+
 def test_planner_always_disaggregates_when_configured() -> None:
     pool, planner, metrics = _planner(disaggregation="always")
     busy = [_Leg() for _ in range(4)]
@@ -254,6 +279,8 @@ def test_proxy_knobs_validate_with_their_key() -> None:
         parse_config({"proxy": {"disaggregation": "sometimes"}})
     with pytest.raises(ConfigError, match=r"proxy\.local_prefill_margin_ms: must be >= 0"):
         parse_config({"proxy": {"local_prefill_margin_ms": -1.0}})
+    with pytest.raises(ConfigError, match=r"proxy\.local_prefill_stall_weight: must be >= 0"):
+        parse_config({"proxy": {"local_prefill_stall_weight": -0.5}})
     with pytest.raises(ConfigError, match=r"proxy\.routing: must be one of"):
         parse_config({"proxy": {"routing": "random"}})
     with pytest.raises(ConfigError, match=r"decode\.max_prefill_tokens_per_step: must be >= 1"):

@@ -94,6 +94,10 @@ class ProxyConfig(ConfigSection):
     # auto: D prefills alone only when that is expected to give the first token this much
     # sooner than P would (P's queue or missing cache); below it, prefill stays off D.
     local_prefill_margin_ms: float = Field(20.0, ge=0)
+    # auto: a local prefill on D delays each request D is decoding by its own duration; D
+    # prefills alone only when the new request's gain beats the margin plus this share of that
+    # total delay (0: ignore it; 1: a running request's second counts like the new one's).
+    local_prefill_stall_weight: float = Field(1.0, ge=0)
     # Decode engines match the prompt against their own prefix cache and receive only the KV
     # blocks they lack (false: every prompt's KV is shipped whole, as before).
     decode_prefix_reuse: bool = True

@@ -67,7 +67,9 @@ class ProxyMetrics:
             "pd_disaggregation_decisions", "Requests in a disaggregated cluster by path "
             "(remote: prefill on a prefill engine; local: on the decode engine alone) and what "
             "decided it (remote_cheaper, margin: local was sooner by less than "
-            "proxy.local_prefill_margin_ms, local_cheaper, always: proxy.disaggregation)",
+            "proxy.local_prefill_margin_ms, stall: by less than the margin plus the delay it "
+            "adds to the decode engine's running requests (proxy.local_prefill_stall_weight), "
+            "local_cheaper, always: proxy.disaggregation)",
             ["path", "reason"], registry=r)
         self.route_cached_tokens = Counter(
             "pd_route_cached_prompt_tokens", "Prompt tokens the chosen engine was expected to "

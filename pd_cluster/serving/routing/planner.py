@@ -162,13 +162,16 @@ class Planner:
         ``d_held``: the tokens D holds in any tier, which P does not ship to it."""
         if self.pool.config.disaggregation == "always":
             return Decision(REMOTE, "always")
-        link = self.pool.link
-        ship = n_prompt - d_held if self.pool.config.decode_prefix_reuse else n_prompt
-        return decide(Side(n_prompt - p_cached, p.load.backlog(), self._rate(p)),
-                      Side(n_prompt - d_cached, d.load.backlog(), self._rate(d)),
+        link, config = self.pool.link, self.pool.config
+        ship = n_prompt - d_held if config.decode_prefix_reuse else n_prompt
+        local = Side(n_prompt - d_cached, d.load.backlog(), self._rate(d))
+        # Each request D is running waits out the local prefill's own seconds.
+        stall = config.local_prefill_stall_weight * d.inflight * (
+            local.uncached_tokens / max(local.prefill_rate, 1e-9))
+        return decide(Side(n_prompt - p_cached, p.load.backlog(), self._rate(p)), local,
                       Link(ship, link.bytes_per_token or 0.0, link.bandwidth.get(),
-                           link.latency.get()), self.pool.config.local_prefill_margin_ms / 1e3,
-                      self.bias)
+                           link.latency.get()), config.local_prefill_margin_ms / 1e3,
+                      self.bias, stall)
 
     def _rate(self, e: EngineState) -> float:
         """``e``'s measured prefill rate. Before its first sample: the mean of the engines

@@ -9,10 +9,11 @@ prefill on D alone expected to give the first token sooner?
 Each path's estimate is corrected by its measured bias (Bias: delivered minus estimated, learnt
 from the requests that took the path): the formulas leave out the proxy's hops and each step's
 fixed cost, and remote counts the link although the client's first token is P's.
-Local wins only when it is cheaper by more than ``margin`` seconds: remote keeps prefill work
-off the decode engine, whose running requests wait out every local prefill step (bounded by its
-max_prefill_tokens_per_step), so an idle cluster disaggregates as before and D prefills when
-P's queue (or P's missing cache) costs more than the margin.
+Local wins only when it is cheaper by more than ``margin`` seconds plus ``stall`` seconds: the
+delay a local prefill adds to the requests D is decoding (each waits out every local prefill
+step; the planner weighs it, proxy.local_prefill_stall_weight). So an idle cluster
+disaggregates as before, and D prefills when P's queue (or P's missing cache) costs the new
+request more than D's running requests would lose.
 """
 from __future__ import annotations
 
@@ -50,22 +51,28 @@ class Link:
 class Decision:
     path: str  # REMOTE or LOCAL
     # What decided (a Prometheus label: a short fixed vocabulary): remote_cheaper (remote's
-    # estimate is no later), margin (local is sooner, but by less than the margin),
-    # local_cheaper (local is sooner by more than the margin), always (no estimate).
+    # estimate is no later), margin (local is sooner, but by less than the margin), stall
+    # (local is sooner by more than the margin, but not by the margin plus the stall it adds to
+    # D's running requests), local_cheaper (sooner by more than both), always (no estimate).
     reason: str
     remote_s: float = 0.0  # the estimates (0 when not estimated)
     local_s: float = 0.0
     margin_s: float = 0.0
+    stall_s: float = 0.0
 
     def describe(self) -> str:
         """For the access log: the path and what decided it, in words and figures."""
         if not (self.remote_s or self.local_s):
             return f"{self.path}({self.reason})"
-        r, lo, m = (f"{x * 1e3:.1f}ms" for x in (self.remote_s, self.local_s, self.margin_s))
+        r, lo, m, st = (f"{x * 1e3:.1f}ms" for x in (self.remote_s, self.local_s, self.margin_s,
+                                                      self.stall_s))
         why = {"remote_cheaper": f"remote={r} <= local={lo}",
                "margin": f"local={lo} sooner than remote={r} by less than the margin {m}",
+               "stall": f"local={lo} sooner than remote={r} by less than the margin {m} plus "
+                        f"the stall {st} it adds to D's running requests",
                "local_cheaper": f"local={lo} sooner than remote={r} by more than the "
-                                f"margin {m}"}.get(self.reason, f"remote={r} local={lo}")
+                                f"margin {m}" + (f" plus the stall {st}" if self.stall_s else "")
+               }.get(self.reason, f"remote={r} local={lo}")
         return f"{self.path}({self.reason}: {why})"
 
 
@@ -93,13 +100,16 @@ class Bias:
 
 
 def decide(prefill: Side, decode: Side, link: Link, margin: float = 0.0,
-           bias: Bias | None = None) -> Decision:
-    """Remote unless D prefilling alone is expected to answer more than ``margin`` s sooner."""
+           bias: Bias | None = None, stall: float = 0.0) -> Decision:
+    """Remote unless D prefilling alone is expected to answer more than ``margin`` + ``stall``
+    s sooner (``stall``: what the local prefill costs D's running requests, weighed)."""
     b = {path: bias.get(path) if bias is not None else 0.0 for path in (REMOTE, LOCAL)}
     remote = max(prefill.seconds() + link.seconds() + b[REMOTE], 0.0)
     local = max(decode.seconds() + b[LOCAL], 0.0)
     if remote <= local:
-        return Decision(REMOTE, "remote_cheaper", remote, local, margin)
+        return Decision(REMOTE, "remote_cheaper", remote, local, margin, stall)
     if local + margin >= remote:
-        return Decision(REMOTE, "margin", remote, local, margin)
-    return Decision(LOCAL, "local_cheaper", remote, local, margin)
+        return Decision(REMOTE, "margin", remote, local, margin, stall)
+    if local + margin + stall >= remote:
+        return Decision(REMOTE, "stall", remote, local, margin, stall)
+    return Decision(LOCAL, "local_cheaper", remote, local, margin, stall)
