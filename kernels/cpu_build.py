@@ -28,6 +28,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).resolve().parent / "cpu" / "paged_attention.cpp"]
+# Headers the sources include: part of the build key, not compiled on their own.
+_HEADERS = sorted((Path(__file__).resolve().parent / "cpu").glob("*.h"))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 _BUILD_TIMEOUT_S = 600.0  # a build waiting on another process's gives up after this
 _lock = threading.Lock()
@@ -55,7 +57,7 @@ def _compiler_version() -> str:
 
 def build_key() -> str:
     h = hashlib.sha256()
-    for src in _SOURCES:
+    for src in [*_SOURCES, *_HEADERS]:
         h.update(src.read_bytes())
     for part in (torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), sys.version,
                  platform.machine(), " ".join(_CFLAGS), _compiler_version(), _cpu_flags()):

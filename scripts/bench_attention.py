@@ -37,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, nargs=3, default=[8, 4, 64], metavar=("HQ", "HKV", "D"),
                    help="kernel part: query heads, KV heads, head dim")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="fp32",
+                   help="kernel part: comma-separated query/cache dtypes (fp32, bf16, fp16)")
     p.add_argument("--repeats", type=int, default=10, help="kernel part: calls per timing")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--skip-offline", action="store_true", help="only the kernel part")
@@ -49,12 +51,23 @@ def parse_args() -> argparse.Namespace:
 
 
 def kernel_cases(args: argparse.Namespace) -> dict[str, tuple[list[int], list[int]]]:
-    """name -> (new tokens per request, context length per request); decodes first."""
+    """name -> (new tokens per request, context length per request); decodes first. The
+    "offline" cases are shaped like bench_vs_vllm's offline load in steady state: a decode
+    batch of all requests with contexts of half to all of a long prompt plus its output, and
+    a full prefill step of whole prompts (up to 2048 tokens)."""
     rng = random.Random(args.seed)
     lo, hi = args.prompt_len[0], args.prompt_len[1] + args.output_len[1]
     ctx = [rng.randint(lo, hi) for _ in range(max(args.num_requests, 1))]
     p = args.prompt_len[1]
+    steady = [rng.randint(hi // 2, hi - hi // 10) for _ in range(max(args.num_requests, 1))]
+    prompts: list[int] = []
+    while sum(prompts) < 2048 * p // 384:
+        prompts.append(rng.randint(*args.prompt_len))
+    prompts[-1] -= sum(prompts) - 2048 * p // 384  # stays > 0: the sum was short before it
     return {
+        f"offline decode x{len(steady)} ctx {min(steady)}-{max(steady)}": ([1] * len(steady),
+                                                                          steady),
+        f"offline prefill {sum(prompts)} in {len(prompts)}": (prompts, prompts),
         f"decode x{len(ctx)}": ([1] * len(ctx), ctx),
         f"decode x{max(len(ctx) // 6, 1)}": ([1] * max(len(ctx) // 6, 1), ctx[:max(len(ctx) // 6, 1)]),
         f"prefill {p} from start": ([p], [p]),
@@ -79,9 +92,22 @@ def time_backends(backends: dict[str, Any], call_args: tuple, repeats: int) -> d
 def kernel_part(args: argparse.Namespace) -> list[float]:
     import torch
 
-    from pd_cluster.attention import AttentionMetadata, AttentionOptions, create_backend
+    from pd_cluster.attention import create_backend
 
     backends = {n: create_backend(n, torch.device("cpu")) for n in ("torch", "cpu")}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    ratios = []
+    for dt in args.dtype.split(","):
+        ratios += kernel_cases_for(args, backends, dtypes[dt], dt)
+    return ratios
+
+
+def kernel_cases_for(args: argparse.Namespace, backends: dict[str, Any], dtype: Any,
+                     dtype_name: str) -> list[float]:
+    import torch
+
+    from pd_cluster.attention import AttentionMetadata, AttentionOptions
+
     hq, hkv, d = args.heads
     bs = args.block_size
     ratios = []
@@ -105,13 +131,19 @@ def kernel_part(args: argparse.Namespace) -> list[float]:
             num_decodes=sum(1 for q in q_lens if q == 1), max_query_len=max(q_lens),
             max_seq_len=max(seq_lens), block_size=bs, query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens)
-        cache = torch.randn(2, num_blocks, bs, hkv, d)
-        query = torch.randn(starts[-1], hq, d)
+        cache = torch.randn(2, num_blocks, bs, hkv, d).to(dtype)
+        query = torch.randn(starts[-1], hq, d).to(dtype)
         ms = time_backends(backends, (query, cache, meta, AttentionOptions(d ** -0.5)),
                            args.repeats)
         ratios.append(ms["torch"] / ms["cpu"])
-        print(f"kernel {name:28s} torch={ms['torch']:8.3f} ms  cpu={ms['cpu']:8.3f} ms  "
-              f"speedup={ratios[-1]:.2f}")
+        # K/V bytes the kernel must read (each visible key once per KV head) and its FLOPs
+        # (q.k and p.v per query head and visible key, causal for new tokens).
+        kv_bytes = sum(seq_lens) * hkv * 2 * d * cache.element_size()
+        keys = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(q_lens, seq_lens))
+        gflops = 4 * keys * hq * d / (ms["cpu"] * 1e6)
+        print(f"kernel {dtype_name} {name:34s} torch={ms['torch']:8.3f} ms  "
+              f"cpu={ms['cpu']:8.3f} ms  speedup={ratios[-1]:5.2f}  "
+              f"kv={kv_bytes / (ms['cpu'] * 1e6):5.1f} GB/s  {gflops:5.1f} GFLOP/s")
     return ratios
 
 

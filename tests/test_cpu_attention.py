@@ -162,3 +162,43 @@ def test_stale_torch_lock_does_not_hang(tmp_path) -> None:
                    cwd=Path(cpu_build.__file__).parent.parent,
                    env={**os.environ, "PD_CLUSTER_KERNEL_CACHE": str(tmp_path)})
     assert not (tmp_path / name / "lock").exists()
+
+
+# The AVX-512 path (head dims that are multiples of 16, on CPUs that have it) takes decode rows
+# (up to 4 per KV head) by per-key dot products and larger tiles by transposed keys, both over
+# chunks of up to 512 / 256 keys; other head dims take the portable path. Each shape below is
+# checked against the torch reference whichever path this CPU gives it.
+LONG = ([1, 1, 1, 40, 9], [1300, 600, 17, 40, 700])  # decodes past one chunk, prefill after one
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 4, 64), (4, 4, 128), (8, 2, 128), (8, 1, 64),
+                                      (2, 1, 256), (4, 2, 40)],
+                         ids=["gqa2-d64", "mha-d128", "gqa4-d128", "mqa8-d64", "d256",
+                              "d40-portable"])
+def test_fast_path_shapes(dtype, hq, hkv, d) -> None:
+    atol = 2e-5 if dtype == torch.float32 else 2e-2
+    check(*LONG, hq=hq, hkv=hkv, d=d, dtype=dtype, atol=atol)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16, 48])
+def test_fast_path_block_sizes_and_variants(block_size) -> None:
+    check(*LONG, hq=8, hkv=4, d=64, block_size=block_size, sliding_window=300,
+          logit_softcap=30.0, sinks=True)
+
+
+def test_latent_mla_dims() -> None:
+    """MLA's shapes: keys of rank 512 + rope 64 per token, values the first 512, 16 heads."""
+    torch.manual_seed(0)
+    rank, rope, heads, bs = 512, 64, 16, 16
+    q_lens, seq_lens = [1, 1, 20], [300, 40, 60]
+    meta = make_batch(q_lens, seq_lens, bs, 40)
+    cache = torch.randn(1, 40, bs, 1, rank + rope) * 0.1
+    query = torch.randn(sum(q_lens), heads, rank + rope) * 0.1
+    opts = AttentionOptions(scale=(rank + rope) ** -0.5)
+    got = paged_attention(query, cache[0], cache[0][..., :rank], meta, opts)
+    dense = torch.zeros(2, 40, bs, 1, rank + rope)
+    dense[0], dense[1, ..., :rank] = cache[0], cache[0, ..., :rank]
+    ref = TorchAttentionBackend().forward(query, dense, meta, opts)[..., :rank]
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
