@@ -27,7 +27,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).resolve().parent / "cpu" / "paged_attention.cpp"]
+_SOURCES = [Path(__file__).resolve().parent / "cpu" / name
+            for name in ("paged_attention.cpp", "onednn_linear.cpp")]
 # Headers the sources include: part of the build key, not compiled on their own.
 _HEADERS = sorted((Path(__file__).resolve().parent / "cpu").glob("*.h"))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
@@ -111,10 +112,13 @@ def _load() -> bool:
         # It writes ``out`` and returns nothing: its fake (tracing) form does nothing, so a
         # compiled graph may keep it as an opaque call.
         torch.library.register_fake("pd_cluster_cpu::paged_attention")(lambda *args: None)
+        torch.library.register_fake("pd_cluster_cpu::onednn_linear")(
+            lambda x, packed, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))
     except Exception as e:  # a compiler error, a missing toolchain, a bad cache dir
         _state["error"] = f"{type(e).__name__}: {e}"
         logger.warning("CPU attention kernel unavailable (build in %s failed), falling back to "
-                       "the slower torch attention: %s", build, _state["error"])
+                       "the slower torch attention (and compiled steps' packed linears to a "
+                       "Python op): %s", build, _state["error"])
         return False
     return True
 

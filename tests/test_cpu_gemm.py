@@ -78,6 +78,26 @@ def test_every_layout_computes_the_loaded_linears(dtype: torch.dtype, layout: st
     assert (block.embed.weight.stride()[0] == 1) == (tied and layout == "transposed")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_registered_packed_op_equals_the_aten_one(dtype: torch.dtype) -> None:
+    """What a compiled step calls (kernels/cpu/onednn_linear.cpp) is oneDNN's own GEMM, bit for
+    bit, with and without a bias; a wrong output size is an error, not a silent reshape."""
+    if cpu_gemm.layout_for(dtype, "packed") != "packed" or not cpu_gemm.cpp_op_loaded():
+        pytest.skip("no packed GEMM or no CPU kernels here")
+    torch.manual_seed(0)
+    w, b, x = torch.randn(48, 64, dtype=dtype), torch.randn(48, dtype=dtype), torch.randn(
+        5, 64, dtype=dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    for bias in (b, None):
+        want = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        assert torch.equal(torch.ops.pd_cluster_cpu.onednn_linear(x, packed, bias, 48), want)
+    with pytest.raises(RuntimeError, match="the packed weight has 48 outputs, the layer 47"):
+        torch.ops.pd_cluster_cpu.onednn_linear(x, packed, None, 47)
+    layer = RowParallelLinear(64, 48)
+    cpu_gemm.pack(layer)
+    assert layer.packed_cpp  # the compiled step's choice
+
+
 def test_mode_from_config_or_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(cpu_gemm.CPU_GEMM_ENV, raising=False)
     assert cpu_gemm.resolve_mode(None) == "auto"

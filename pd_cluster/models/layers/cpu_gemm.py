@@ -76,13 +76,25 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def cpp_op_loaded() -> bool:
+    """Whether the packed GEMM is registered from C++ too (kernels/cpu/onednn_linear.cpp: a
+    boxed call, ~12 us a call less than the Python custom op above); builds or loads the CPU
+    kernels once per process."""
+    from kernels.cpu_build import load_cpu_kernels
+    return load_cpu_kernels()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
+           packed: torch.Tensor | None, packed_cpp: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the packed weight when there is one (then
-    ``weight`` is not read: it may be released)."""
+    ``weight`` is not read: it may be released). ``packed_cpp`` (pack()'s): a compiled step
+    calls the C++-registered op. A flag, not the op itself: a saved graph pickles its
+    guards, and an op object does not pickle."""
     if packed is None:
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
+        if packed_cpp:
+            return torch.ops.pd_cluster_cpu.onednn_linear(x, packed, bias, packed.shape[0])
         return _onednn_linear(x, packed, bias, packed.shape[0])
     # Eager: the aten op directly (a Python custom op costs microseconds per call).
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -98,6 +110,7 @@ def pack(module: nn.Module) -> None:
     of its weight and release the dense one (a meta tensor of its shape is left)."""
     weight = module.weight
     module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    module.packed_cpp = cpp_op_loaded()
     module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
                                  requires_grad=False)
 

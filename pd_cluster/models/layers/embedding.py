@@ -49,10 +49,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = TPGroup()) -> None:
         super().__init__(vocab_size, hidden_size, tp)
         self.packed: torch.Tensor | None = None
+        self.packed_cpp = False  # cpu_gemm.pack's
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tied embeddings); the checkpoint's lm_head is unused."""
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return self.tp.all_gather(cpu_gemm.linear(hidden, self.weight, None, self.packed), dim=-1)
+        logits = cpu_gemm.linear(hidden, self.weight, None, self.packed, self.packed_cpp)
+        return self.tp.all_gather(logits, dim=-1)

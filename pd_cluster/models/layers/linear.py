@@ -55,6 +55,7 @@ class _Linear(nn.Module):
         super().__init__()
         self.tp = tp
         self.packed: torch.Tensor | None = None  # cpu_gemm's packed weight, if any
+        self.packed_cpp = False  # a compiled step calls the C++ op with it (cpu_gemm.pack)
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -65,7 +66,7 @@ class _Linear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.weight, self.bias, self.packed)
+        return cpu_gemm.linear(x, self.weight, self.bias, self.packed, self.packed_cpp)
 
 
 class ReplicatedLinear(_Linear):
@@ -160,7 +161,7 @@ class RowParallelLinear(_Linear):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial product (no bias, not reduced)."""
-        return cpu_gemm.linear(x, self.weight, None, self.packed)
+        return cpu_gemm.linear(x, self.weight, None, self.packed, self.packed_cpp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(self.partial(x))
