@@ -80,7 +80,7 @@ inline float softmax_step(float* s, int64_t n, int64_t lo, int64_t hi, float sca
     for (int64_t j = lo; j < hi; ++j) s[j] *= scale;
   }
 #pragma omp simd reduction(max : mx)
-  for (int64_t j = lo; j < hi; ++j) mx = std::max(mx, s[j]);
+  for (int64_t j = lo; j < hi; ++j) mx = s[j] > mx ? s[j] : mx;  // (std::max stays scalar)
   const float alpha = std::exp(m - mx);
 #pragma omp simd
   for (int64_t j = lo; j < hi; ++j) s[j] -= mx;
