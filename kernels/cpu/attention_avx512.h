@@ -6,12 +6,12 @@
 // values are read in place through per-key row pointers (half precision converted in
 // registers; values converted once per chunk for many rows). Two ways to get the scores:
 //  * few rows per KV head (decode: group <= 4): each key's dot products with the head's rows,
-//    reduced 16 keys at a time by one transpose-add tree; decode is bound by memory, so the
-//    keys and values ahead are prefetched;
-//  * many rows (prefill tiles, large groups): 16 keys transposed once (to fp32, or as bf16
-//    pairs), then the scores of the rows that see them by broadcast FMAs, eight rows at a time.
-// With a bf16 query and cache (and AVX512-BF16), scores are pair dot products (vdpbf16ps: exact
-// products, fp32 sums); softmax and P.V are fp32 always.
+//    reduced 16 keys at a time by one transpose-add tree (with a bf16 query and cache and
+//    AVX512-BF16, pair dot products: vdpbf16ps, exact products, fp32 sums, no conversion);
+//    decode is bound by memory, so the keys and values ahead are prefetched;
+//  * many rows (prefill tiles, large groups): 16 keys transposed to fp32 once, then the scores
+//    of the rows that see them by broadcast FMAs, eight rows at a time.
+// Softmax and P.V are fp32 always.
 #pragma once
 #if defined(__AVX512F__)
 
@@ -49,7 +49,7 @@ struct Worker {
     const int64_t nq = w.q1 - w.q0, rows = nq * c.group, d = c.d, dv = c.dv, bs = c.bs;
     const int64_t first_pos = first_position(c, w), last_pos = first_pos + nq - 1;
     const bool direct = rows <= kDirectRows;
-    const bool bf16_dot = kBf16Cache && d % 32 == 0;
+    const bool bf16_dot = kBf16Cache && direct && d % 32 == 0;
     const int64_t chunk_blocks = std::max<int64_t>(1, (direct ? 512 : 256) / bs);
     const int64_t ss = (chunk_blocks * bs + 15) / 16 * 16;  // score row stride
     qf.resize(rows * d);
@@ -66,7 +66,8 @@ struct Worker {
       }
     if (bf16_dot) {
       qb.resize(rows * d);
-      for (int64_t i = 0; i < rows * d; ++i) qb[i] = c10::BFloat16(qf[i]);  // exact: qf came from bf16
+      // exact: qf holds bf16 values
+      for (int64_t i = 0; i < rows * d; ++i) qb[i] = c10::BFloat16(qf[i]);
     }
     const int64_t k_lo = c.window > 0 ? std::max<int64_t>(0, first_pos - c.window + 1) : 0;
     const int32_t* table = c.tables + w.req * c.table_stride;
@@ -83,11 +84,7 @@ struct Worker {
           scores_direct_rows<false>(rows, d, n, dv, ss);
         }
       } else {
-        if (bf16_dot) {
-          scores_tiled<true>(d, span, rows, ss);
-        } else {
-          scores_tiled<false>(d, span, rows, ss);
-        }
+        scores_tiled(d, span, rows, ss);
       }
       for (int64_t row = 0; row < rows; ++row) {
         const float alpha = softmax_step16(s.data() + row * ss, n, span.key_begin(row),
@@ -149,12 +146,9 @@ struct Worker {
   }
 
   // Scores of the rows that see any of each 16 keys (the causal diagonal and the window's edge
-  // skip the rest: softmax_step16 never reads those groups), the keys transposed first: to
-  // fp32, or (bf16 dot products) as 32-bit pairs of bf16 dims.
-  template <bool kBf16Dot>
+  // skip the rest: softmax_step16 never reads those groups), the keys transposed to fp32 first.
   void scores_tiled(int64_t d, const RowSpan& span, int64_t rows, int64_t ss) {
     kt.resize(d * 16);
-    constexpr int64_t step = kBf16Dot ? 32 : 16;  // dims per transposed 16 x 16 block
     const int64_t n = span.n;
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t mk = std::min<int64_t>(16, n - j0);
@@ -167,28 +161,14 @@ struct Worker {
                                     span.group, 0, rows)
           : rows;
       if (r0 >= r1) continue;
-      for (int64_t x0 = 0; x0 < d; x0 += step) {
+      for (int64_t x0 = 0; x0 < d; x0 += 16) {
         __m512 r[16];
-        for (int64_t jj = 0; jj < 16; ++jj) {
-          if (jj >= mk) {
-            r[jj] = _mm512_setzero_ps();
-          } else if constexpr (kBf16Dot) {
-            r[jj] = _mm512_castsi512_ps(load_pairs(keys[j0 + jj] + x0));
-          } else {
-            r[jj] = load16(keys[j0 + jj] + x0);
-          }
-        }
+        for (int64_t jj = 0; jj < 16; ++jj)
+          r[jj] = jj < mk ? load16(keys[j0 + jj] + x0) : _mm512_setzero_ps();
         transpose16(r);
-        for (int i = 0; i < 16; ++i)
-          _mm512_storeu_ps(kt.data() + (x0 / (step / 16) + i) * 16, r[i]);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt.data() + (x0 + i) * 16, r[i]);
       }
-      if constexpr (kBf16Dot) {
-        scores_tile_rows<true>(qb.data() + r0 * d, d, kt.data(), s.data() + r0 * ss + j0, ss,
-                               r1 - r0);
-      } else {
-        scores_tile_rows<false>(qf.data() + r0 * d, d, kt.data(), s.data() + r0 * ss + j0, ss,
-                                r1 - r0);
-      }
+      scores_tile_rows(qf.data() + r0 * d, d, kt.data(), s.data() + r0 * ss + j0, ss, r1 - r0);
     }
   }
 };
