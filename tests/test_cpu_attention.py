@@ -188,10 +188,12 @@ def test_fast_path_block_sizes_and_variants(block_size) -> None:
           logit_softcap=30.0, sinks=True)
 
 
-def test_latent_mla_dims() -> None:
-    """MLA's shapes: keys of rank 512 + rope 64 per token, values the first 512, 16 heads."""
+@pytest.mark.parametrize("heads", [4, 16], ids=["decode-rows", "tiles"])
+def test_latent_mla_dims(heads) -> None:
+    """MLA's shapes: keys of rank 512 + rope 64 per token, values the first 512; 4 heads take
+    the per-key dot products for decode, 16 the transposed tiles."""
     torch.manual_seed(0)
-    rank, rope, heads, bs = 512, 64, 16, 16
+    rank, rope, bs = 512, 64, 16
     q_lens, seq_lens = [1, 1, 20], [300, 40, 60]
     meta = make_batch(q_lens, seq_lens, bs, 40)
     cache = torch.randn(1, 40, bs, 1, rank + rope) * 0.1
