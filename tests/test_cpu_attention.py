@@ -165,7 +165,7 @@ def test_stale_torch_lock_does_not_hang(tmp_path) -> None:
 
 
 # The AVX-512 path (head dims that are multiples of 16, on CPUs that have it) takes decode rows
-# (up to 4 per KV head) by per-key dot products and larger tiles by transposed keys, both over
+# (up to 8 per KV head) by per-key dot products and larger tiles by transposed keys, both over
 # chunks of up to 512 / 256 keys; other head dims take the portable path. Each shape below is
 # checked against the torch reference whichever path this CPU gives it.
 LONG = ([1, 1, 1, 40, 9], [1300, 600, 17, 40, 700])  # decodes past one chunk, prefill after one
@@ -173,10 +173,10 @@ LONG = ([1, 1, 1, 40, 9], [1300, 600, 17, 40, 700])  # decodes past one chunk, p
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("hq,hkv,d", [(8, 4, 64), (4, 4, 128), (8, 2, 128), (8, 1, 64),
-                                      (2, 1, 256), (4, 2, 40)],
-                         ids=["gqa2-d64", "mha-d128", "gqa4-d128", "mqa8-d64", "d256",
-                              "d40-portable"])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 4, 64), (4, 4, 128), (8, 2, 128), (7, 1, 64),
+                                      (16, 1, 64), (2, 1, 256), (4, 2, 40)],
+                         ids=["gqa2-d64", "mha-d128", "gqa4-d128", "mqa7-d64", "mqa16-tiles",
+                              "d256", "d40-portable"])
 def test_fast_path_shapes(dtype, hq, hkv, d) -> None:
     atol = 2e-5 if dtype == torch.float32 else 2e-2
     check(*LONG, hq=hq, hkv=hkv, d=d, dtype=dtype, atol=atol)
