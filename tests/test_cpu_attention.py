@@ -204,3 +204,13 @@ def test_latent_mla_dims(heads) -> None:
     dense[0], dense[1, ..., :rank] = cache[0], cache[0, ..., :rank]
     ref = TorchAttentionBackend().forward(query, dense, meta, opts)[..., :rank]
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [{}, {"sliding_window": 3, "sinks": True}],
+                         ids=["plain", "window-sinks"])
+def test_short_chunks_take_decode_rows(variant) -> None:
+    """A few new tokens after a prefix (speculative or tiny chunks): up to 8 rows per KV head
+    go through the per-key dot products, the causal mask applied within the chunk."""
+    check([1, 3, 2, 4], [9, 50, 600, 30], hq=8, hkv=4, d=64, **variant)
+    check([1, 3, 2, 4], [9, 50, 600, 30], hq=8, hkv=4, d=64, dtype=torch.bfloat16, atol=2e-2,
+          **variant)
