@@ -28,7 +28,6 @@ import os
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from serving_client import comma_list, pct, send  # noqa: E402
+from serving_client import closed_loop, comma_list, pct  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 PARTS = ("offline", "served", "streamed")
@@ -57,8 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-vllm", action="store_true", help="pd-cluster's side only")
     p.add_argument("--pd-eager", action="store_true", help="offline: also run pd-cluster "
                    "eager (PD_CLUSTER_COMPILE=0) beside its default (compiled) run")
-    p.add_argument("--pd-set", default="", help="pd-cluster config overrides for the served "
-                   "and streamed parts, comma list of dotted.key=value (a YAML value), e.g. "
+    p.add_argument("--pd-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="pd-cluster config override for the served and streamed parts, as "
+                   "`pd-cluster launch --set` takes it (repeatable), e.g. "
                    "proxy.disaggregation=always")
     p.add_argument("--offline-requests", type=int, default=48)
     p.add_argument("--served-requests", type=int, default=64)
@@ -72,6 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pd-cluster's side only, a tiny model and load (a few seconds each)")
     p.add_argument("--offline-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    from pd_cluster.serving.cluster.cluster_config import ConfigError, parse_overrides
+    try:
+        parse_overrides(args.pd_set)
+    except ConfigError as e:
+        p.error(str(e).replace("--set", "--pd-set"))
     if args.smoke:
         args.skip_vllm, args.offline_requests, args.served_requests = True, 4, 4
         args.clients, args.stream_tokens, args.streams = 2, 8, "1,2"
@@ -145,24 +150,6 @@ def run_offline(args: argparse.Namespace, side: str, model: str, dtype: str, log
 
 
 # ---- served and streamed ---------------------------------------------------------------------
-async def closed_loop(url: str, model: str, work: list[tuple[list[int], int]], clients: int
-                      ) -> tuple[list[Any], float]:
-    import aiohttp
-    queue = list(reversed(work))
-    results: list[Any] = []
-
-    async def client(session: Any) -> None:
-        while queue:
-            prompt, n = queue.pop()
-            results.append(await send(session, url, model, prompt, n))
-    timeout = aiohttp.ClientTimeout(total=900)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=timeout) as session:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(session) for _ in range(clients)))
-        return results, time.perf_counter() - t0
-
-
 def check(results: list[Any], what: str) -> None:
     failed = [r.error for r in results if not r.ok]
     if failed:

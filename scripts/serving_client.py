@@ -89,6 +89,26 @@ async def run_load(url: str, model: str, work: list[tuple[float, list[int], int]
     return list(results), duration
 
 
+async def closed_loop(url: str, model: str, work: list[tuple[list[int], int]], clients: int
+                      ) -> tuple[list[Result], float]:
+    """``work`` (prompt, output tokens) sent by ``clients`` clients, each sending its next
+    request when its last one ends; the results in completion order and the seconds taken."""
+    import aiohttp
+    queue = list(reversed(work))
+    results: list[Result] = []
+
+    async def client(session: Any) -> None:
+        while queue:
+            prompt, n = queue.pop()
+            results.append(await send(session, url, model, prompt, n))
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=timeout) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(clients)))
+        return results, time.perf_counter() - t0
+
+
 def pct(xs: list[float], p: float) -> float:
     if not xs:
         return float("nan")

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
-import yaml
 
 from pd_cluster.driver.cpu_setup import TCMALLOC, claim_order, find_library, node_cores
 
@@ -137,12 +136,13 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def pd_server(kind: str, model: str, dtype: str, progress: bool, overrides: str = ""
-              ) -> Iterator[tuple[str, str]]:
+def pd_server(kind: str, model: str, dtype: str, progress: bool,
+              overrides: list[str] | None = None) -> Iterator[tuple[str, str]]:
     """pd-cluster as configs ship it, on this machine's 2 cores: ``pd`` (1P1D, an engine on
     each core) or ``colocated`` (one engine on one core, the other left to serving).
-    ``overrides``: ``dotted.key=value`` items, comma-separated (values parsed as YAML)."""
-    from pd_cluster.serving.cluster.cluster_config import load_config
+    ``overrides``: ``dotted.key=value`` items, as ``pd-cluster launch --set`` takes them."""
+    from pd_cluster.serving.cluster.cluster_config import (load_config, merge_config,
+                                                           parse_overrides)
     from pd_cluster.serving.cluster.launcher import launch
     from pd_cluster.serving.cluster.testing import ensure_ray
 
@@ -161,13 +161,7 @@ def pd_server(kind: str, model: str, dtype: str, progress: bool, overrides: str 
                                        "num_kv_blocks": 4096}}
     if kind == "colocated":
         over["colocated"] = {"replicas": 1, "num_cpus": 1}
-    for item in filter(None, overrides.split(",")):
-        key, _, value = item.partition("=")
-        *parents, leaf = key.strip().split(".")
-        node = over
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
+    over = merge_config(over, parse_overrides(overrides))
     cluster = launch(load_config(REPO / path, over), progress=progress)
     try:
         import ray

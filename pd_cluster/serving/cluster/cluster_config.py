@@ -24,7 +24,8 @@ from pd_cluster.serving.cluster.model_source import resolve_model, served_name
 from pd_cluster.serving.cluster.schema import ConfigError, config_error, set_path
 
 __all__ = ["ClusterConfig", "ConfigError", "KVTransferConfig", "ProxyConfig", "RayConfig",
-           "RoleConfig", "load_config", "parse_config", "parse_overrides", "resolve_model"]
+           "RoleConfig", "load_config", "merge_config", "parse_config", "parse_overrides",
+           "resolve_model"]
 
 _KV_ROLE = {ROLE_PREFILL: "producer", ROLE_DECODE: "consumer"}
 DECODE_PREFILL_CAP = 64  # tokens: see RoleConfig.max_prefill_tokens_per_step
@@ -197,10 +198,11 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def merge_config(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over``'s keys set, section by section (neither is modified)."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = merge_config(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -209,7 +211,7 @@ def parse_config(data: Any, overrides: dict[str, Any] | None = None) -> ClusterC
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"<root>: expected a mapping, got {type(data).__name__}")
-    data = _merge(data, overrides or {})
+    data = merge_config(data, overrides or {})
     mode = data.get("mode", "disaggregated")
     unused = ("colocated",) if mode != "colocated" else ("prefill", "decode", "kv_transfer")
     for key in unused:
