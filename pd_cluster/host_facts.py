@@ -1,0 +1,26 @@
+"""Facts about this host that decide whether a compiled artifact (inductor code, the C++
+kernels) built elsewhere may run here: one rule for every cache key that needs them."""
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+# /proc/cpuinfo names the instruction-set list "flags" on x86 and "Features" on aarch64
+# (one line per core, identical on the CPUs we run on: the first is the set).
+_FEATURE_FIELDS = ("flags", "features")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_features() -> str:
+    """``machine: feature feature ...`` (sorted) for this CPU, on x86 and aarch64 alike; the
+    processor string where /proc/cpuinfo is missing (a build for ``-march=native`` is only
+    valid on a CPU with the same features)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip().lower() in _FEATURE_FIELDS:
+                return f"{platform.machine()}: " + " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return f"{platform.machine()}: {platform.processor()}"
