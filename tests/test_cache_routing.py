@@ -210,11 +210,13 @@ def test_health_check_that_sees_a_restart_forgets_the_engines_cache() -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     # 1P2D; margin 0: on an idle cluster D prefilling alone is usually the cheaper path (no
-    # link to cross), so turns run on a decode engine picked by its cached prefix.
+    # link to cross), so turns run on a decode engine picked by its cached prefix. A TPOT
+    # target no step on a loaded machine misses: the TTFT estimates alone decide here.
     yield from launched_cluster(tmp_path_factory, "local", "cache-routing", decode={"replicas": 2},
                                 engine={"num_kv_blocks": 256, "max_model_len": 512},
                                 proxy={"local_prefill_margin_ms": 0.0,
-                                       "cache_events_interval": 0.1})
+                                       "cache_events_interval": 0.1,
+                                       "slo": {"tpot_ms": 60_000.0}})
 
 
 def _metric(text: str, name: str, **labels: str) -> float:

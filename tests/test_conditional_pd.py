@@ -253,7 +253,8 @@ def test_planner_always_disaggregates_when_configured() -> None:
 
 
 def test_planner_balances_prefills_between_p_and_d_under_load() -> None:
-    _, planner, metrics = _planner()
+    # A TPOT target so loose that no pause breaks it: the TTFT estimates alone decide.
+    _, planner, metrics = _planner(slo={"tpot_ms": 10_000.0})
     plans = [planner.plan(_job(1000), set(), f"r{i}") for i in range(4)]  # none answered yet
     assert [len(legs) for legs in plans] == [2, 1, 2, 1]  # each goes where the queue is shorter
     assert _count(metrics, LOCAL, "local_cheaper") == 2

@@ -69,6 +69,19 @@ class RoleConfig(ConfigSection):
         return {k: float(v) for k, v in out.items() if v}
 
 
+class SloConfig(ConfigSection):
+    """The service-level targets the cluster serves to (as vLLM's benchmark counts goodput):
+    the proxy's P-or-D choice and a decode engine lending its cores to prefill both keep
+    every running request within tpot_ms (tpot_budget.py). Defaults: an interactive chat
+    (first token within 2 s, 20 tokens/s after it); set your own (serve --slo-tpot-ms)."""
+    ttft_ms: float = Field(2000.0, gt=0)  # time to first token target, ms
+    # Time per output token target, ms: (last token - first token) / (tokens - 1), per request.
+    tpot_ms: float = Field(50.0, gt=0)
+    # Percentile of a decode engine's recent step times taken as its step time when predicting
+    # TPOT (higher: more conservative).
+    percentile: float = Field(90.0, gt=0, le=100)
+
+
 class ProxyConfig(ConfigSection):
     """The OpenAI-compatible HTTP proxy: where it listens, admission, routing, failure
     handling."""
@@ -98,6 +111,9 @@ class ProxyConfig(ConfigSection):
     # prefills alone only when the new request's gain beats the margin plus this share of that
     # total delay (0: ignore it; 1: a running request's second counts like the new one's).
     local_prefill_stall_weight: float = Field(1.0, ge=0)
+    # Targets: D prefills alone only when the pause that adds keeps every request it decodes
+    # (and one arriving meanwhile) within slo.tpot_ms; see SloConfig.
+    slo: SloConfig = Field(default_factory=SloConfig)
     # Decode engines match the prompt against their own prefix cache and receive only the KV
     # blocks they lack (false: every prompt's KV is shipped whole, as before).
     decode_prefix_reuse: bool = True
@@ -182,6 +198,10 @@ class CpuConfig(ConfigSection):
     reserve_cores: int = Field(CpuPolicy.reserve_cores, ge=0)
     # LD_PRELOAD tcmalloc and Intel OpenMP (libiomp5) into engines where the node has them.
     preload_libraries: bool = CpuPolicy.preload_libraries
+    # A decode engine lends its cores to a prefill engine pinned on the same node while the
+    # pause keeps its requests within proxy.slo.tpot_ms (the prefill step runs a thread on
+    # them; the decode engine takes them back at its next step: driver/core_lending.py).
+    lend_decode_cores: bool = True
 
 
 class RayConfig(ConfigSection):

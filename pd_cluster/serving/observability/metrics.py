@@ -69,7 +69,9 @@ class ProxyMetrics:
             "decided it (remote_cheaper, margin: local was sooner by less than "
             "proxy.local_prefill_margin_ms, stall: by less than the margin plus the delay it "
             "adds to the decode engine's running requests (proxy.local_prefill_stall_weight), "
-            "local_cheaper, always: proxy.disaggregation)",
+            "tpot: the pause would push a request the decode engine runs past "
+            "proxy.slo.tpot_ms, local_cheaper, local_ttft: only local meets "
+            "proxy.slo.ttft_ms, always: proxy.disaggregation)",
             ["path", "reason"], registry=r)
         self.route_cached_tokens = Counter(
             "pd_route_cached_prompt_tokens", "Prompt tokens the chosen engine was expected to "

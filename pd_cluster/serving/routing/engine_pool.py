@@ -19,6 +19,7 @@ from pd_cluster.serving.cluster.cluster_config import ProxyConfig
 from pd_cluster.driver.messages import EngineInfo, EngineStatus
 from pd_cluster.serving.routing.cache_feed import CacheFeed
 from pd_cluster.serving.routing.cache_index import CacheIndex, PrefixHit
+from pd_cluster.serving.routing.decode_watch import DecodeWatch
 from pd_cluster.serving.routing.engine_load import EngineLoad, LinkStats
 from pd_cluster.serving.routing.peer_linker import PeerLinker
 from pd_cluster.serving.routing.router import Router, create_router
@@ -51,6 +52,7 @@ class EngineState:
     last_error: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     load: EngineLoad = field(default_factory=EngineLoad)  # queued prefill work, its rate
+    decoding: DecodeWatch = field(default_factory=DecodeWatch)  # its requests' TPOT progress
 
     @property
     def queued_prefill(self) -> int:

@@ -106,6 +106,8 @@ class Leg:
     on_first: Callable[[EngineDelta], None] | None = None
     # Told when it fails (its engine's load stops counting its prefill as queued).
     on_fail: Callable[[], None] | None = None
+    # Told of every delta once applied (the engine's DecodeWatch follows a decoding leg).
+    on_delta: Callable[[EngineDelta], None] | None = None
 
     def fail(self, error: Exception) -> None:
         """End the leg unfinished: ``error`` is why."""
@@ -129,6 +131,8 @@ class Leg:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         self.finished, self.last = delta.finished, delta
+        if self.on_delta is not None:
+            self.on_delta(delta)
 
 
 @dataclass

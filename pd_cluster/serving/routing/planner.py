@@ -60,9 +60,12 @@ class Planner:
                                 timeout=max(1.0, job.deadline - time.monotonic()),
                                 resume_token_ids=list(sent.token_ids),
                                 resume_text_len=len(sent.text))
-        return [Leg(engine, request, len(job.prompt_token_ids) + (job.params.max_tokens or 1),
-                    LegKind.WHOLE, token_ids=list(sent.token_ids), text=sent.text,
-                    logprobs=list(sent.logprobs))]
+        leg = Leg(engine, request, len(job.prompt_token_ids) + (job.params.max_tokens or 1),
+                  LegKind.WHOLE, token_ids=list(sent.token_ids), text=sent.text,
+                  logprobs=list(sent.logprobs))
+        if engine.role == ROLE_DECODE:
+            engine.decoding.watch(leg)
+        return [leg]
 
     def plan(self, job: GenerateJob, excluded: set[str], rid: str,
              pinned: str | None = None) -> list[Leg]:
@@ -79,6 +82,8 @@ class Planner:
             leg = Leg(e, EngineRequest(params=job.params, **base), n_prompt + max_tokens,
                       LegKind.WHOLE)
             self._computes(leg, n_prompt - cached)
+            if e.role == ROLE_DECODE:
+                e.decoding.watch(leg)
             self._routed(job, e, hit, hashes, f"{e.name} {why}".strip())
             _trace(self.pool.config, rid, leg, "first", e.name, why, n_prompt - cached)
             return [leg]
@@ -114,7 +119,8 @@ class Planner:
         hits = self.pool.held(hashes, [p, d])
         cached = {name: self.pool.weighted_tokens(hit) for name, hit in hits.items()}
         d_held = hits[d.name].blocks * (self.pool.cache.block_size or 0)  # in any tier
-        decision = self._decide(n_prompt, p, d, cached[p.name], cached[d.name], d_held)
+        decision = self._decide(n_prompt, p, d, cached[p.name], cached[d.name], d_held,
+                                max_tokens)
         self.metrics.disagg_decisions.labels(decision.path, decision.reason).inc()
         if decision.path == LOCAL:
             legs = whole(d, decision.describe())
@@ -133,6 +139,7 @@ class Planner:
                     n_prompt, LegKind.PREFILL)
         self._computes(p_leg, n_prompt - cached[p.name])
         self._time_link(p_leg, d_leg, n_prompt - d_held)
+        d.decoding.watch(d_leg)
         self._learn_bias(p_leg, decision)
         self._routed(job, p, hits[p.name], hashes, "")
         self._routed(job, d, hits[d.name], hashes, f"{p.name}->{d.name} {decision.describe()}")
@@ -157,7 +164,7 @@ class Planner:
         return self.pool.pick(role, candidates=candidates, cached=cached)
 
     def _decide(self, n_prompt: int, p: EngineState, d: EngineState, p_cached: int,
-                d_cached: int, d_held: int) -> Decision:
+                d_cached: int, d_held: int, max_tokens: int) -> Decision:
         """``*_cached``: prompt tokens each side need not prefill (lower-tier hits weighed);
         ``d_held``: the tokens D holds in any tier, which P does not ship to it."""
         if self.pool.config.disaggregation == "always":
@@ -168,10 +175,14 @@ class Planner:
         # Each request D is running waits out the local prefill's own seconds.
         stall = config.local_prefill_stall_weight * d.inflight * (
             local.uncached_tokens / max(local.prefill_rate, 1e-9))
+        slo = config.slo
+        # What D's requests (and one arriving during the pause, as long as this one) absorb.
+        slack = d.decoding.slack(slo.tpot_ms / 1e3, slo.percentile, d.stats,
+                                 newcomer_tokens=max_tokens)
         return decide(Side(n_prompt - p_cached, p.load.backlog(), self._rate(p)), local,
                       Link(ship, link.bytes_per_token or 0.0, link.bandwidth.get(),
                            link.latency.get()), config.local_prefill_margin_ms / 1e3,
-                      self.bias, stall)
+                      self.bias, stall, slack, slo.ttft_ms / 1e3)
 
     def _rate(self, e: EngineState) -> float:
         """``e``'s measured prefill rate. Before its first sample: the mean of the engines

@@ -14,6 +14,10 @@ delay a local prefill adds to the requests D is decoding (each waits out every l
 step; the planner weighs it, proxy.local_prefill_stall_weight). So an idle cluster
 disaggregates as before, and D prefills when P's queue (or P's missing cache) costs the new
 request more than D's running requests would lose.
+Two targets (proxy.slo) bound that: the local prefill is a pause of D's decoding, allowed only
+when it fits the TPOT slack of every request D runs (``slack``, tpot_budget.py): however late
+the new request's first token would be, it never breaks another's TPOT; and when remote would
+miss the TTFT target that local meets, the stall weight gives way (the pause fits the slack).
 """
 from __future__ import annotations
 
@@ -53,12 +57,17 @@ class Decision:
     # What decided (a Prometheus label: a short fixed vocabulary): remote_cheaper (remote's
     # estimate is no later), margin (local is sooner, but by less than the margin), stall
     # (local is sooner by more than the margin, but not by the margin plus the stall it adds to
-    # D's running requests), local_cheaper (sooner by more than both), always (no estimate).
+    # D's running requests), tpot (local is sooner, but the pause it makes D take exceeds what
+    # D's requests absorb within the TPOT target), local_cheaper (sooner by more than the
+    # margin and the stall), local_ttft (remote misses the TTFT target that local meets, and
+    # the pause fits the TPOT slack), always (no estimate).
     reason: str
     remote_s: float = 0.0  # the estimates (0 when not estimated)
     local_s: float = 0.0
     margin_s: float = 0.0
     stall_s: float = 0.0
+    pause_s: float = 0.0  # D's prefill work, this prompt's included: the pause local makes
+    slack_s: float = float("inf")  # the pause D's requests absorb within the TPOT target
 
     def describe(self) -> str:
         """For the access log: the path and what decided it, in words and figures."""
@@ -71,7 +80,13 @@ class Decision:
                "stall": f"local={lo} sooner than remote={r} by less than the margin {m} plus "
                         f"the stall {st} it adds to D's running requests",
                "local_cheaper": f"local={lo} sooner than remote={r} by more than the "
-                                f"margin {m}" + (f" plus the stall {st}" if self.stall_s else "")
+                                f"margin {m}" + (f" plus the stall {st}" if self.stall_s else ""),
+               "tpot": f"local={lo} sooner than remote={r}, but its {self.pause_s * 1e3:.1f}ms "
+                       f"pause exceeds the {self.slack_s * 1e3:.1f}ms D's requests absorb "
+                       f"within the TPOT target",
+               "local_ttft": f"remote={r} misses the TTFT target, local={lo} meets it and "
+                             f"its {self.pause_s * 1e3:.1f}ms pause fits D's TPOT slack "
+                             f"{self.slack_s * 1e3:.1f}ms",
                }.get(self.reason, f"remote={r} local={lo}")
         return f"{self.path}({self.reason}: {why})"
 
@@ -100,16 +115,26 @@ class Bias:
 
 
 def decide(prefill: Side, decode: Side, link: Link, margin: float = 0.0,
-           bias: Bias | None = None, stall: float = 0.0) -> Decision:
+           bias: Bias | None = None, stall: float = 0.0, slack: float = float("inf"),
+           ttft_target: float = float("inf")) -> Decision:
     """Remote unless D prefilling alone is expected to answer more than ``margin`` + ``stall``
-    s sooner (``stall``: what the local prefill costs D's running requests, weighed)."""
+    s sooner (``stall``: what the local prefill costs D's running requests, weighed) and its
+    pause (D's whole prefill backlog) fits ``slack``, the TPOT slack of D's requests; the
+    stall gives way when only local meets ``ttft_target``."""
     b = {path: bias.get(path) if bias is not None else 0.0 for path in (REMOTE, LOCAL)}
     remote = max(prefill.seconds() + link.seconds() + b[REMOTE], 0.0)
     local = max(decode.seconds() + b[LOCAL], 0.0)
+    pause = decode.seconds()
+    facts = dict(remote_s=remote, local_s=local, margin_s=margin, stall_s=stall, pause_s=pause,
+                 slack_s=slack)
     if remote <= local:
-        return Decision(REMOTE, "remote_cheaper", remote, local, margin, stall)
+        return Decision(REMOTE, "remote_cheaper", **facts)
     if local + margin >= remote:
-        return Decision(REMOTE, "margin", remote, local, margin, stall)
+        return Decision(REMOTE, "margin", **facts)
+    if pause > slack:
+        return Decision(REMOTE, "tpot", **facts)
     if local + margin + stall >= remote:
-        return Decision(REMOTE, "stall", remote, local, margin, stall)
-    return Decision(LOCAL, "local_cheaper", remote, local, margin, stall)
+        if remote > ttft_target >= local:
+            return Decision(LOCAL, "local_ttft", **facts)
+        return Decision(REMOTE, "stall", **facts)
+    return Decision(LOCAL, "local_cheaper", **facts)
