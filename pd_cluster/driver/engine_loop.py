@@ -28,14 +28,16 @@ _PARKED_SLEEP = 0.001  # s: only remote-KV / send waits pending: poll, but do no
 class EngineLoop:
     def __init__(self, engine: Any, emit: Callable[[list[EngineDelta]], None],
                  on_fatal: Callable[[BaseException], None] | None = None,
-                 num_threads: int = 1, cores: tuple[int, ...] = ()):
+                 num_threads: int = 1, cores: tuple[int, ...] = (), lending: Any = None):
         """``cores``: pin the engine thread (and the OpenMP threads it starts) to them
-        (driver/cpu_setup.py); empty: leave its placement to the OS."""
+        (driver/cpu_setup.py); empty: leave its placement to the OS. ``lending``: this
+        engine's side of core lending (driver/core_lending.py: Lender or Borrower)."""
         self.engine = engine
         self._emit = emit
         self._on_fatal = on_fatal
         self._num_threads = num_threads
         self._cores = cores
+        self._lending = lending
         self._cmds: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._active: dict[str, int] = {}  # request id -> seq of its next delta
         self._stop = threading.Event()
@@ -72,6 +74,8 @@ class EngineLoop:
         self._stop.set()
         self._cmds.put(("wake",))
         self._thread.join(timeout)
+        if self._lending is not None and not self._thread.is_alive():
+            self._lending.close()
 
     @property
     def thread_id(self) -> int | None:
@@ -89,15 +93,30 @@ class EngineLoop:
             from pd_cluster.driver.cpu_setup import pin_thread
             pin_thread(self._cores)
         torch.set_num_threads(self._num_threads)  # OpenMP thread count is per calling thread
+        lender = borrower = None
+        if self._lending is not None:
+            self._lending.prepare()  # on this thread: its OpenMP pool is the one lent
+            lender = self._lending if hasattr(self._lending, "before_step") else None
+            borrower = self._lending if lender is None else None
         try:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished_requests()
+                if lender is not None and not busy:
+                    lender.publish()  # idle: what a newcomer absorbs (renewed every wait)
                 self._drain(block=not busy)
                 if not self.engine.has_unfinished_requests():
                     continue
+                if lender is not None:
+                    lender.before_step()
                 t0 = time.perf_counter()
-                outputs = self.engine.step()
+                if borrower is not None:
+                    outputs = borrower.run_step(self.engine.step,
+                                                self.engine.prefill_tokens_pending())
+                else:
+                    outputs = self.engine.step()
                 dt = time.perf_counter() - t0
+                if lender is not None:
+                    lender.step_done(dt, bool(outputs))
                 self.counters["steps"] += 1
                 self.counters["step_seconds"] += dt
                 if outputs:
@@ -167,9 +186,11 @@ class EngineLoop:
             return
         self._active[req.request_id] = 0
         self.counters["requests_total"] += 1
+        if self._lending is not None:
+            self._lending.added(req.request_id, req.params.max_tokens or 1)
 
     def _emit_outputs(self, outputs: list[RequestOutput]) -> None:
-        now = time.time()
+        now, mono = time.time(), time.monotonic()
         deltas = []
         for out in outputs:
             comp = out.outputs[0]
@@ -178,6 +199,8 @@ class EngineLoop:
             if seq is None:  # not (or no longer) ours: nothing to number it by
                 continue
             self.counters["tokens_generated"] += len(comp.delta_token_ids)
+            if self._lending is not None:
+                self._lending.emitted(rid, len(comp.delta_token_ids), out.finished, mono)
             if out.finished:
                 del self._active[rid]
                 self.counters["requests_finished"] += 1
@@ -192,4 +215,6 @@ class EngineLoop:
 
     def _refresh_snapshot(self) -> None:
         # Read by other threads without a lock: a whole new dict is swapped in atomically.
-        self.snapshot = {**self.engine.stats(), **self.counters, "num_active": len(self._active)}
+        lent = self._lending.counters if self._lending is not None else {}
+        self.snapshot = {**self.engine.stats(), **self.counters, **lent,
+                         "num_active": len(self._active)}

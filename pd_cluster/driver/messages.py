@@ -50,6 +50,12 @@ class EngineSpec(Msg, frozen=True):
     # ``reserve_cores`` last (the cluster config's ``cpu`` section; driver/cpu_setup.py).
     pin_threads: bool = False
     reserve_cores: int = 0
+    # Core lending between pinned engines of one node (driver/core_lending.py): a decode
+    # engine lends its cores within the TPOT target (s) at the percentile of its step times;
+    # a prefill engine runs one spare thread to borrow them with.
+    lend_cores: bool = False
+    tpot_target_s: float = 0.05
+    slo_percentile: float = 90.0
 
 
 class EngineRequest(Msg, frozen=True):

@@ -162,6 +162,14 @@ class LLMEngine:
         return (self.scheduler.has_unfinished() or bool(self.scheduler.sending)
                 or self.executor.failed or bool(self.compiling))
 
+    def prefill_tokens_pending(self) -> int:
+        """Prompt tokens left to compute, at most one step's budget: the next step's prefill
+        work (a prefill engine borrowing cores sizes its borrow by it)."""
+        s = self.scheduler
+        n = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+                for r in (*s.waiting, *s.running))
+        return min(n, self.config.max_num_batched_tokens)
+
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         failed = self._admit_compiled()

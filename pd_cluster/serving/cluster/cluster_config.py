@@ -137,8 +137,16 @@ class ClusterConfig(ConfigSection):
                                         num_cpus=rc.num_cpus,
                                         num_gpus=rc.num_gpus,
                                         pin_threads=self.cpu.pin_threads,
-                                        reserve_cores=self.cpu.reserve_cores))
+                                        reserve_cores=self.cpu.reserve_cores,
+                                        lend_cores=self._lends(role, rc),
+                                        tpot_target_s=self.proxy.slo.tpot_ms / 1e3,
+                                        slo_percentile=self.proxy.slo.percentile))
         return specs
+
+    def _lends(self, role: str, rc: RoleConfig) -> bool:
+        """Engines of ``role`` take part in core lending (disaggregated, CPU, one rank)."""
+        return (self.cpu.lend_decode_cores and self.cpu.pin_threads and role in _KV_ROLE
+                and rc.num_gpus == 0 and rc.tensor_parallel_size == 1)
 
     def required_cpus(self) -> float:
         return sum(rc.replicas * rc.num_cpus * rc.tensor_parallel_size

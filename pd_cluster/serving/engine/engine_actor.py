@@ -19,6 +19,7 @@ import threading
 import uuid
 from typing import Any
 
+from pd_cluster.driver.core_lending import make_lending
 from pd_cluster.driver.cpu_setup import CoreClaim, claim_cores
 from pd_cluster.driver.engine_loop import EngineLoop
 from pd_cluster.driver.messages import (ERROR_ENGINE, ROLE_PREFILL, EngineDelta, EngineInfo,
@@ -47,8 +48,16 @@ class EngineActor:
         # interval bounds how long the event loop waits to stream outputs (default: 5 ms).
         sys.setswitchinterval(_SWITCH_INTERVAL)
         threads = max(1, int(self.spec.num_cpus))
-        torch.set_num_threads(threads)  # tiny models on a shared CPU: more threads = slower
         self.cores = claim_engine_cores(self.spec, threads)
+        # A prefill engine that may borrow a decode engine's cores runs a spare thread
+        # (set before the engine is built: its compiled step is for that many threads).
+        spare = int(self.spec.lend_cores and self.spec.role == ROLE_PREFILL
+                    and bool(self.cores.cores))
+        lending = make_lending(self.spec.role, self.cores.cores, spare,
+                               self.spec.tpot_target_s, self.spec.slo_percentile) \
+            if self.spec.lend_cores else None
+        threads += spare if lending is not None else 0
+        torch.set_num_threads(threads)  # tiny models on a shared CPU: more threads = slower
         self.node_ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         args = dict(self.spec.engine_args)
@@ -62,7 +71,7 @@ class EngineActor:
         self._sessions: dict[str, asyncio.Future[str]] = {}  # open output session -> closed
         self._readers: dict[str, RequestReader] = {}  # session -> its requests' socket
         self.loop = EngineLoop(self.engine, self._emit, self._on_fatal, threads,
-                               self.cores.cores)
+                               self.cores.cores, lending)
         self.output = OutputSender(self.node_ip, self.loop.abort,
                                    self._session_closed_threadsafe)
         self.loop.start()

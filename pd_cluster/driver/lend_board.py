@@ -1,0 +1,119 @@
+"""A decode engine's lending board: 64 bytes of shared memory through which a prefill engine
+on the same node borrows the decode engine's cores for a prefill step (driver/core_lending.py).
+
+One file per decode engine in a per-user 0700 folder under the temp dir, mapped by both
+processes. Each field has one writer, so no lock is needed for the fields; a borrower holds
+an flock on the file while it borrows (one borrower at a time). Times are CLOCK_MONOTONIC,
+which every process of a node shares.
+
+  lender (decode) writes:  pid, cores (bit mask), pause_ok_until, revoked (borrow number)
+  borrower (prefill) writes: borrow_until, borrower thread id, its home cores, borrow number
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+from pd_cluster.private_files import open_private, private_dir
+
+_SIZE = 64
+_MAGIC = 0x70644C454E440001  # "pdLEND", version 1
+# name -> (offset, struct format); each 8 bytes, aligned: one store each on every target.
+_FIELDS = {"magic": (0, "<Q"), "pid": (8, "<q"), "cores": (16, "<Q"),
+           "pause_ok_until": (24, "<d"), "borrow_until": (32, "<d"), "tid": (40, "<q"),
+           "home": (48, "<Q"), "borrow_no": (56, "<I"), "revoked": (60, "<I")}
+
+
+def board_dir() -> Path:
+    return private_dir(Path(tempfile.gettempdir()) / f"pd-cluster-lend-{os.geteuid()}")
+
+
+def mask(cores: tuple[int, ...] | list[int] | set[int]) -> int:
+    return sum(1 << c for c in cores)
+
+
+def cores_of(bits: int) -> set[int]:
+    return {i for i in range(64) if bits >> i & 1}
+
+
+class Board:
+    """One lending board, mapped."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self._fd = path, fd
+        self._map = mmap.mmap(fd, _SIZE)
+
+    @classmethod
+    def create(cls, cores: tuple[int, ...], folder: Path | None = None) -> "Board":
+        """The calling (decode) process's board, lending ``cores``."""
+        path = (folder or board_dir()) / f"decode-{os.getpid()}.board"
+        fd = open_private(path)
+        os.ftruncate(fd, _SIZE)
+        board = cls(path, fd)
+        board.set("pid", os.getpid())
+        board.set("cores", mask(cores))
+        board.set("magic", _MAGIC)
+        return board
+
+    @classmethod
+    def find(cls, folder: Path | None = None) -> list["Board"]:
+        """The boards of live decode processes of this user on this node (stale ones of dead
+        processes are removed)."""
+        out = []
+        root = folder or board_dir()
+        for path in sorted(root.glob("decode-*.board")):
+            try:
+                fd = open_private(path, write=True)
+            except OSError:
+                continue
+            if os.fstat(fd).st_size != _SIZE:
+                os.close(fd)
+                continue
+            board = cls(path, fd)
+            if board.get("magic") != _MAGIC or not _alive(board.get("pid")):
+                if board.get("magic") == _MAGIC:
+                    path.unlink(missing_ok=True)  # its lender died without removing it
+                board.close()
+                continue
+            out.append(board)
+        return out
+
+    def get(self, name: str) -> float | int:
+        off, fmt = _FIELDS[name]
+        return struct.unpack_from(fmt, self._map, off)[0]
+
+    def set(self, name: str, value: float | int) -> None:
+        off, fmt = _FIELDS[name]
+        struct.pack_into(fmt, self._map, off, value)
+
+    def try_lock(self) -> bool:
+        """Be this board's one borrower (until ``unlock`` or this process ends)."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def unlock(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self, remove: bool = False) -> None:
+        if remove:
+            self.path.unlink(missing_ok=True)
+        if not self._map.closed:
+            self._map.close()
+            os.close(self._fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(int(pid), 0)
+        return True
+    except (ProcessLookupError, ValueError, OverflowError):
+        return False
+    except PermissionError:
+        return True

@@ -1,0 +1,175 @@
+"""Core lending between a decode and a prefill engine of one node (driver/core_lending.py):
+the board, the borrow that fits the decode engine's TPOT slack, the revoke that gives its
+cores back at once, and the spare OpenMP thread found on the engine thread."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from pd_cluster.driver.core_lending import Borrower, Lender, omp_workers
+from pd_cluster.driver.lend_board import Board, cores_of, mask
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs Linux thread affinity and 2 cores")
+
+
+@pytest.fixture
+def cores() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the borrower's home cores, the lender's cores)."""
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    return (a,), (b,)
+
+
+class _Thread:
+    """A thread standing in for the prefill engine's spare OpenMP thread."""
+
+    def __init__(self, home: tuple[int, ...]) -> None:
+        self.stop, self.ready = threading.Event(), threading.Event()
+        self.tid = 0
+        self._t = threading.Thread(target=self._run, args=(home,), daemon=True)
+        self._t.start()
+        assert self.ready.wait(10)
+
+    def _run(self, home: tuple[int, ...]) -> None:
+        os.sched_setaffinity(0, home)
+        self.tid = threading.get_native_id()
+        self.ready.set()
+        self.stop.wait(60)
+
+    def cores(self) -> set[int]:
+        return os.sched_getaffinity(self.tid)
+
+    def close(self) -> None:
+        self.stop.set()
+        self._t.join(10)
+
+
+def _pair(tmp_path, cores, target_s: float = 0.05):
+    home, lent = cores
+    lender = Lender(Board.create(lent, folder=tmp_path), target_s, 90.0)
+    borrower = Borrower(home, 1, find_boards=lambda: Board.find(folder=tmp_path))
+    thread = _Thread(home)
+    borrower.workers = [thread.tid]
+    borrower.rate["home"] = 1000.0  # tokens/s, as if measured: 512 tokens ~ 0.3 s lent
+    return lender, borrower, thread
+
+
+def test_board_fields_roundtrip_and_dead_lenders_are_cleared(tmp_path) -> None:
+    board = Board.create((1, 3), folder=tmp_path)
+    assert cores_of(int(board.get("cores"))) == {1, 3} and mask({1, 3}) == 0b1010
+    board.set("pause_ok_until", 12.5)
+    (found,) = Board.find(folder=tmp_path)
+    assert found.get("pause_ok_until") == 12.5 and found.get("pid") == os.getpid()
+    found.close()
+    board.set("pid", 2 ** 22 + 12345)  # no such process: a stale board
+    assert Board.find(folder=tmp_path) == [] and not board.path.exists()
+    board.close()
+
+
+def test_idle_lender_lends_and_the_step_runs_on_its_cores(tmp_path, cores) -> None:
+    lender, borrower, thread = _pair(tmp_path, cores)
+    try:
+        lender.publish()  # nothing running: the board says it may pause (up to the cap)
+        seen: list[set[int]] = []
+        out = borrower.run_step(lambda: seen.append(thread.cores()) or "outputs", 512)
+        assert out == "outputs" and seen == [set(cores[1])]  # on the lender's cores meanwhile
+        assert thread.cores() == set(cores[0])  # and home after
+        assert borrower.counters["lend_borrowed_steps"] == 1
+        assert lender.board.get("borrow_until") == 0.0
+    finally:
+        thread.close()
+        borrower.close()
+        lender.close()
+
+
+def test_no_borrow_beyond_the_published_slack(tmp_path, cores) -> None:
+    lender, borrower, thread = _pair(tmp_path, cores, target_s=0.02)
+    try:
+        lender.added("r", 129)
+        now = time.monotonic()
+        for i in range(65):  # decoding at 19 ms a token against a 20 ms target: no slack
+            lender.step_done(0.019, True)
+        lender.emitted("r", 65, False, now - 64 * 0.019)
+        lender.publish()
+        seen: list[set[int]] = []
+        borrower.run_step(lambda: seen.append(thread.cores()), 512)
+        assert seen == [set(cores[0])] and borrower.counters["lend_refused_steps"] == 1
+    finally:
+        thread.close()
+        borrower.close()
+        lender.close()
+
+
+def test_lender_with_new_work_takes_its_cores_back_within_one_check(tmp_path, cores) -> None:
+    lender, borrower, thread = _pair(tmp_path, cores, target_s=0.02)
+    lender.publish()
+    in_step, release = threading.Event(), threading.Event()
+
+    def step() -> None:  # a prefill step that lasts until the test lets it end
+        in_step.set()
+        assert release.wait(30)
+
+    t = threading.Thread(target=borrower.run_step, args=(step, 512), daemon=True)
+    try:
+        t.start()
+        assert in_step.wait(10) and thread.cores() == set(cores[1])
+        # A request arrives whose TPOT cannot absorb the borrow's remaining ~0.3 s.
+        lender.added("r", 8)
+        lender.step_done(0.019, True)
+        t0 = time.monotonic()
+        lender.before_step()
+        assert time.monotonic() - t0 < 0.05  # no waiting out the borrow
+        assert thread.cores() == set(cores[0]) and lender.counters["lend_revokes"] == 1
+        release.set()
+        t.join(10)
+        assert thread.cores() == set(cores[0])  # the step ended at home
+    finally:
+        release.set()
+        t.join(10)
+        thread.close()
+        borrower.close()
+        lender.close()
+
+
+def test_lender_waits_out_a_borrow_that_fits_its_slack(tmp_path, cores) -> None:
+    lender, borrower, thread = _pair(tmp_path, cores, target_s=1.0)
+    lender.publish()
+    in_step = threading.Event()
+
+    def step() -> None:
+        in_step.set()
+        time.sleep(0.2)
+
+    t = threading.Thread(target=borrower.run_step, args=(step, 512), daemon=True)
+    try:
+        t.start()
+        assert in_step.wait(10)
+        lender.added("r", 64)  # 1 s a token allowed: the pause fits
+        lender.before_step()  # returns when the borrower gives the board back
+        assert lender.board.get("borrow_until") == 0.0
+        assert lender.counters["lend_pauses"] == 1 and lender.counters["lend_revokes"] == 0
+    finally:
+        t.join(10)
+        thread.close()
+        borrower.close()
+        lender.close()
+
+
+def test_omp_workers_are_found_on_a_pinned_thread(cores) -> None:
+    import torch
+    found: list[list[int]] = []
+
+    def engine_thread() -> None:  # as the engine loop: pin, set the threads, then look
+        os.sched_setaffinity(0, cores[0])
+        torch.set_num_threads(2)
+        found.append(omp_workers(cores[0], 1))
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join(60)
+    (workers,) = found
+    assert len(workers) == 1 and os.sched_getaffinity(workers[0]) == set(cores[0])
