@@ -183,8 +183,20 @@ def pd_server(kind: str, model: str, dtype: str, progress: bool,
         yield cluster.url, "bench"
         print_engine_time(kind, before, engine_time(cluster.engines, threads))
         print_decisions(kind, cluster.url)
+        print_lending(kind, cluster.engines)
     finally:
         cluster.shutdown()
+
+
+def print_lending(kind: str, engines: dict[str, Any]) -> None:
+    """Core lending's counters (driver/core_lending.py), where an engine took part."""
+    import ray
+    for name, actor in engines.items():
+        stats = ray.get(actor.stats.remote(), timeout=60)
+        lent = {k: round(v, 2) if isinstance(v, float) else v
+                for k, v in stats.items() if k.startswith("lend_")}
+        if lent:
+            print(f"  [{kind}] {name} lending: {lent}", flush=True)
 
 
 def print_decisions(kind: str, url: str) -> None:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pd_cluster.driver.core_lending import Borrower, Lender, omp_workers
+from pd_cluster.driver.core_lending import Borrower, Lender
 from pd_cluster.driver.lend_board import Board, cores_of, mask
 
 pytestmark = pytest.mark.skipif(
@@ -48,6 +48,22 @@ class _Thread:
         self._t.join(10)
 
 
+class _Engine:
+    """The engine's face a borrower sees: its pending prefill, its scheduler, its step."""
+
+    def __init__(self, step, tokens: int = 512) -> None:
+        self._step, self.tokens = step, tokens
+        self.scheduler = type("S", (), {"next_step_budget": None})()
+        self.budgets: list[int | None] = []
+
+    def prefill_tokens_pending(self) -> int:
+        return self.tokens
+
+    def step(self):
+        self.budgets.append(self.scheduler.next_step_budget)
+        return self._step()
+
+
 def _pair(tmp_path, cores, target_s: float = 0.05):
     home, lent = cores
     lender = Lender(Board.create(lent, folder=tmp_path), target_s, 90.0)
@@ -75,8 +91,10 @@ def test_idle_lender_lends_and_the_step_runs_on_its_cores(tmp_path, cores) -> No
     try:
         lender.publish()  # nothing running: the board says it may pause (up to the cap)
         seen: list[set[int]] = []
-        out = borrower.run_step(lambda: seen.append(thread.cores()) or "outputs", 512)
-        assert out == "outputs" and seen == [set(cores[1])]  # on the lender's cores meanwhile
+        engine = _Engine(lambda: seen.append(thread.cores()) or "outputs")
+        assert borrower.run_step(engine) == "outputs"
+        assert seen == [set(cores[1])]  # on the lender's cores meanwhile
+        assert engine.budgets == [512]  # the whole pending prefill fits the idle slack
         assert thread.cores() == set(cores[0])  # and home after
         assert borrower.counters["lend_borrowed_steps"] == 1
         assert lender.board.get("borrow_until") == 0.0
@@ -96,8 +114,10 @@ def test_no_borrow_beyond_the_published_slack(tmp_path, cores) -> None:
         lender.emitted("r", 65, False, now - 64 * 0.019)
         lender.publish()
         seen: list[set[int]] = []
-        borrower.run_step(lambda: seen.append(thread.cores()), 512)
+        engine = _Engine(lambda: seen.append(thread.cores()), tokens=2048)
+        borrower.run_step(engine)
         assert seen == [set(cores[0])] and borrower.counters["lend_refused_steps"] == 1
+        assert engine.budgets == [512]  # at home, in chunks: the board is looked at again soon
     finally:
         thread.close()
         borrower.close()
@@ -113,7 +133,7 @@ def test_lender_with_new_work_takes_its_cores_back_within_one_check(tmp_path, co
         in_step.set()
         assert release.wait(30)
 
-    t = threading.Thread(target=borrower.run_step, args=(step, 512), daemon=True)
+    t = threading.Thread(target=borrower.run_step, args=(_Engine(step),), daemon=True)
     try:
         t.start()
         assert in_step.wait(10) and thread.cores() == set(cores[1])
@@ -144,7 +164,7 @@ def test_lender_waits_out_a_borrow_that_fits_its_slack(tmp_path, cores) -> None:
         in_step.set()
         time.sleep(0.2)
 
-    t = threading.Thread(target=borrower.run_step, args=(step, 512), daemon=True)
+    t = threading.Thread(target=borrower.run_step, args=(_Engine(step),), daemon=True)
     try:
         t.start()
         assert in_step.wait(10)
@@ -159,17 +179,35 @@ def test_lender_waits_out_a_borrow_that_fits_its_slack(tmp_path, cores) -> None:
         lender.close()
 
 
-def test_omp_workers_are_found_on_a_pinned_thread(cores) -> None:
-    import torch
-    found: list[list[int]] = []
+def test_a_slack_smaller_than_the_prefill_sizes_the_lent_step(tmp_path, cores) -> None:
+    lender, borrower, thread = _pair(tmp_path, cores)
+    try:
+        borrower.rate["lent"] = 2000.0
+        lender.board.set("pause_ok_until", time.monotonic() + 0.25)  # 0.2 s after headroom
+        engine = _Engine(lambda: None, tokens=2048)
+        borrower.run_step(engine)
+        (budget,) = engine.budgets
+        assert 300 <= budget <= 400 and borrower.counters["lend_borrowed_steps"] == 1
+    finally:
+        thread.close()
+        borrower.close()
+        lender.close()
 
-    def engine_thread() -> None:  # as the engine loop: pin, set the threads, then look
+
+def test_spare_omp_thread_is_found_and_the_engine_keeps_its_thread_count(cores) -> None:
+    import torch
+    found: list[tuple[list[int], int]] = []
+
+    def engine_thread() -> None:  # as the engine loop: pin, set the threads, then prepare
         os.sched_setaffinity(0, cores[0])
-        torch.set_num_threads(2)
-        found.append(omp_workers(cores[0], 1))
+        torch.set_num_threads(1)
+        b = Borrower(cores[0], 1, find_boards=list)
+        b.prepare()
+        found.append((b.workers, torch.get_num_threads()))
 
     t = threading.Thread(target=engine_thread)
     t.start()
     t.join(60)
-    (workers,) = found
+    ((workers, threads),) = found
     assert len(workers) == 1 and os.sched_getaffinity(workers[0]) == set(cores[0])
+    assert threads == 1

@@ -33,8 +33,8 @@ def test_prefill_borrows_the_decode_core_and_outputs_stay_exact(cluster) -> None
               for name, h in cluster.engines.items()}
     if not all(s["cores"] for s in setups.values()):
         pytest.skip(f"engines not pinned here (cores held by other processes): {setups}")
-    assert setups["prefill-0"]["torch_threads"] == 2  # its own thread and the spare one
-    assert setups["decode-0"]["torch_threads"] == 1
+    # One thread each; the prefill engine's lent steps run with a second, on the decode core.
+    assert setups["prefill-0"]["torch_threads"] == 1 == setups["decode-0"]["torch_threads"]
     rng = random.Random(7)
     offline = LLM(model=resolve_model("tiny-llama"), num_kv_blocks=256, max_model_len=512)
     prompts = [[rng.randrange(4, 500) for _ in range(rng.randint(200, 400))] for _ in range(6)]

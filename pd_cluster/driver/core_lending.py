@@ -11,14 +11,16 @@ step moves onto the decode engine's cores when the decode engine can pause that 
   (it sleeps while the prefill step runs on its cores); one that does not, or that overran,
   is revoked at once: it moves the borrowed thread back to the borrower's cores itself
   (sched_setaffinity on the thread), so it never waits more than one check for its cores.
-- The prefill engine (Borrower), before a prefill step, estimates the step's seconds (its
-  tokens over the rate measured on lent steps) and borrows only when the board's slack covers
-  it: it moves its spare OpenMP thread onto the lender's cores for the step, and back after.
+- The prefill engine (Borrower), before a prefill step, sizes the step to what the board's
+  slack covers at the rate it measured on lent steps, moves its spare OpenMP thread onto the
+  lender's cores and runs the step with one more thread; back home after. With too little
+  slack it runs at home, one thread, in chunks of _HOME_CHUNK tokens (so it looks at the board
+  again soon). A spare thread left on its home core would halve every parallel region there.
 
-Outputs do not change: the same kernels run with the same thread count either way (the
-spare thread only changes cores). The prefill engine's OpenMP threads wait passively
-(OMP_WAIT_POLICY=PASSIVE, set by the launcher), so the spare thread at home costs its core
-little. Linux only (sched_setaffinity on thread ids); elsewhere nothing is lent.
+Outputs do not change (greedy-exact tests): a lent step computes the same tokens with one
+more thread. The compiled step is compiled for the engine's own thread count (its guards
+check it): a lent step runs eagerly, counted in the engine's eager steps. Linux only
+(sched_setaffinity on thread ids); elsewhere nothing is lent.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ _MAX_PUBLISHED_SLACK = 60.0  # s: a lender with nothing to run promises no more 
 _MIN_BORROW_TOKENS = 128  # smaller steps are not worth moving a thread for
 _SCAN_S = 2.0  # s between looks for a lender on the node
 _HEADROOM = 1.25  # a borrow asks for this much more than its estimate
+_HOME_CHUNK = 512  # prompt tokens a step at home takes while a lender is there
 
 
 class Lender:
@@ -131,9 +134,15 @@ class Borrower:
                          "lend_refused_steps": 0}
 
     def prepare(self) -> None:
-        """On the engine thread, pinned, before its first parallel region: find the spare
-        threads of its OpenMP pool."""
-        self.workers = omp_workers(self.home, self.spare)
+        """On the engine thread, pinned, before its first step: start the OpenMP pool's
+        spare threads (a parallel region at the lent thread count) and find them."""
+        import torch
+        threads = torch.get_num_threads()
+        torch.set_num_threads(threads + self.spare)
+        try:
+            self.workers = omp_workers(self.home, self.spare)
+        finally:
+            torch.set_num_threads(threads)
 
     def added(self, request_id: str, max_tokens: int) -> None:
         pass
@@ -141,32 +150,46 @@ class Borrower:
     def emitted(self, request_id: str, tokens: int, finished: bool, now: float) -> None:
         pass
 
-    def run_step(self, step: Any, tokens: int) -> Any:
-        """Run ``step()`` (a prefill step of ``tokens`` tokens), on lent cores if it may."""
+    def run_step(self, engine: Any) -> Any:
+        """Run ``engine.step()``: on lent cores, sized to the lender's slack, where a lender
+        can pause for at least a small step; else at home, in chunks small enough that the
+        next look at the board comes soon."""
         if self.workers is None:
             self.prepare()
+        tokens = engine.prefill_tokens_pending()
         board = self._lender() if tokens >= _MIN_BORROW_TOKENS and self.workers else None
         if board is None:
-            return self._timed(step, tokens, "home")
-        est = tokens / (self.rate["lent"] or 1.6 * self.rate["home"] or 1e-9)
+            return self._timed(engine.step, tokens, "home")
         now = time.monotonic()
-        if not self.rate["home"] or board.get("pause_ok_until") - now < est * _HEADROOM:
+        rate = self.rate["lent"] or 1.6 * self.rate["home"]
+        fit = int((board.get("pause_ok_until") - now) / _HEADROOM * rate) if rate else 0
+        if fit < _MIN_BORROW_TOKENS:
             self.counters["lend_refused_steps"] += 1
-            return self._timed(step, tokens, "home")
+            engine.scheduler.next_step_budget = _HOME_CHUNK
+            return self._timed(engine.step, min(tokens, _HOME_CHUNK), "home")
+        tokens = min(tokens, fit)
+        engine.scheduler.next_step_budget = tokens
+        return self._lent(engine, board, tokens, now + tokens / rate * _HEADROOM)
+
+    def _lent(self, engine: Any, board: Board, tokens: int, until: float) -> Any:
+        import torch
         self._number = (self._number + 1) & 0xFFFFFFFF
         board.set("tid", self.workers[0])
         board.set("home", mask(self.home))
         board.set("borrow_no", self._number)
-        board.set("borrow_until", now + est * _HEADROOM)
+        board.set("borrow_until", until)
         lent = cores_of(int(board.get("cores")))
+        threads = torch.get_num_threads()
         try:
             for tid in self.workers:
                 os.sched_setaffinity(tid, lent)
             if board.get("revoked") == self._number:  # revoked before the move: undo it
                 self._home()
+            torch.set_num_threads(threads + self.spare)
             self.counters["lend_borrowed_steps"] += 1
-            return self._timed(step, tokens, "lent")
+            return self._timed(engine.step, tokens, "lent")
         finally:
+            torch.set_num_threads(threads)
             self._home()
             board.set("borrow_until", 0.0)
 

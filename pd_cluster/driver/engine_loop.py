@@ -110,8 +110,7 @@ class EngineLoop:
                     lender.before_step()
                 t0 = time.perf_counter()
                 if borrower is not None:
-                    outputs = borrower.run_step(self.engine.step,
-                                                self.engine.prefill_tokens_pending())
+                    outputs = borrower.run_step(self.engine)
                 else:
                     outputs = self.engine.step()
                 dt = time.perf_counter() - t0

@@ -55,6 +55,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.connector = connector  # scheduler-side KV connector, or None when colocated
         self.waiting: deque[Request] = deque()
+        # Tokens the next step may take at most, once (None: max_num_batched_tokens).
+        self.next_step_budget: int | None = None
         self.running: list[Request] = []
         self.remote_waiting: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.sending: dict[str, Request] = {}  # finished, blocks pinned until the send completes
@@ -107,6 +109,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.next_step_budget is not None:  # one step's own budget (core lending sizes it)
+            budget, self.next_step_budget = min(budget, self.next_step_budget), None
         # Prompt tokens this step may still take (the cap applies while decodes run).
         cap = self.config.max_prefill_tokens_per_step
         prefill_budget = budget if cap is None or not any(

@@ -101,13 +101,8 @@ class Placement:
         opts: dict[str, Any] = {"num_cpus": rc.num_cpus * tp, "num_gpus": rc.num_gpus * tp}
         if rc.resources:
             opts["resources"] = dict(rc.resources)
-        env = dict(self.engine_env)
-        if spec.lend_cores and spec.role == "prefill":
-            # Its spare thread shares the engine's own core between borrows: waiting threads
-            # sleep at once instead of spinning that core away (driver/core_lending.py).
-            env["OMP_WAIT_POLICY"] = "PASSIVE"
-        if env and rc.num_gpus == 0:
-            opts["runtime_env"] = {"env_vars": env}
+        if self.engine_env and rc.num_gpus == 0:
+            opts["runtime_env"] = {"env_vars": dict(self.engine_env)}
         pg = self.groups.get(spec.role)
         if pg is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -49,14 +49,10 @@ class EngineActor:
         sys.setswitchinterval(_SWITCH_INTERVAL)
         threads = max(1, int(self.spec.num_cpus))
         self.cores = claim_engine_cores(self.spec, threads)
-        # A prefill engine that may borrow a decode engine's cores runs a spare thread
-        # (set before the engine is built: its compiled step is for that many threads).
-        spare = int(self.spec.lend_cores and self.spec.role == ROLE_PREFILL
-                    and bool(self.cores.cores))
-        lending = make_lending(self.spec.role, self.cores.cores, spare,
-                               self.spec.tpot_target_s, self.spec.slo_percentile) \
-            if self.spec.lend_cores else None
-        threads += spare if lending is not None else 0
+        # A prefill engine that may borrow a decode engine's cores keeps a spare thread for
+        # its lent steps (driver/core_lending.py); its own steps use its own cores' count.
+        lending = make_lending(self.spec.role, self.cores.cores, 1, self.spec.tpot_target_s,
+                               self.spec.slo_percentile) if self.spec.lend_cores else None
         torch.set_num_threads(threads)  # tiny models on a shared CPU: more threads = slower
         self.node_ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
