@@ -203,3 +203,89 @@ def test_decode_replays_graphs_per_bucket_hf_exact(tiny_model, compile: bool) ->
     assert runs[True] == runs[False]
     for prompt, tokens in zip(prompts, runs[True]):
         assert_greedy_matches(model_dir, prompt, tokens, hf_greedy(model_dir, prompt, MAX_TOKENS))
+
+
+def _nccl_rank(rank: int, port: int, out: Any) -> None:
+    """One GPU rank: a toy decode forward whose collective is the model's (TPGroup.all_reduce on
+    NCCL); rank 1's cannot be captured in the first round (an injected failure)."""
+    try:
+        from pd_cluster.engine.tp_comm import create_groups
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        store = dist.TCPStore("127.0.0.1", port, 3, False, timeout=timedelta(seconds=60))
+        _, tp = create_groups(store, rank, 2, device, 60.0)
+        weight = torch.arange(64 * 8, dtype=torch.float32, device=device).view(64, 8)
+        results = []
+        for fail in (rank == 1, False):
+            def forward(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> torch.Tensor:
+                if fail and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("injected: not capturable on rank 1")
+                return tp.all_reduce(weight[ids % 64] * (pos[:, None] + 1))
+            graphs = DecodeGraphs(forward, None, [], 4, 512, 16, device, tp)
+            ok = graphs.capture()
+            ids = torch.tensor([3, 9, 70], device=device)
+            pos = torch.tensor([5, 300, 7], device=device)
+            # Eager (both ranks: their collectives still meet), then the replay if any.
+            eager = forward(ids, pos, None).clone()
+            got = None
+            if graphs.ready(3, 301):
+                got = graphs.run(ids, pos, torch.zeros(3, dtype=torch.long, device=device),
+                                 torch.tensor([6, 301, 8], dtype=torch.int32, device=device),
+                                 torch.zeros(3, 20, dtype=torch.int32, device=device),
+                                 torch.ones(3, dtype=torch.long, device=device), 301).clone()
+            torch.cuda.synchronize()
+            want = 2 * weight[ids % 64] * (pos[:, None] + 1)
+            replayed = got is not None and torch.equal(got, want)
+            results.append((ok, torch.equal(eager, want), replayed, sorted(graphs.replays)))
+        out.put((rank, results))
+    except BaseException as exc:
+        out.put((rank, repr(exc)))
+
+
+@pytest.mark.two_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.timeout(300)
+def test_capture_failure_on_one_gpu_rank_is_agreed_over_nccl() -> None:
+    """Real captures with NCCL collectives recorded: rank 1's capture fails, so both ranks run
+    eagerly and their next collectives still meet; then both capture, and a replay (batch 4,
+    bucket 512) equals the eager result on both."""
+    store = dist.TCPStore("127.0.0.1", 0, 3, True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_nccl_rank, args=(r, store.port, out), daemon=True)
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=240) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert all(isinstance(r, list) for r in got.values()), got
+    for rank in (0, 1):
+        assert got[rank][0] == (False, True, False, []), (rank, got[rank])
+        assert got[rank][1] == (True, True, True, [(4, 512)]), (rank, got[rank])
+
+
+@pytest.mark.two_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp2_replays_equal_eager(tiny_model) -> None:
+    """A TP2 engine (NCCL) with graphs: the same greedy tokens as without."""
+    model_dir = tiny_model(arch="llama", num_heads=4, num_kv_heads=2, max_position_embeddings=1024)
+    prompts = [random_prompt(n, seed=n) for n in (5, 40, 300)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    runs = {}
+    for graphs in (True, False):
+        llm = LLM(model=model_dir, device="cuda", dtype="float32", attention_backend="triton",
+                  tensor_parallel_size=2, cuda_graphs=graphs, max_num_seqs=8, block_size=16,
+                  collective_timeout=60.0)
+        assert (llm.engine.runner.decode_graphs is not None) == graphs
+        runs[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if graphs:
+            assert sum(llm.engine.runner.decode_graphs.replays.values()) >= MAX_TOKENS - 2
+        llm.engine.check_no_leaks()
+        llm.close()
+    assert runs[True] == runs[False]

@@ -204,3 +204,37 @@ def test_cuda_copies_behind_a_busy_stream_read_their_own_step() -> None:
     torch.cuda.synchronize()
     for snap, step in zip(seen, steps):
         check(snap, step, bs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_long_prompt_chunked_behind_a_busy_stream_is_hf_exact(tiny_model) -> None:
+    """A prompt alone, prefilled in 32-token chunks: ~20 steps that sample nothing (no sync),
+    each forward behind a sleeping kernel so the CPU prepares the next chunks while this
+    chunk's copies still wait. HF-exact (one overwritten buffer would write KV to the wrong
+    slots), then equal to the same prompt prefilled in one step."""
+    from pd_cluster.llm import LLM
+    from pd_cluster.sampling_params import SamplingParams
+    from tests.conftest import assert_greedy_matches, hf_greedy, random_prompt
+
+    model_dir = tiny_model(max_position_embeddings=1024)
+    prompt, max_tokens = random_prompt(700, seed=38), 8
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = {}
+    for chunk in (32, 1024):
+        llm = LLM(model=model_dir, device="cuda", dtype="float32", attention_backend="triton",
+                  compile=False, cuda_graphs=False, max_num_batched_tokens=chunk,
+                  block_size=16, num_kv_blocks=128)
+        runner = llm.engine.runner
+        forward = runner.forward_model
+
+        def slow(input_ids, positions, ctx, forward=forward):
+            torch.cuda._sleep(20_000_000)  # ~10 ms: the stream lags the CPU
+            return forward(input_ids, positions, ctx)
+
+        runner.forward_model = slow
+        outs[chunk] = llm.generate([prompt], params)[0].outputs[0].token_ids
+        llm.engine.check_no_leaks()
+        llm.close()
+    assert_greedy_matches(model_dir, prompt, outs[32], hf_greedy(model_dir, prompt, max_tokens))
+    assert outs[32] == outs[1024]
