@@ -185,6 +185,7 @@ class DecodeGraphs:
             ok, count = agree(ok, count, self.tp, self.device)
         kept = set(keys[:count]) if ok else set()
         self._graphs = {k: v for k, v in self._graphs.items() if k in kept}
+        self._picks.clear()
         torch.cuda.synchronize(self.device)
         return bool(self._graphs)
 
