@@ -112,8 +112,11 @@ class EngineArgs(BaseModel):
     # as measured: fp32 transposed, bf16 oneDNN-packed, fp16 as loaded) | torch (as loaded) |
     # transposed | packed. None: $PD_CLUSTER_CPU_GEMM decides (default auto). CUDA: as loaded.
     cpu_gemm: str | None = None
-    # On CUDA: decode steps replay CUDA graphs captured per batch size (engine/cuda_graphs.py).
-    cuda_graphs: bool = True
+    # On CUDA: decode steps replay CUDA graphs captured at start per batch size and context
+    # bucket (engine/cuda_graphs.py), in a pool bounded by half the memory
+    # gpu_memory_utilization leaves. Off by default: not yet run on a GPU; turn on once
+    # scripts/gpu_check.sh has passed its CUDA graph rows on yours.
+    cuda_graphs: bool = False
     # GiB of host memory (pinned on CUDA) for KV blocks evicted from the device pool, summed
     # over an engine's ranks (vLLM's --kv-offloading-size); prefix hits there are restored
     # instead of recomputed (engine/kv_tiers/). None or 0: no host tier.

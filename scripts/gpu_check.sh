@@ -4,8 +4,10 @@
 #   2. every test marked `cuda` or `two_gpu` (kernels vs torch in bf16, the Triton backend vs HF,
 #      pinned-host staging, two engines sizing their caches on one GPU, the one-GPU and
 #      two-GPU clusters end to end against a colocated engine)
-#   3. scripts/bench_kernels.py (paged decode attention vs the GPU's copy bandwidth); the CUDA
-#      graph tests and bench_offline.py --compare-compile (eager vs compiled + CUDA graphs)
+#   3. scripts/bench_kernels.py (paged decode attention vs the GPU's copy bandwidth); one row
+#      each for the GPU paths first written blind: double-buffered step inputs under async
+#      copies, CUDA graph replays per context bucket, a capture failure agreed across two TP
+#      ranks; bench_offline.py --compare-compile (eager vs compiled)
 #   4. each cluster of the list at the end, launched from the CLI as a user would, checked by
 #      scripts/check_cluster.py: a fixed set of greedy and seeded requests must equal the
 #      colocated engine's answers (computed first, same config: same model, dtype and GPU),
@@ -17,7 +19,8 @@
 #
 #   bash scripts/gpu_check.sh            # PYTHON=/path/to/python to pick an interpreter
 #   bash scripts/gpu_check.sh --cpu      # steps 1 and 4 on the CPU configs, so CI runs this
-#                                        # script's logic (tests/test_gpu_check_cpu.py)
+#                                        # script's logic (tests/test_gpu_check_cpu.py), and
+#                                        # the CPU halves of step 3's GPU-path rows
 # Needs the project installed in that Python: pip install -e ".[test]" (and ".[nccl]" for 2 GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +39,19 @@ declare -a ROWS=() FAILED=() RUNNING=()
 row() {
     ROWS+=("$(printf '%-28s %-5s %s' "$1" "$2" "$3")"); echo "== $1: $2 $3"
     if [ "$2" = FAIL ]; then FAILED+=("$1"); fi
+}
+
+# pytest_row NAME MARKS FILE...: the tests of FILE(s) selected by the -m expression MARKS, one
+# row (ok only if some ran and none failed; a skip other than for missing hardware fails it).
+pytest_row() {
+    local name=$1 marks=$2 log="$DIR/$1.log" rc summary odd
+    shift 2
+    timeout 900 "$PY" -m pytest -q -rs -m "$marks" "$@" -p no:cacheprovider >"$log" 2>&1
+    rc=$?
+    summary=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$log" | tail -n 1)
+    odd=$(grep -E '^SKIPPED' "$log" | grep -v -E 'needs [0-9]+ CUDA GPU' | head -n 3 | tr '\n' ' ')
+    if [ -n "$odd" ]; then rc=1; summary="$summary; unexpected skips: $odd"; fi
+    row "${name//_/ }" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "$summary"
 }
 
 stop_running() {  # a cluster still up when we exit (an error, a signal) is stopped all the same
@@ -93,13 +109,22 @@ if [ "$MODE" = gpu ]; then
         "$(tail -n 1 "$DIR/bench_kernels.log")"
     BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---num-requests 200 --request-rate 20}
 
-    # ---- 3a. compiled step + CUDA graphs for decode: HF-exact, equal to op-by-op launches, and
-    # eager vs compiled (graphs on) offline throughput --------------------------------------
-    timeout 900 "$PY" -m pytest -q -rs tests/test_cuda_graphs.py -p no:cacheprovider \
-        >"$DIR/cuda_graphs.log" 2>&1
-    rc=$?
-    row "cuda graphs" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" \
-        "$(grep -E '(passed|failed|error|skipped)' "$DIR/cuda_graphs.log" | tail -n 1)"
+    # ---- 3a. the GPU paths written blind (issue 38; also in step 2: each row says which part
+    # broke). Step inputs: double-buffered pinned host slots and an event per step's copies,
+    # under real async copies behind a sleeping stream: a long prompt chunked into ~20 steps
+    # that sample nothing, HF-exact (tests/test_input_buffers.py).
+    pytest_row input_double_buffer cuda tests/test_input_buffers.py
+    # CUDA graphs for decode (engine.cuda_graphs, off by default until these rows pass): each
+    # context bucket's replays HF-exact and equal to eager, compiled and not
+    pytest_row cuda_graphs_per_bucket cuda tests/test_cuda_graphs.py
+    # A capture that fails on one TP rank: both ranks run eagerly, their collectives still
+    # meet (NCCL, real captures); a TP2 engine's replays equal its eager steps
+    if [ "$GPUS" -ge 2 ]; then
+        pytest_row cuda_graphs_tp_agree two_gpu tests/test_cuda_graphs.py
+    else
+        row "cuda graphs tp agree" skip "needs 2 GPUs (have $GPUS)"
+    fi
+    # Eager vs compiled offline throughput (engine.cuda_graphs at its default: off)
     timeout 900 "$PY" scripts/bench_offline.py --compare-compile \
         >"$DIR/bench_offline_compile.log" 2>&1
     rc=$?
@@ -130,6 +155,10 @@ if [ "$MODE" = gpu ]; then
     fi
 else
     BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---smoke}
+    # The logic of the GPU rows above, run on the CPU: the double-buffer/event discipline
+    # against a fake late-running stream, graph buckets, capture agreed over two Gloo ranks.
+    pytest_row gpu_path_logic_cpu "not cuda and not two_gpu" tests/test_input_buffers.py \
+        tests/test_cuda_graphs.py
 fi
 
 # ---- 4. launched clusters ------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,8 @@ def test_gpu_check_cpu_mode_passes(tmp_path: Path) -> None:
     assert out.strip().splitlines()[-1].startswith("gpu_check: ok (cpu mode"), out
     assert "cpu-1p1d-cluster             ok    check_cluster: ok" in out, out
     assert "=== pd: 8 requests" in out and " 0 failed" in out, out  # bench_serving --smoke ran
+    # The CPU halves of the GPU-path rows (double-buffered inputs, graph buckets, agreement).
+    assert re.search(r"^gpu path logic cpu\s+ok\s+\d+ passed", out, re.M), out
 
 
 class _Client:

@@ -12,7 +12,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.engine.cache_engine import (DeviceMemory, KVCacheSpec, allocate_kv_caches,
                                             determine_num_blocks)
 from pd_cluster.engine.compiled_model import CompiledModel, compile_enabled
-from pd_cluster.engine.cuda_graphs import DecodeGraphs
+from pd_cluster.engine.cuda_graphs import DecodeGraphs, pool_bound
 from pd_cluster.engine.input_buffers import InputBuffers
 from pd_cluster.engine.step_input import StepInput
 from pd_cluster.models.context import ForwardContext
@@ -77,9 +77,11 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
         if self.device.type == "cuda" and self.config.cuda_graphs:
+            total = torch.cuda.get_device_properties(self.device).total_memory
             graphs = DecodeGraphs(self.forward_model, self.backend, self.kv_caches,
                                   self.config.max_num_seqs, self.max_model_len,
-                                  self.config.block_size, self.device)
+                                  self.config.block_size, self.device, self.tp,
+                                  pool_bound(total, self.config.gpu_memory_utilization))
             self.decode_graphs = graphs if graphs.capture() else None
 
     def fitting_blocks(self, reserved_bytes: int = 0) -> int:
@@ -171,7 +173,8 @@ class ModelRunner:
                              rope_lens=t.rope_lens)
         if self._replays(step):
             hidden = self.decode_graphs.run(t.token_ids, t.positions, t.meta.slot_mapping,
-                                            t.meta.seq_lens, t.meta.block_tables, t.rope_lens)
+                                            t.meta.seq_lens, t.meta.block_tables, t.rope_lens,
+                                            t.meta.max_seq_len)
         else:
             hidden = self.forward_model(t.token_ids, t.positions, ctx)
         out = []
@@ -185,12 +188,12 @@ class ModelRunner:
         return out
 
     def _replays(self, step: StepInput) -> bool:
-        """A captured graph runs this step: decodes only, within the captured sizes, and no
-        connector loading KV layer by layer during it (a replay skips the connector's hooks;
-        sends only follow prefills)."""
+        """A captured graph runs this step: decodes only, a graph captured for their number and
+        longest context, and no connector loading KV layer by layer during it (a replay skips
+        the connector's hooks; sends only follow prefills)."""
         graphs = self.decode_graphs
         return (graphs is not None and step.num_decodes == len(step.seq_lens)
-                and graphs.ready(len(step.tokens))
+                and graphs.ready(len(step.tokens), max(step.seq_lens))
                 and not (self.connector is not None and self.connector.loads_layerwise))
 
     def _metadata(self, slots: torch.Tensor, query_start: list[int], seq_lens: list[int],
