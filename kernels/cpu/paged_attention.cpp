@@ -137,6 +137,19 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
 }
 
+// The instruction-set paths this build was compiled with (PD_CLUSTER_CPU_ISA's effect), for
+// tests and diagnostics.
+std::string compiled_isa() {
+  std::string isa;
+#if defined(__AVX512F__)
+  isa += "avx512f";
+#endif
+#if defined(__AVX512BF16__)
+  isa += " avx512bf16";
+#endif
+  return isa.empty() ? "portable" : isa;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pd_cluster_cpu, m) {
@@ -145,4 +158,5 @@ TORCH_LIBRARY(pd_cluster_cpu, m) {
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "float scale, int window, float softcap, Tensor? sinks) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+  m.def("compiled_isa() -> str", &compiled_isa);
 }
