@@ -1,8 +1,9 @@
 """The kernel's other instruction-set paths, which ``-march=native`` on this machine never
 builds: ``PD_CLUSTER_CPU_ISA=portable`` (no AVX-512: the portable path) and ``avx512`` (AVX-512
-without BF16: the bf16 dot products' fallback). Each runs the whole kernel test module
-(tests/test_cpu_attention.py, every case against the torch reference) in a subprocess with the
-variable set: one process loads one kernel library. Each variant has its own cached build
+without BF16: the bf16 dot products' fallback). Each runs the kernel test modules
+(tests/test_cpu_attention.py, every case against the torch reference, and the 1- and 4-thread
+cases of tests/test_cpu_attention_threads.py) in a subprocess with the variable set: one
+process loads one kernel library. Each variant has its own cached build
 (cold: ~25 s of build on a loaded 2-core machine, then ~8 s of tests)."""
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def test_kernel_tests_pass_on_isa(isa: str) -> None:
     env = {**os.environ, cpu_build.ISA_ENV: isa}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-         str(ROOT / "tests" / "test_cpu_attention.py")],
+         str(ROOT / "tests" / "test_cpu_attention.py"),
+         str(ROOT / "tests" / "test_cpu_attention_threads.py")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, f"{cpu_build.ISA_ENV}={isa}:\n{run.stdout[-6000:]}{run.stderr[-3000:]}"
     assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
