@@ -14,6 +14,7 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Iterator
@@ -106,14 +107,19 @@ def prune(root: Path, keep_name: str, keep: int = KEEP_BUILDS,
     """Removes the builds in ``root`` other than ``keep_name`` beyond the ``keep`` most
     recently used, and any unused for ``max_age_s``; a build whose lock another process holds
     (building or loading it) is skipped. Returns the names removed."""
-    builds = [p for p in root.iterdir()
-              if p.name.startswith(PREFIX) and p.name != keep_name and p.is_dir()
-              and not p.is_symlink()]
-    builds.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    used: dict[Path, float] = {}
+    for p in root.iterdir():
+        if p.name.startswith(PREFIX) and p.name != keep_name:
+            try:
+                st = p.lstat()
+            except FileNotFoundError:  # another process pruned it just now
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                used[p] = st.st_mtime
     now = time.time()
     removed = []
-    for i, build in enumerate(builds):
-        if i < keep and now - build.stat().st_mtime < max_age_s:
+    for i, build in enumerate(sorted(used, key=used.__getitem__, reverse=True)):
+        if i < keep and now - used[build] < max_age_s:
             continue
         if _remove_unless_locked(build):
             removed.append(build.name)

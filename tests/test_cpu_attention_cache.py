@@ -119,3 +119,54 @@ def test_kernel_stats_off_when_disabled_or_not_tried(monkeypatch) -> None:
     monkeypatch.setenv("PD_CLUSTER_CPU_KERNELS", "0")
     assert not cpu_build.load_cpu_kernels()
     assert cpu_build.kernel_stats()["cpu_kernels"] == "off"
+
+
+def _open_count(path: Path) -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_a_lock_won_on_a_pruned_lock_file_is_taken_again(tmp_path) -> None:
+    """A process waiting on a build's lock while the pruner removes the build (and unlinks
+    the lock file) must not build under a lock that no longer guards the path: it re-takes
+    the lock at the path."""
+    import fcntl
+    import threading
+
+    from pd_cluster.private_files import open_private
+    build = fake_build(tmp_path / "cache", "e" * 16)
+    lock = build.parent / f"{build.name}.flock"
+    pruner = open_private(lock)
+    fcntl.flock(pruner, fcntl.LOCK_EX)
+    entered, leave = threading.Event(), threading.Event()
+
+    def waiter() -> None:
+        with build_cache.build_lock(build, timeout_s=30.0):
+            entered.set()
+            leave.wait(30.0)
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30.0
+    while _open_count(lock) < 2:  # the waiter holds the old file open, polling its lock
+        assert time.monotonic() < deadline, "the waiter never opened the lock file"
+        time.sleep(0.01)
+    lock.unlink()  # as prune() does, still holding the lock
+    os.close(pruner)
+    try:
+        assert entered.wait(30.0)
+        probe = open_private(lock)  # the file now at the path: the waiter must hold it
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(probe)
+    finally:
+        leave.set()
+        thread.join(30.0)
