@@ -18,6 +18,7 @@ from kernels import cpu_build
 from pd_cluster.attention import AttentionMetadata, AttentionOptions, create_backend
 from pd_cluster.attention.cpu_backend import paged_attention
 from pd_cluster.attention.torch_backend import TorchAttentionBackend
+from pd_cluster.host_facts import cpu_features
 
 # Skipped only when turned off on purpose: a kernel that fails to build is a failure here (the
 # product would quietly fall back to the slower torch path), never a skip that hides it.
@@ -123,6 +124,23 @@ def test_padding_rows_are_zero() -> None:
     assert out[5:].abs().sum() == 0 and out[:5].abs().sum() > 0
 
 
+def test_compiled_isa_follows_the_switch() -> None:
+    """PD_CLUSTER_CPU_ISA decides which paths the library has (test_cpu_attention_isa.py runs
+    this module under each value): native = this CPU's, avx512 = without BF16, portable =
+    none of AVX-512."""
+    got = torch.ops.pd_cluster_cpu.compiled_isa()
+    isa = cpu_build.isa()
+    if isa == "portable":
+        assert got == "portable"
+    elif isa == "avx512":
+        assert got == "avx512f"
+    else:
+        features = cpu_features().split()
+        want = " ".join(f for f, flag in (("avx512f", "avx512f"), ("avx512bf16", "avx512_bf16"))
+                        if flag in features) or "portable"
+        assert got == want
+
+
 def test_failed_build_falls_back_loudly(tmp_path, monkeypatch, caplog) -> None:
     """A kernel that does not compile: a warning naming the error, then torch attention (auto),
     or an error naming the cause when 'cpu' was asked for by name."""
@@ -135,8 +153,14 @@ def test_failed_build_falls_back_loudly(tmp_path, monkeypatch, caplog) -> None:
         assert not cpu_build.load_cpu_kernels()
         backend = create_backend("auto", torch.device("cpu"))
     assert backend.name == "torch"
-    assert "CPU attention kernel unavailable" in caplog.text and "torch reference" in caplog.text
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]  # one, not one per layer
+    text = warnings[0].getMessage()
+    assert "CPU kernels unavailable" in text and "torch attention instead" in text
+    assert "this is not C++" in text or "Error building extension" in text
     assert cpu_build.load_error()
+    stats = cpu_build.kernel_stats()
+    assert stats["cpu_kernels"].startswith("failed: ") and stats["cpu_kernels_loaded"] == 0
     with pytest.raises(RuntimeError, match=r"C\+\+ kernel is unavailable"):
         create_backend("cpu", torch.device("cpu"))
 

@@ -12,6 +12,9 @@
 // Scores: q.k * scale, then soft-cap cap * tanh(s / cap), then mask; sinks join the softmax
 // denominator as one logit per head and carry no value (the order of the torch reference).
 //
+// Every input is checked first (attention_checks.h): bad metadata is a RuntimeError naming the
+// problem, never a read or write out of bounds.
+//
 // Two implementations of one work item share this driver: the AVX-512 path
 // (attention_avx512.h) where the CPU and the head dims allow it, else the portable one.
 #include <ATen/Parallel.h>
@@ -20,9 +23,11 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <string>
 #include <vector>
 
 #include "attention_avx512.h"
+#include "attention_checks.h"
 #include "attention_common.h"
 #include "attention_portable.h"
 
@@ -104,29 +109,13 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                      double scale, int64_t window, double softcap,
                      const std::optional<at::Tensor>& sinks) {
-  TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query/out: [tokens, heads, dim]");
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4,
-              "key/value cache: [blocks, block_size, kv_heads, dim]");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 &&
-                  value_cache.stride(3) == 1,
-              "paged_attention: the last dim must be contiguous");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of kv heads");
-  TORCH_CHECK(query.size(2) == key_cache.size(3), "query and key head dims differ");
-  TORCH_CHECK(out.size(2) == value_cache.size(3) && out.size(1) == query.size(1),
-              "out: [tokens, heads, value dim]");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out and query dtypes differ");
-  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "K and V dtypes differ");
-  for (const at::Tensor* t : {&seq_lens, &query_start_loc})
-    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
-                "seq lens and query starts: contiguous int32");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
-                  block_tables.stride(1) == 1,
-              "block tables: int32 [requests, blocks], rows contiguous");
-  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1, "query_start_loc: num_reqs + 1");
-  TORCH_CHECK(block_tables.size(0) >= seq_lens.size(0), "block_tables: a row per request");
+  pd_attn::check_tensors(out, query, key_cache, value_cache, block_tables, seq_lens,
+                         query_start_loc);
+  pd_attn::check_metadata(query, key_cache, block_tables, seq_lens, query_start_loc, window);
   const float* sink_ptr = nullptr;
   at::Tensor sinks_f;
   if (sinks.has_value()) {
+    TORCH_CHECK(sinks->device().is_cpu(), "paged_attention: sinks must be on the CPU");
     sinks_f = sinks->to(at::kFloat).contiguous();
     TORCH_CHECK(sinks_f.numel() == query.size(1), "sinks: one per query head");
     sink_ptr = sinks_f.data_ptr<float>();
@@ -148,6 +137,19 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
 }
 
+// The instruction-set paths this build was compiled with (PD_CLUSTER_CPU_ISA's effect), for
+// tests and diagnostics.
+std::string compiled_isa() {
+  std::string isa;
+#if defined(__AVX512F__)
+  isa += "avx512f";
+#endif
+#if defined(__AVX512BF16__)
+  isa += " avx512bf16";
+#endif
+  return isa.empty() ? "portable" : isa;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pd_cluster_cpu, m) {
@@ -156,4 +158,5 @@ TORCH_LIBRARY(pd_cluster_cpu, m) {
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "float scale, int window, float softcap, Tensor? sinks) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+  m.def("compiled_isa() -> str", &compiled_isa);
 }

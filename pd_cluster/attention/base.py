@@ -76,6 +76,8 @@ def _cpu_choice() -> str:
     from kernels.cpu_build import load_cpu_kernels, load_error
     if load_cpu_kernels():
         return "cpu"
-    logger.warning("attention_backend auto: using the torch reference attention on CPU (%s)",
-                   load_error())
+    # Not a second warning: a failed build already logged one naming the error and this
+    # fallback (kernels/cpu_build.py), and the engine's stats report it (cpu_kernels).
+    logger.info("attention_backend auto: using the torch reference attention on CPU (%s)",
+                load_error())
     return "torch"

@@ -8,6 +8,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from connectors.transfer_params import KVTransferParams, check_transfer_params
+from kernels.cpu_build import kernel_stats
 from pd_cluster.config import EngineConfig, read_hf_config
 from pd_cluster.engine.block_manager import BlockManager
 from pd_cluster.engine.executor import Executor, max_model_len_of
@@ -211,6 +212,7 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "kv_fallbacks": self.scheduler.num_kv_fallbacks,
                 **self._tier_stats(),
+                **kernel_stats(),  # C++ CPU kernels: ok / failed: why / off
                 **self.executor.rank_stats(),
                 **(self.executor.connector_stats() if self.runner.connector else {})}
 

@@ -242,6 +242,10 @@ def run_status(args: argparse.Namespace) -> int:
         line = tier_line(e.get("stats", {}))
         if line is not None:
             print(f"{e['name']} KV tiers: {line}")
+    for e in body["engines"]:  # a CPU engine running without its C++ kernels: say why
+        kernels = str(e.get("stats", {}).get("cpu_kernels", ""))
+        if kernels.startswith("failed"):
+            print(f"{e['name']} CPU kernels {kernels} (running the slower torch attention)")
     return 0
 
 

@@ -19,8 +19,9 @@ class EngineSeries:
 
 # Stats exported under vLLM's names instead (vllm_metrics.VLLMEngineCollector).
 AS_VLLM = {"num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "num_preemptions"}
-# Stats that are not numbers to plot (the ranks' pids, for `pd-cluster status`).
-NOT_SERIES = {"tp_pids"}
+# Stats that are not numbers to plot (the ranks' pids, the CPU kernels' state in words: for
+# `pd-cluster status`).
+NOT_SERIES = {"tp_pids", "cpu_kernels"}
 
 ENGINE_SERIES: dict[str, EngineSeries] = {
     "num_waiting_for_remote_kv": EngineSeries(
@@ -31,6 +32,10 @@ ENGINE_SERIES: dict[str, EngineSeries] = {
     "kv_blocks_total": EngineSeries("Blocks in the engine's KV cache (the share in use is "
                                     "vllm:kv_cache_usage_perc)"),
     "tensor_parallel_size": EngineSeries("Devices (tensor-parallel ranks) the engine runs on"),
+    "cpu_kernels_loaded": EngineSeries(
+        "1 if the engine runs the C++ CPU kernels (paged attention, packed GEMM op); 0 if they "
+        "are off (a GPU engine, PD_CLUSTER_CPU_KERNELS=0) or failed to build: then its "
+        "attention is the slower torch reference (`pd-cluster status` says why)"),
     "prefix_cache_queried_blocks": EngineSeries(
         "Prompt KV blocks looked up in the engine's prefix cache", counter=True),
     "prefix_cache_hit_blocks": EngineSeries(
