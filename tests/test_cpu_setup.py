@@ -5,14 +5,17 @@ engine process itself, read back from outside (/proc), for the stand-alone engin
 and the Ray engine actor."""
 from __future__ import annotations
 
+import logging
 import os
+import stat
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from pd_cluster.driver.cpu_setup import (IOMP, TCMALLOC, claim_cores, claim_order,
-                                         find_library, loaded_libraries, node_cores,
-                                         preload_env)
+                                         find_library, loaded_libraries, lock_dir_default,
+                                         node_cores, pin_thread, preload_env)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 
@@ -61,6 +64,68 @@ def test_claims_are_exclusive_and_released(tmp_path: Path) -> None:
         claim_cores(0)
     again.release()
     rest.release()
+
+
+OTHER_UID = 54321  # a user that is not us (the tests may run as root: chown to it)
+
+
+def test_default_lock_folder_is_this_users_and_private(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    claim = claim_cores(1, reserve=1)
+    try:
+        assert claim.cores, claim.why_not
+        root = lock_dir_default()
+        assert root == tmp_path / f"pd-cluster-cores-{os.geteuid()}"
+        assert stat.S_IMODE(root.stat().st_mode) == 0o700
+        for f in root.iterdir():
+            assert stat.S_IMODE(f.stat().st_mode) == 0o600
+    finally:
+        claim.release()
+
+
+def test_planted_symlink_is_not_followed_and_start_goes_on_unpinned(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "locks"
+    root.mkdir(mode=0o700)
+    victim = tmp_path / "someone-elses-file"
+    victim.write_text("precious")
+    for core in node_cores():
+        (root / f"core-{core}.lock").symlink_to(victim)
+    with caplog.at_level(logging.WARNING, logger="pd_cluster.driver.cpu_setup"):
+        claim = claim_cores(1, reserve=1, lock_dir=root)
+    assert claim.cores == () and "symlink" in claim.why_not
+    assert victim.read_text() == "precious"  # not truncated, not written
+    assert any("not pinned" in r.getMessage() for r in caplog.records)
+
+
+def test_folder_of_another_user_gives_no_pinning_and_no_exception(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    root = lock_dir_default()  # pre-created by someone else, before our first engine
+    root.mkdir(mode=0o755)
+    try:
+        os.chown(root, OTHER_UID, OTHER_UID)
+    except PermissionError:
+        pytest.skip("cannot chown here (not root): covered by the owner check's own tests")
+    with caplog.at_level(logging.WARNING, logger="pd_cluster.driver.cpu_setup"):
+        claim = claim_cores(1, reserve=1)
+    assert claim.cores == () and f"uid {OTHER_UID}" in claim.why_not
+    assert list(root.iterdir()) == []  # nothing created in their folder
+    assert any("not pinned" in r.getMessage() for r in caplog.records)
+
+
+def test_a_refused_affinity_is_a_warning_not_a_crash(caplog: pytest.LogCaptureFixture) -> None:
+    import threading
+
+    out = {}
+    with caplog.at_level(logging.WARNING, logger="pd_cluster.driver.cpu_setup"):
+        t = threading.Thread(target=lambda: out.update(ok=pin_thread((10 ** 6,))))
+        t.start()
+        t.join(30)
+    assert out == {"ok": False}
+    assert any("not pinned" in r.getMessage() for r in caplog.records)
 
 
 def test_preload_env_names_what_is_found() -> None:

@@ -23,7 +23,8 @@ def _tier_stats(**over: float) -> dict[str, float]:
              "kv_offload_evicted_blocks_disk": 10, "kv_offload_bytes_saved_host": 400 * MIB,
              "kv_offload_bytes_saved_disk": 310 * MIB, "kv_offload_bytes_restored_host": 40 * MIB,
              "kv_offload_bytes_restored_disk": 6 * MIB, "kv_offload_restore_seconds": 0.25,
-             "kv_offload_disk_misses": 2, "kv_offload_disk_write_errors": 1}
+             "kv_offload_disk_misses": 2, "kv_offload_disk_write_errors": 1,
+             "kv_offload_disk_unsafe_files": 4}
     return {**stats, **over}
 
 
@@ -51,6 +52,7 @@ def test_offload_series_per_engine_and_tier() -> None:
                    f'pd_kv_offload_host_blocks_total{{{pl}}} 512.0',
                    f'pd_kv_offload_disk_misses_total{{{pl}}} 2.0',
                    f'pd_kv_offload_disk_write_errors_total{{{pl}}} 1.0',
+                   f'pd_kv_offload_disk_unsafe_files_total{{{pl}}} 4.0',
                    f'pd_kv_offload_new_thing{{{pl}}} 3.0'):  # a stat not described yet
         assert series in text, series
     # an engine without tiers has none of these series; no stat is exported twice
@@ -58,7 +60,7 @@ def test_offload_series_per_engine_and_tier() -> None:
     assert "pd_engine_kv_offload" not in text
     helps = [ln for ln in text.splitlines() if ln.startswith("# HELP") and "offload" in ln]
     undescribed = [h for h in helps if "not described yet" in h]
-    assert len(helps) == 12 and undescribed == [
+    assert len(helps) == 13 and undescribed == [
         "# HELP pd_kv_offload_new_thing Engine stat kv_offload_new_thing (not described yet in "
         "serving/observability/offload_series.py)"]
 

@@ -3,9 +3,14 @@
 Cores: an engine claims ``n`` cores of its node for its compute threads (torch's intra-op
 threads run on the engine thread and the OpenMP threads it starts, which inherit its mask)
 and pins the engine thread to them. Ray's ``num_cpus`` is only an account, so engines claim
-real cores themselves: one ``flock``-ed file per core under ``<tmp>/pd-cluster-cores``, held
-for the process's life (the kernel drops it when the process dies), so engines on one node
-never pin onto the same core. The node's ``reserve`` lowest cores are the serving path's
+real cores themselves: one ``flock``-ed file per core under ``<tmp>/pd-cluster-cores-<uid>``,
+held for the process's life (the kernel drops it when the process dies), so one user's engines
+on a node never pin onto the same core. The folder is this user's alone (0700, owner-checked)
+and the lock files are opened without following symlinks and never truncated
+(pd_cluster/private_files.py): on a shared machine another user can pre-create the folder or
+plant a symlink in it. Pinning is an optimisation, so any error on the way (such a folder, a
+full disk, an affinity the OS refuses) leaves the engine not pinned, with a warning; it never
+stops the engine from starting. The node's ``reserve`` lowest cores are the serving path's
 (proxy, Ray, the OS): decode and colocated engines take them last, prefill engines first. Where
 an engine must share a core with serving (1P1D on 2 cores), P's does: a prefill is a burst of
 throughput work that serving's short wake-ups hardly delay, while every wait in a decode step
@@ -30,9 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from pd_cluster.private_files import open_private, private_dir
+
 logger = logging.getLogger(__name__)
 
-_LOCK_DIR = "pd-cluster-cores"
+_LOCK_DIR = "pd-cluster-cores-{uid}"  # per user: another user's locks are not ours to share
 # Library file names, most preferred first; searched in the interpreter's prefix (pip wheels
 # such as intel-openmp install there), then the dynamic linker's paths.
 TCMALLOC = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so",
@@ -78,19 +85,39 @@ def claim_order(cores: list[int], reserve: int, serving_first: bool = False) -> 
     return sorted(rest, reverse=True) + sorted(reserved, reverse=True)
 
 
+def lock_dir_default() -> Path:
+    """This user's core-lock folder under the temp folder (``TMPDIR``)."""
+    return Path(tempfile.gettempdir()) / _LOCK_DIR.format(uid=os.geteuid())
+
+
 def claim_cores(n: int, reserve: int = 1, lock_dir: Path | None = None,
                 serving_first: bool = False) -> CoreClaim:
-    """Claim ``n`` cores of this node for this process, or none (see the module doc)."""
+    """Claim ``n`` cores of this node for this process, or none (see the module doc): any
+    error while claiming is logged as a warning and gives an empty claim, never raised."""
     if n < 1:
         raise ValueError(f"n: need at least one core, got {n}")
     if not hasattr(os, "sched_setaffinity"):
         return CoreClaim(why_not="this OS has no sched_setaffinity")
-    root = lock_dir or Path(tempfile.gettempdir()) / _LOCK_DIR
-    root.mkdir(parents=True, exist_ok=True)
     held: list[IO[bytes]] = []
+    try:
+        return _claim(n, reserve, lock_dir or lock_dir_default(), serving_first, held)
+    except Exception as e:  # noqa: BLE001 - pinning is optional: start unpinned, say why
+        for f in held:
+            f.close()
+        why = f"core locks unusable ({type(e).__name__}: {e})"
+        logger.warning("compute threads not pinned: %s", why)
+        return CoreClaim(why_not=why)
+
+
+def _claim(n: int, reserve: int, root: Path, serving_first: bool,
+           held: list[IO[bytes]]) -> CoreClaim:
+    """``claim_cores``' work; the locks it takes go into ``held`` (the caller closes them on
+    an error)."""
+    private_dir(root)
     cores: list[int] = []
     for core in claim_order(node_cores(), reserve, serving_first):
-        f = open(root / f"core-{core}.lock", "wb")
+        # O_NOFOLLOW, no truncation, owner-checked: a planted symlink or file raises here.
+        f = os.fdopen(open_private(root / f"core-{core}.lock"), "r+b", buffering=0)
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -99,16 +126,24 @@ def claim_cores(n: int, reserve: int = 1, lock_dir: Path | None = None,
         held.append(f)
         cores.append(core)
         if len(cores) == n:
-            return CoreClaim(tuple(sorted(cores)), _locks=held)
+            return CoreClaim(tuple(sorted(cores)), _locks=list(held))
     for f in held:
         f.close()
+    held.clear()
     return CoreClaim(why_not=f"{n} core(s) wanted, {len(cores)} of this node's "
                              f"{len(node_cores())} free (others hold the rest)")
 
 
-def pin_thread(cores: tuple[int, ...]) -> None:
-    """Pin the calling thread (and the threads it starts later) to ``cores``."""
-    os.sched_setaffinity(0, cores)  # pid 0: the calling thread on Linux
+def pin_thread(cores: tuple[int, ...]) -> bool:
+    """Pin the calling thread (and the threads it starts later, OpenMP's workers among them:
+    a new thread inherits its creator's mask) to ``cores``. False, with a warning, where
+    the OS refuses (e.g. a core taken away from this process since it was claimed)."""
+    try:
+        os.sched_setaffinity(0, cores)  # pid 0: the calling thread on Linux
+    except OSError as e:
+        logger.warning("compute threads not pinned to cores %s: %s", list(cores), e)
+        return False
+    return True
 
 
 def find_library(names: tuple[str, ...]) -> str | None:

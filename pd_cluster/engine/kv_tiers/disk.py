@@ -17,6 +17,13 @@ made again for the next write) leaves no partial file, is counted (``write_error
 its block from the index (a miss, not a failed read, from then on); a failed read is a miss.
 Neither ever raises into the step. Temporary files carry the writer's pid (engines may share
 the directory); those of dead processes are removed at start.
+
+The files hold prompts' token ids in clear and are loaded into the KV cache (a CRC is no
+proof against a writer), so they are this user's alone (pd_cluster/private_files.py): the
+folder is made 0700 and must be ours and not writable by others (else the ValueError above);
+files are created 0600, opened without following symlinks, and read only when ours and not
+writable by others. A planted or foreign file is never indexed nor restored: it is skipped and
+counted (``unsafe_files``; a miss when it replaced an indexed block).
 """
 from __future__ import annotations
 
@@ -35,6 +42,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pd_cluster.private_files import UnsafePath, open_private, private_dir
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PDKVBLK\0"
@@ -49,7 +58,7 @@ class DiskTier:
                  payload_bytes: int) -> None:
         self.dir = Path(path).expanduser()
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            private_dir(self.dir)
             with tempfile.TemporaryFile(dir=self.dir) as probe:  # writable, not just there
                 probe.write(b"\0")
         except OSError as e:
@@ -74,7 +83,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, int, tuple[int, ...], bytes] | None] = queue.Queue()
         self.saved_blocks = self.saved_bytes = self.evicted_blocks = 0
-        self.restored_bytes = self.misses = self.write_errors = 0
+        self.restored_bytes = self.misses = self.write_errors = self.unsafe_files = 0
         self._last_errno: int | None = None
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer",
@@ -138,7 +147,8 @@ class DiskTier:
                 "kv_offload_bytes_saved_disk": self.saved_bytes,
                 "kv_offload_bytes_restored_disk": self.restored_bytes,
                 "kv_offload_disk_misses": self.misses,
-                "kv_offload_disk_write_errors": self.write_errors}
+                "kv_offload_disk_write_errors": self.write_errors,
+                "kv_offload_disk_unsafe_files": self.unsafe_files}
 
     # ---- the step (rank 0's store) ---------------------------------------------------------
     def write(self, block_hash: int, token_ids: tuple[int, ...], payload: bytes) -> None:
@@ -177,10 +187,20 @@ class DiskTier:
             return None
         return (block_hash, struct.unpack_from(f"<{n}i", data, HEADER.size), length, crc)
 
+    def _open(self, path: Path, limit: int = -1) -> bytes:
+        """Up to ``limit`` bytes (-1: all) of a file of ours (UnsafePath, counted, else)."""
+        try:
+            fd = open_private(path, write=False)
+        except UnsafePath:
+            self.unsafe_files += 1
+            raise
+        with os.fdopen(fd, "rb") as fh:
+            return fh.read(limit)
+
     def _read_file(self, block_hash: int, token_ids: tuple[int, ...]) -> bytes | None:
         try:
-            data = self.file_of(block_hash).read_bytes()
-        except OSError:
+            data = self._open(self.file_of(block_hash))
+        except OSError:  # UnsafePath among them
             return None
         head = self._header(data)
         if head is None or head[0] != block_hash or head[1] != token_ids:
@@ -201,10 +221,9 @@ class DiskTier:
         found = []
         for f in self.dir.glob(f"*{SUFFIX}"):
             try:
-                with open(f, "rb") as fh:
-                    head = self._header(fh.read(HEADER.size + 4 * 128))
+                head = self._header(self._open(f, HEADER.size + 4 * 128))
                 mtime = f.stat().st_mtime
-            except OSError:
+            except OSError:  # UnsafePath among them: never indexed
                 continue
             if head is not None and f.name == self.file_of(head[0]).name:
                 found.append((mtime, head[0], tuple(head[1])))
@@ -242,7 +261,7 @@ class DiskTier:
             try:
                 self._write_bytes(tmp, data)
             except FileNotFoundError:  # the directory was removed: make it again, once
-                self.dir.mkdir(parents=True, exist_ok=True)
+                private_dir(self.dir)
                 self._write_bytes(tmp, data)
             os.replace(tmp, path)
             ok = True
@@ -262,7 +281,11 @@ class DiskTier:
 
     @staticmethod
     def _write_bytes(path: Path, data: bytes) -> None:
-        path.write_bytes(data)
+        # 0600, never through a symlink; a stale file of ours (a reused pid) is cut here,
+        # after open_private checked it, not by O_TRUNC before.
+        with os.fdopen(open_private(path), "wb") as fh:
+            fh.truncate(0)
+            fh.write(data)
 
 
 def _writer_alive(tmp: Path) -> bool:

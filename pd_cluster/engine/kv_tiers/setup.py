@@ -1,11 +1,11 @@
 """Sizing the KV tiers from the config, and giving a rank its host store."""
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 import json
+import logging
 from hashlib import blake2b
+from pathlib import Path
+from typing import Any
 
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.kv_tiers.disk import DiskTier
@@ -53,13 +53,29 @@ def check_host_memory(rank_bytes: int, size_gib: float) -> None:
                          f"{available / 2**30:.1f} GiB available")
 
 
+# A checkpoint's weight files (every shard, and the index that names them).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+
+
+def checkpoint_fingerprint(model_dir: str | Path) -> str:
+    """Identifies the checkpoint whose KV the disk tier keeps: config.json's bytes and every
+    weight file's name, size and mtime_ns (cheap: no weight is read). A fine-tune saved under
+    the same path changes some shard's size or mtime, so the old KV files are misses; a copy
+    of the same weights elsewhere (new mtimes) only costs a cold disk tier."""
+    root = Path(model_dir)
+    h = blake2b(root.joinpath("config.json").read_bytes(), digest_size=16)
+    for f in sorted(p for p in root.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
+        st = f.stat()  # through a symlink: the shard's own size and time
+        h.update(f"\0{f.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
 def create_disk_tier(config: EngineConfig, runner: Any) -> DiskTier:
     """The disk tier behind rank 0's host store (tensor_parallel_size 1, checked by the
     config); its files carry a fingerprint of everything that makes their bytes mean this
-    engine's KV (a file of another model, dtype or block shape is a miss)."""
-    from connectors.hello import model_fingerprint
+    engine's KV (a file of another checkpoint, dtype or block shape is a miss)."""
     spec = runner.kv_spec
-    what = {"model": model_fingerprint(config.model), "dtype": str(spec.dtype),
+    what = {"model": checkpoint_fingerprint(config.model), "dtype": str(spec.dtype),
             "block_size": spec.block_size, "layers": spec.describe(), "tp_rank": runner.tp.rank,
             "tp_size": config.tensor_parallel_size}
     fingerprint = blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=16).digest()

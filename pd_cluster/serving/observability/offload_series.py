@@ -60,6 +60,9 @@ _PER_ENGINE = (
     _TierSeries("kv_offload_disk_write_errors", "pd_kv_offload_disk_write_errors",
                 "Disk-tier writes that failed (full disk, directory gone): the block is not "
                 "kept"),
+    _TierSeries("kv_offload_disk_unsafe_files", "pd_kv_offload_disk_unsafe_files",
+                "Disk-tier files skipped as not this user's alone (a symlink, another user's "
+                "file, or one others may write): never indexed nor restored"),
 )
 _KNOWN = ({s.stat.format(tier=t) for s in _PER_TIER for t in TIERS}
           | {s.stat for s in _PER_ENGINE})
