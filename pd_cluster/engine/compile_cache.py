@@ -4,12 +4,16 @@ An artifact (``artifact_dir()``, inside inductor's cache dir) is one ``torch.com
 plus inductor's generated code, serialized), so a restart loads it without tracing the model
 again. It is named by a key over everything that changes the graph: the module tree and its
 parameters' names, shapes and dtypes (the model family, its config, quantization and this
-rank's tensor-parallel slice), the rank and group size, the device (and this CPU's flags or
-this GPU), the Python and torch versions, the inductor and dynamo settings, and the source of
-the code that is traced (``pd_cluster/models``, ``kernels``, this package's compile modules).
+rank's tensor-parallel slice), the rank and group size, the device (on a CPU: its features,
+``host_facts.cpu_features``, and the intra-op thread count, which inductor bakes into its C++
+as ``num_threads(N)``; or this GPU), whether the packed linears call the C++ GEMM op
+(``cpu_gemm.packed_cpp``: a graph calling an op that did not load cannot run), the Python and
+torch versions, the inductor and dynamo settings, and the source of the code that is traced
+(``pd_cluster/models``, ``kernels``, this package's compile modules).
 Weights are inputs of the graph, not part of it, so a checkpoint with the same shapes reuses
 the artifact. A stale or unreadable artifact is rejected by its loader (``compiled_model.py``),
-deleted and compiled again.
+deleted and compiled again. The folders are this user's and private, and an artifact is read
+only after an owner and mode check (``artifact_store.py``, which also prunes old ones).
 
 It also remembers, per CPU, compiler and torch version, that inductor's instruction-set probe
 passed (it builds and loads a test library per vector ISA, in child processes, on every start:
@@ -29,7 +33,10 @@ from typing import Any, Iterable
 
 import torch
 
+from pd_cluster.engine.artifact_store import read_artifact, write_artifact
+from pd_cluster.host_facts import cpu_features
 from pd_cluster.paths import cache_root
+from pd_cluster.private_files import UnsafePath, private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +59,11 @@ def inductor_cache_dir() -> Path:
 
 
 def artifact_dir() -> Path:
-    """Our artifacts, beside inductor's caches (one dir holds all compiled code)."""
-    path = inductor_cache_dir() / "pd_cluster"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Our artifacts, beside inductor's caches (one dir holds all compiled code), with both
+    folders checked: this user's, not writable by others (made 0700). Raises UnsafePath: a
+    pickle or an inductor ``.so`` read from a folder another user can write runs their code."""
+    inductor = private_dir(inductor_cache_dir())
+    return private_dir(inductor / "pd_cluster")
 
 
 def _source_files() -> Iterable[Path]:
@@ -74,21 +82,21 @@ def _code_digest() -> str:
     return h.hexdigest()
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _device_facts(device: torch.device) -> str:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return f"cuda {props.name} sm{props.major}{props.minor} {torch.version.cuda}"
-    return f"{device.type} {platform.machine()} {_cpu_flags()}"
+    # Inductor's C++ runs ``#pragma omp parallel num_threads(N)`` with N the count at compile
+    # time (or no parallel region at 1): an artifact compiled for other threads runs wrong-sized.
+    return f"{device.type} {cpu_features()} threads {torch.get_num_threads()}"
+
+
+def _gemm_op_facts(model: torch.nn.Module) -> str:
+    """Which op the packed linears' graph calls: the C++-registered one (``packed_cpp``, set
+    when kernels/cpu loaded) or the Python custom op. Not a tensor, so not in the fingerprint."""
+    flags = {bool(m.packed_cpp) for m in model.modules()
+             if getattr(m, "packed", None) is not None and hasattr(m, "packed_cpp")}
+    return "gemm " + ",".join("cpp" if f else "python" for f in sorted(flags))
 
 
 def _module_fingerprint(model: torch.nn.Module) -> str:
@@ -127,8 +135,8 @@ def artifact_key(model: torch.nn.Module, spec: Any, tp_rank: int, tp_size: int,
     """The name of ``model``'s compiled artifact (see the module's docstring)."""
     h = hashlib.sha256()
     for part in (_module_fingerprint(model), repr(spec), f"tp {tp_rank}/{tp_size}",
-                 _device_facts(device), sys.version, torch.__version__, _settings(),
-                 _code_digest()):
+                 _device_facts(device), _gemm_op_facts(model), sys.version,
+                 torch.__version__, _settings(), _code_digest()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:24]
@@ -145,8 +153,11 @@ def _isa_record() -> Path | None:
                                   text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError, RuntimeError):
         return None
-    h = hashlib.sha256("\0".join((_cpu_flags(), compiler, torch.__version__)).encode())
-    return artifact_dir() / f"vec-isa-{h.hexdigest()[:16]}.json"
+    h = hashlib.sha256("\0".join((cpu_features(), compiler, torch.__version__)).encode())
+    try:
+        return artifact_dir() / f"vec-isa-{h.hexdigest()[:16]}.json"
+    except UnsafePath:  # refused (and said so) where the artifact is looked up
+        return None
 
 
 def _claimed_isas() -> list[str]:
@@ -161,11 +172,12 @@ def skip_known_isa_probe() -> None:
     """When an earlier start on this CPU, compiler and torch found every ISA the CPU claims
     usable, tell inductor so (``cpp.vec_isa_ok``): the probe would find the same."""
     record = _isa_record()
-    if record is None or not record.is_file():
+    if record is None:
         return
     try:
-        ok = json.loads(record.read_text()) == _claimed_isas()
-    except (OSError, ValueError):
+        data = read_artifact(record)  # checked like an artifact, its use recorded
+        ok = data is not None and json.loads(data) == _claimed_isas()
+    except (OSError, ValueError):  # UnsafePath included: the probe runs
         ok = False
     if ok:
         from torch._inductor import config as inductor_config
@@ -182,6 +194,4 @@ def remember_isa_probe() -> None:
         return
     claimed = _claimed_isas()
     if [str(isa) for isa in valid_vec_isa_list()] == claimed:
-        tmp = record.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(claimed))
-        os.replace(tmp, record)
+        write_artifact(record, json.dumps(claimed).encode())

@@ -30,10 +30,12 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from pd_cluster.engine.compile_cache import (artifact_dir, artifact_key, remember_isa_probe,
-                                             skip_known_isa_probe)
+from pd_cluster.engine import artifact_store
+from pd_cluster.engine.compile_cache import (artifact_dir, artifact_key, inductor_cache_dir,
+                                             remember_isa_probe, skip_known_isa_probe)
 from pd_cluster.models.context import ForwardContext
 from pd_cluster.models.layers.paged_call import step_scope
+from pd_cluster.private_files import UnsafePath
 
 logger = logging.getLogger(__name__)
 
@@ -63,16 +65,26 @@ class CompiledModel:
         for rotary in self.decoder.rotary.values():
             rotary.frequencies(device)  # computed before tracing: inputs, not a guard
         self.compiled_steps = self.eager_steps = 0
+        limits = artifact_store.limits_from_env()  # a bad setting fails before a compile
         key = artifact_key(self.decoder, model.spec, model.tp.rank, model.tp.size, device)
-        self.path = artifact_dir() / f"{key}.aot"
+        try:
+            folder: Path | None = artifact_dir()
+        except UnsafePath as e:  # another user's or a shared folder: nothing read or kept
+            artifact_store.warn_unsafe(e)
+            folder = None
+        name = f"{key}{artifact_store.SUFFIX}"
+        self.path = (folder or inductor_cache_dir() / "pd_cluster") / name
         skip_known_isa_probe()
         with torch.inference_mode():  # the engine's steps run in it: so do the guards' checks
             try:
-                self._fn = self._load_or_compile(device)
-            except Exception:  # a torch without aot_compile, a graph break in a new model
+                self._fn = (self._load_or_compile(device) if folder is not None
+                            else self._compile(device, save=False))
+            except Exception:  # a graph break in a new model, an inductor error
                 logger.exception("compiling the model failed: it runs eagerly")
                 self._fn = None
         remember_isa_probe()
+        if folder is not None:  # after this engine's artifact was used: it is the newest
+            artifact_store.prune_once(folder, limits)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor:
@@ -99,18 +111,22 @@ class CompiledModel:
                            _LOCK_WAIT_S)
             return self._compile(device, save=False)
         try:
-            if self.path.is_file():
-                fn = self._load()
-                if fn is not None:
-                    return fn
-            return self._compile(device, save=True)
+            fn = self._load()
+            return fn if fn is not None else self._compile(device, save=True)
         finally:
             lock.release()
 
     def _load(self) -> Any:
         start = time.monotonic()
         try:
-            fn = _deserialize(self.path.read_bytes(), self.decoder)
+            data = artifact_store.read_artifact(self.path)
+        except UnsafePath as e:  # not loaded; the compile's artifact is renamed over it
+            artifact_store.warn_unsafe(e)
+            return None
+        if data is None:
+            return None
+        try:
+            fn = _deserialize(data, self.decoder)
         except Exception as e:  # another torch, a truncated file: compile it again
             logger.warning("compiled model %s not usable (%s: %s); compiling again", self.path,
                            type(e).__name__, e)
@@ -143,7 +159,7 @@ class CompiledModel:
             compiled.disable_guard_check()
             return compiled
         if save:
-            _write_atomic(self.path, data)
+            artifact_store.write_artifact(self.path, data)
         logger.warning("compiled the model in %.1f s%s", time.monotonic() - start,
                        f" (cached in {self.path})" if save else "")
         return fn
@@ -187,10 +203,4 @@ def _deserialize(data: bytes, decoder: torch.nn.Module) -> Any:
                                          {"decoder": decoder})
     fn.disable_guard_check()  # __call__ checks them once itself, and falls back to eager
     return fn
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
