@@ -89,6 +89,7 @@ class ProxyState:
         try:
             text = self.tokenizer.apply_chat_template(
                 template_messages(req.messages), add_generation_prompt=True, tokenize=False,
+                chat_template=self.cfg.proxy.chat_template,  # None: the tokenizer's
                 tools=plan.template_tools() if plan is not None else None)
         except Exception as e:  # noqa: BLE001 - a template error is the request's problem
             raise invalid_request(f"messages: chat template failed: {e}", "messages") from None

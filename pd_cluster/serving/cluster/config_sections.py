@@ -121,6 +121,9 @@ class ProxyConfig(ConfigSection):
     # qwen, llama3_json, mistral), as vLLM's --enable-auto-tool-choice --tool-call-parser.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # the parser for tool_choice "auto" (see above)
+    # A Jinja chat template used instead of the tokenizer's (vLLM's --chat-template): the
+    # template itself, or a file holding one (read on the launching node).
+    chat_template: str | None = None
     log_stats_interval: float = 10.0  # s between per-engine stats lines in the log (0: off)
     # API keys (README, "Security"): one key or a list. With any key set (here or through
     # api_key_env), every route but /health and open_routes needs `Authorization: Bearer KEY`.
@@ -153,6 +156,17 @@ class ProxyConfig(ConfigSection):
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("ssl_certfile, ssl_keyfile: set both (or neither)")
         return self
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, value: str | None) -> str | None:
+        if value is None or "{{" in value or "{%" in value:
+            return value  # the template itself
+        from pathlib import Path
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{value!r} is neither a Jinja template nor a file")
+        return path.read_text()
 
     @field_validator("tool_call_parser")
     @classmethod
