@@ -124,6 +124,9 @@ class ProxyConfig(ConfigSection):
     # A Jinja chat template used instead of the tokenizer's (vLLM's --chat-template): the
     # template itself, or a file holding one (read on the launching node).
     chat_template: str | None = None
+    # On SIGINT/SIGTERM or `pd-cluster stop`: new requests get 503 (Retry-After), requests
+    # in flight get this many seconds to finish, then end with "server shutting down".
+    shutdown_timeout: float = Field(30.0, ge=0)
     log_stats_interval: float = 10.0  # s between per-engine stats lines in the log (0: off)
     # API keys (README, "Security"): one key or a list. With any key set (here or through
     # api_key_env), every route but /health and open_routes needs `Authorization: Bearer KEY`.

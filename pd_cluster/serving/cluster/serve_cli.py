@@ -108,6 +108,9 @@ FLAGS = (
          "one, used instead of the tokenizer's", metavar="TEMPLATE"),
     Flag("--enforce-eager", "engine.compile", "no torch.compile and no CUDA graphs",
          action="store_const", also=(("engine.cuda_graphs", False),)),
+    Flag("--shutdown-timeout", "proxy.shutdown_timeout", "s in-flight requests get to finish "
+         "on Ctrl-C, SIGTERM or `pd-cluster stop` (new ones get 503 meanwhile)", float,
+         metavar="S"),
     Flag("--disable-log-stats", "proxy.log_stats_interval", "no periodic stats lines",
          action="store_const"),
 )

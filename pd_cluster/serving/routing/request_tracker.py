@@ -11,7 +11,8 @@ from pd_cluster.serving.routing.admission import Admission
 
 access_log = logging.getLogger("pd_cluster.access")
 
-_STATUS = {"success": 200, "client_error": 400, "rejected": 429, "aborted": 499, "error": 500}
+_STATUS = {"success": 200, "client_error": 400, "rejected": 429, "aborted": 499, "error": 500,
+           "shutdown": 503}
 
 
 class RequestTracker:
