@@ -134,8 +134,10 @@ class ProxyConfig(ConfigSection):
     # An environment variable of the launching shell holding the key (or several, comma-
     # separated), handed to the proxy through Ray; unset or empty is a launch error.
     api_key_env: str | None = None
+    # Served without a key even when keys are set. /metrics is open by default, as vLLM's
+    # (Prometheus scrapes it without a key); [] protects it too.
     open_routes: list[Literal["/metrics", "/cluster/status", "/version"]] = Field(
-        default_factory=list)  # served without a key even when keys are set
+        default_factory=lambda: ["/metrics"])
     ssl_certfile: str | None = None  # TLS (uvicorn's): certificate, PEM; https with keyfile
     ssl_keyfile: str | None = None  # TLS: the certificate's private key, PEM
 
