@@ -169,3 +169,33 @@ def test_metrics_open_without_a_key_by_default_and_status_keyed() -> None:
     async def keyed(app, http, engine, submitted) -> None:
         assert (await http.get("/metrics")).status_code == 401
     _run(_config(api_key="k" * 20, open_routes=[]), keyed)
+
+
+def test_stats_lines_only_while_there_is_work(caplog, monkeypatch) -> None:
+    from pd_cluster.serving.observability import stats_log
+    clock = [0.0]
+    monkeypatch.setattr(stats_log.time, "monotonic", lambda: clock[0])
+    idle = _engine("decode-0", num_running=0, num_waiting=0, tokens_generated=0)
+    log = StatsLog(interval=10.0)
+    with caplog.at_level(logging.INFO, logger="pd_cluster.stats"):
+        for t in (10.0, 20.0):
+            clock[0] = t
+            log.maybe_log([idle])
+        assert not caplog.records  # an idle server: no lines
+        idle.stats = {**idle.stats, "num_running": 1, "tokens_generated": 50}
+        clock[0] = 30.0
+        log.maybe_log([idle])
+        assert len(caplog.records) == 1 and "running 1" in caplog.records[0].getMessage()
+        idle.stats = {**idle.stats, "num_running": 0}  # finished: no work since the last line
+        clock[0], idle.stats["tokens_generated"] = 40.0, 50
+        log.maybe_log([idle])
+        assert len(caplog.records) == 1
+
+
+def test_missing_preloads_name_their_own_package(caplog, monkeypatch) -> None:
+    from pd_cluster.serving.cluster import launcher
+    monkeypatch.setattr(launcher, "preload_env", lambda _pre: ({}, ["libiomp5"]))
+    with caplog.at_level(logging.INFO, logger=launcher.__name__):
+        launcher.engine_env(parse_config({}))
+    text = caplog.records[-1].getMessage()
+    assert "libiomp5: `pip install intel-openmp`" in text and "tcmalloc" not in text, text

@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 PROXY_NAME = "proxy"
 _READY_TIMEOUT = 600.0  # s: model loading (and first-use generation of a preset) per engine
 _STOP_TIMEOUT = 10.0
+# How to get each preload where it is missing (the names preload_env reports).
+_INSTALL_HINT = {"tcmalloc": "apt install libtcmalloc-minimal4",
+                 "libiomp5": "pip install intel-openmp"}
 _LINK_TIMEOUT = 15.0  # s: every launch-time P -> D handshake, all in parallel
 
 
@@ -162,8 +165,9 @@ def engine_env(config: ClusterConfig) -> dict[str, str]:
         return {}
     env, missing = preload_env(os.environ.get("LD_PRELOAD"))
     if missing:
-        logger.info("engines start without %s (not found on this node; `apt install "
-                    "libtcmalloc-minimal4`, `pip install intel-openmp`)", " and ".join(missing))
+        hints = ", ".join(f"{lib}: `{_INSTALL_HINT.get(lib, lib)}`" for lib in missing)
+        logger.info("engines start without %s (not found on this node; %s)",
+                    " and ".join(missing), hints)
     if env:
         logger.info("engines preload %s", env["LD_PRELOAD"])
     return env

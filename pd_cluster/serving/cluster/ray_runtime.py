@@ -68,6 +68,10 @@ def start_ray(address: str | None, namespace: str, num_cpus: float, num_gpus: fl
         # address="local": a new instance even if /tmp/ray names someone else's `ray start`.
         # Its session folder in a temp dir of ours, removed at shutdown: /tmp/ray (and its
         # session_latest, which `ray` commands follow) stays as the user's own Ray left it.
+        if "RAY_AUTH_MODE" not in os.environ:
+            # What Ray picks for a new local instance anyway, said explicitly: no warning
+            # at every start (docs/deployment.md: `ray status` needs RAY_AUTH_MODE=token).
+            _use_token_auth()
         temp_dir = Path(tempfile.mkdtemp(prefix="pd-cluster-ray-"))
         try:
             with _no_terminal_sigint():
