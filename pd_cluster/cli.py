@@ -87,7 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the subcommand says what it takes (serve: its usage and the nearest flag)
+        on_extra = getattr(args, "on_extra_args", None)
+        if on_extra is None:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return on_extra(extra)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -15,9 +15,10 @@ from pd_cluster.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any):
-        if model is None:
-            from pd_cluster.checkpoints.maker import default_model_path
-            model = str(default_model_path())
+        """``model``: what `pd-cluster serve` takes (a preset name, a checkpoint directory or
+        a Hugging Face repo id, from the hub cache or downloaded); None: the built-in model."""
+        from pd_cluster.serving.cluster.model_source import check_model
+        model = check_model("tiny-llama" if model is None else model)
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
         self._ids = itertools.count()
 

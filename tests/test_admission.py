@@ -18,7 +18,7 @@ from tests.test_token_path import FakeEngineActor
 
 
 def _metric(text: str, name: str) -> float:
-    line = next(ln for ln in text.splitlines() if ln.startswith(name + " "))
+    line = next(ln for ln in text.splitlines() if ln.startswith((name + " ", name + "{")))
     return float(line.split()[-1])
 
 
@@ -50,8 +50,8 @@ def test_the_queue_is_first_come_first_served_and_bounded() -> None:
             adm.leave()
         assert adm.running == 0
         text = metrics.render().decode()
-        assert _metric(text, "pd_request_queue_time_seconds_count") == 5
-        assert _metric(text, "pd_request_queue_time_seconds_sum") > 0
+        assert _metric(text, "vllm:request_queue_time_seconds_count") == 5
+        assert _metric(text, "vllm:request_queue_time_seconds_sum") > 0
         assert _metric(text, "pd_requests_queued") == 0
     asyncio.run(go())
 
@@ -107,9 +107,9 @@ def test_over_the_inflight_bound_requests_queue_then_get_429_with_retry_after() 
         for r in refused:
             assert r.json()["error"]["code"] == "rate_limit_exceeded"
             assert int(r.headers["Retry-After"]) >= 1
-        assert _metric(metrics, "pd_request_queue_time_seconds_count") == 5
+        assert _metric(metrics, "vllm:request_queue_time_seconds_count") == 5
         # three waited for a whole request (20 steps of 5 ms) at least
-        assert _metric(metrics, "pd_request_queue_time_seconds_sum") > 3 * 0.09
+        assert _metric(metrics, "vllm:request_queue_time_seconds_sum") > 3 * 0.09
         assert _metric(metrics, 'pd_requests_total{outcome="rejected"}') == 3
         assert state.admission.running == 0 and state.inflight == 0
         assert not engine.sender._routes  # nothing left running on the engine

@@ -52,7 +52,7 @@ def _sdk(http: httpx.AsyncClient, key: str) -> openai.AsyncOpenAI:
 
 
 def test_wrong_or_missing_key_is_401_and_nothing_runs() -> None:
-    cfg = _config(api_key=["first-key", "second-key"])
+    cfg = _config(api_key=["first-key", "second-key"], open_routes=[])  # /metrics keyed too
 
     async def body(app, http, engine, submitted) -> None:
         with pytest.raises(openai.AuthenticationError) as wrong:

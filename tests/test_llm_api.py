@@ -210,8 +210,10 @@ def test_bad_engine_args(model_dir: str, kwargs: dict, field: str) -> None:
 
 
 def test_missing_model_dir(tmp_path) -> None:
-    with pytest.raises(ValueError, match="config.json"):
+    with pytest.raises(ValueError, match="no such directory"):
         LLM(model=str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(model=str(tmp_path))
 
 
 def test_overlong_prompt(model_dir: str) -> None:

@@ -36,6 +36,7 @@ from pd_cluster.serving.api.proxy_state import ProxyState
 from pd_cluster.serving.api.request_body import read_body
 from pd_cluster.serving.api.responses import ResponsesRequest, parse_responses
 from pd_cluster.serving.api.responses_format import ResponsesFormatter
+from pd_cluster.serving.api.shutdown import Drain, DrainGate, until_shutdown
 from pd_cluster.serving.api.tool_format import ToolChatFormatter
 from pd_cluster.serving.api.tools import tool_plan
 from pd_cluster.serving.api.utility_routes import add_utility_routes
@@ -107,8 +108,12 @@ async def _sse(first: tuple[int, StreamEvent] | None,
                 yield sse(fmt.usage_chunk(results))
             outcome = "success"
         except APIError as e:  # after output was sent: report in-band, then end the stream
-            logger.warning("%s failed mid-stream: %s", fmt.id, e.message)
-            outcome = "error"
+            if e.code == "server_shutting_down":
+                logger.info("%s ended mid-stream: server shutting down", fmt.id)
+                outcome = "shutdown"
+            else:
+                logger.warning("%s failed mid-stream: %s", fmt.id, e.message)
+                outcome = "error"
             yield sse(e.body())
         yield sse("[DONE]")
     finally:
@@ -163,6 +168,7 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool,
     except APIError as e:
         watch.close()
         tracker.close("rejected" if e.status == 429 else
+                      "shutdown" if e.code == "server_shutting_down" else
                       "client_error" if e.is_client_error else "error", e.status)
         raise
     except BaseException:
@@ -212,7 +218,7 @@ def _plan(state: ProxyState, req: Any, chat: bool, rid: str, prompts: list[list[
         (texts[i // req.n], job.prompt_token_ids) for i, job in enumerate(jobs)]
     fmt = fmt_cls(rid, state.cfg.model_name, req.return_token_ids, per_prompt[0][1].logprobs,
                   state.token_text, echo)
-    events = merged(jobs, state.dispatcher.stream)
+    events = until_shutdown(merged(jobs, state.dispatcher.stream), state.drain)
     if prompt_only:
         events = _prompt_only(events)
     return fmt, jobs, events
@@ -226,6 +232,7 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]],
     if api_keys is None:
         api_keys = resolve_api_keys(cfg.proxy.api_key, cfg.proxy.api_key_env)
     state = ProxyState(cfg, engines)
+    state.drain = Drain(lambda: state.inflight)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -240,6 +247,7 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]],
 
     app = FastAPI(title="pd-cluster", lifespan=lifespan)
     app.state.proxy = state
+    app.add_middleware(DrainGate, drain=state.drain)  # added first: runs after the key check
     app.add_middleware(APIKeyAuth, keys=api_keys, open_paths=cfg.proxy.open_routes,
                        on_reject=state.metrics.auth_failures.labels("api").inc)
 

@@ -35,7 +35,8 @@ class ProxyState:
         self.max_model_len = int(cfg.engine.get("max_model_len")
                                  or hf.get("max_position_embeddings", 2048))
         self.pool = EnginePool(engines, cfg.proxy)
-        self.metrics = ProxyMetrics(lambda: self.pool.engines, cfg.model_name)
+        self.metrics = ProxyMetrics(lambda: self.pool.engines, cfg.model_name,
+                                    int(cfg.engine.get("block_size", 16)))
         failures = self.metrics.cache_report_failures
         self.pool.cache_feed.on_failure = lambda engine: failures.labels(engine).inc()
         channel = TokenChannel(cfg.proxy.health_check_timeout, self.pool.mark_failed)
@@ -89,6 +90,7 @@ class ProxyState:
         try:
             text = self.tokenizer.apply_chat_template(
                 template_messages(req.messages), add_generation_prompt=True, tokenize=False,
+                chat_template=self.cfg.proxy.chat_template,  # None: the tokenizer's
                 tools=plan.template_tools() if plan is not None else None)
         except Exception as e:  # noqa: BLE001 - a template error is the request's problem
             raise invalid_request(f"messages: chat template failed: {e}", "messages") from None

@@ -12,6 +12,10 @@ from pd_cluster.serving.api.responses import ResponsesRequest
 from pd_cluster.serving.api.tools import ToolPlan, call_id
 
 
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -53,22 +57,25 @@ class ResponsesFormatter(Formatter):
                              "output_tokens_details": {"reasoning_tokens": 0}}
         return body
 
-    def _items(self, text: str) -> list[dict[str, Any]]:
+    def _items(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
+        """The output items; cut off at max_output_tokens, they are "incomplete" as the
+        response is (an incomplete response holds no completed item)."""
+        status = _status(finish_reason)
         content, calls = self.plan.calls(text) if self.plan is not None else (text, [])
         items = []
         if content:
-            items.append({"type": "message", "id": self._msg_id, "status": "completed",
+            items.append({"type": "message", "id": self._msg_id, "status": status,
                           "role": "assistant", "content": [
                               {"type": "output_text", "text": content, "annotations": []}]})
         for c in calls:
             items.append({"type": "function_call", "id": _id("fc"), "call_id": call_id(),
-                          "name": c.name, "arguments": c.arguments, "status": "completed"})
+                          "name": c.name, "arguments": c.arguments, "status": status})
         return items
 
     def full(self, results: list[Result]) -> dict[str, Any]:
         r = results[0]
-        status = "incomplete" if r.finish_reason == "length" else "completed"
-        return self._response(status, self._items(r.text), results, r.finish_reason)
+        return self._response(_status(r.finish_reason), self._items(r.text, r.finish_reason),
+                              results, r.finish_reason)
 
     # ---- events ---------------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -100,7 +107,7 @@ class ResponsesFormatter(Formatter):
                                    output_index=0, content_index=0, delta=text))
         if finish_reason is None:
             return out
-        items = self._items(self._text)
+        items = self._items(self._text, finish_reason)
         for index, item in enumerate(items):
             if item["type"] == "message":
                 if not self._opened_message:
@@ -124,7 +131,7 @@ class ResponsesFormatter(Formatter):
                                     item_id=item["id"], output_index=index,
                                     arguments=item["arguments"])]
             out.append(self._event("response.output_item.done", output_index=index, item=item))
-        status = "incomplete" if finish_reason == "length" else "completed"
+        status = _status(finish_reason)
         final = self._response(status, items, results, finish_reason)
         out.append(self._event(f"response.{status}", response=final))
         return out

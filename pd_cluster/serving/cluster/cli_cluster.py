@@ -274,7 +274,8 @@ def _proxy_url_from_ray(namespace: str, st: Any) -> str | None:
 def run_stop(args: argparse.Namespace) -> int:
     import ray
 
-    from pd_cluster.serving.cluster.launcher import PROXY_NAME, ClusterState, kill_actors
+    from pd_cluster.serving.cluster.launcher import (PROXY_NAME, ClusterState, drain_proxy,
+                                                     kill_actors)
     from pd_cluster.serving.cluster.placement import named_groups, remove_groups
     from pd_cluster.serving.cluster.ray_runtime import connect, pid_alive, stop_head
 
@@ -282,7 +283,7 @@ def run_stop(args: argparse.Namespace) -> int:
     st = ClusterState.load(ns)
     if st is not None and not st.detached and pid_alive(st.launcher_pid):
         os.kill(st.launcher_pid, signal.SIGTERM)  # a foreground launcher cleans up itself
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 60 + st.shutdown_timeout  # it drains the proxy first
         while pid_alive(st.launcher_pid) and time.monotonic() < deadline:
             time.sleep(0.2)
         print(f"stopped the launcher (pid {st.launcher_pid})")
@@ -306,6 +307,7 @@ def run_stop(args: argparse.Namespace) -> int:
                  if a.get("namespace") == ns]
         handles = {n: ray.get_actor(n, namespace=ns) for n in names}
         proxy = handles.pop(PROXY_NAME, None)
+        drain_proxy(proxy)
         kill_actors(proxy, list(handles.values()))
         remove_groups(named_groups(ns, ("prefill", "decode", "colocated")))
         print(f"killed {len(names)} actor(s) in namespace {ns!r}")

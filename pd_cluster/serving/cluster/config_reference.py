@@ -12,6 +12,7 @@ import ast
 import inspect
 import io
 import json
+import re
 import tokenize
 import types
 import typing
@@ -84,6 +85,21 @@ def _default_notes(names: list[str], fields: list[FieldInfo], model: type[BaseMo
     return notes
 
 
+def all_keys() -> list[str]:
+    """Every dotted key the cluster YAML takes (for `serve`'s did-you-mean)."""
+    return re.findall(r"^\| `([\w.]+)`", render(), re.M)
+
+
+def _flag_note(path: str) -> str:
+    """`pd-cluster serve`'s flag(s) for this key, as the reference shows them."""
+    from pd_cluster.serving.cluster.serve_cli import flags_by_key
+    by_key = flags_by_key()
+    parts = path.split(".")  # a flag for a section (a JSON object) shows on its keys
+    flags = next((by_key[k] for k in (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+                  if k in by_key), None)
+    return f" (`serve {' / '.join(flags)}`)" if flags else ""
+
+
 def _section(title: str, prefix: str, model: type[BaseModel], hidden: set[str],
              notes: list[str] | None = None) -> list[str]:
     out = [f"## {title}", ""]
@@ -95,7 +111,8 @@ def _section(title: str, prefix: str, model: type[BaseModel], hidden: set[str],
     for key, field, comment in _rows(model, hidden):
         path = f"{prefix}.{key}" if prefix else key
         default = "required" if field.is_required() else f"`{_yaml(_default(field))}`"
-        out.append(f"| `{path}` | {_type(field)} | {default} | {_cell(comment)} |")
+        out.append(f"| `{path}` | {_type(field)} | {default} | "
+                   f"{_cell(comment + _flag_note(path))} |")
     return out + [""]
 
 

@@ -137,6 +137,12 @@ class ProxyConfig(ConfigSection):
     # qwen, llama3_json, mistral), as vLLM's --enable-auto-tool-choice --tool-call-parser.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # the parser for tool_choice "auto" (see above)
+    # A Jinja chat template used instead of the tokenizer's (vLLM's --chat-template): the
+    # template itself, or a file holding one (read on the launching node).
+    chat_template: str | None = None
+    # On SIGINT/SIGTERM or `pd-cluster stop`: new requests get 503 (Retry-After), requests
+    # in flight get this many seconds to finish, then end with "server shutting down".
+    shutdown_timeout: float = Field(30.0, ge=0)
     log_stats_interval: float = 10.0  # s between per-engine stats lines in the log (0: off)
     # API keys (README, "Security"): one key or a list. With any key set (here or through
     # api_key_env), every route but /health and open_routes needs `Authorization: Bearer KEY`.
@@ -144,8 +150,10 @@ class ProxyConfig(ConfigSection):
     # An environment variable of the launching shell holding the key (or several, comma-
     # separated), handed to the proxy through Ray; unset or empty is a launch error.
     api_key_env: str | None = None
+    # Served without a key even when keys are set. /metrics is open by default, as vLLM's
+    # (Prometheus scrapes it without a key); [] protects it too.
     open_routes: list[Literal["/metrics", "/cluster/status", "/version"]] = Field(
-        default_factory=list)  # served without a key even when keys are set
+        default_factory=lambda: ["/metrics"])
     ssl_certfile: str | None = None  # TLS (uvicorn's): certificate, PEM; https with keyfile
     ssl_keyfile: str | None = None  # TLS: the certificate's private key, PEM
 
@@ -169,6 +177,17 @@ class ProxyConfig(ConfigSection):
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("ssl_certfile, ssl_keyfile: set both (or neither)")
         return self
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, value: str | None) -> str | None:
+        if value is None or "{{" in value or "{%" in value:
+            return value  # the template itself
+        from pathlib import Path
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{value!r} is neither a Jinja template nor a file")
+        return path.read_text()
 
     @field_validator("tool_call_parser")
     @classmethod

@@ -30,6 +30,7 @@ class ClusterState:
     detached: bool
     launcher_pid: int
     head_pid: int | None = None
+    shutdown_timeout: float = 30.0  # s the proxy drains for (`stop` waits that long more)
 
     @staticmethod
     def path(namespace: str) -> Path:

@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 PROXY_NAME = "proxy"
 _READY_TIMEOUT = 600.0  # s: model loading (and first-use generation of a preset) per engine
 _STOP_TIMEOUT = 10.0
+# How to get each preload where it is missing (the names preload_env reports).
+_INSTALL_HINT = {"tcmalloc": "apt install libtcmalloc-minimal4",
+                 "libiomp5": "pip install intel-openmp"}
 _LINK_TIMEOUT = 15.0  # s: every launch-time P -> D handshake, all in parallel
 
 
@@ -44,19 +47,40 @@ class Cluster:
 
     def state(self) -> ClusterState:
         return ClusterState(self.namespace, self.runtime.address, self.url, list(self.engines),
-                            self.detached, os.getpid(), self.runtime.head_pid)
+                            self.detached, os.getpid(), self.runtime.head_pid,
+                            self.config.proxy.shutdown_timeout)
 
     def shutdown(self) -> None:
         """Stop the proxy (frees the port), kill the engines, leave/stop Ray. Idempotent."""
         if self._down:
             return
         self._down = True
+        drain_proxy(self.proxy)  # in-flight requests finish (or end) before engines stop
         kill_actors(self.proxy, self.engines.values())
         self.placement.release()
         ClusterState(self.namespace, None, "", [], False, 0).remove()
         self.runtime.disconnect()
         if self.runtime.head_pid:
             stop_head(self.runtime.head_pid, self.runtime.address)
+
+
+def drain_proxy(proxy: Any) -> None:
+    """The proxy's drain (api/shutdown.py): no new requests, in-flight ones finish within
+    proxy.shutdown_timeout, the rest end with "server shutting down". Bounded; a proxy that
+    is gone or hung is passed by (kill_actors follows)."""
+    import ray
+    if proxy is None:
+        return
+    try:
+        timeout = ray.get(proxy.shutdown_timeout.remote(), timeout=_STOP_TIMEOUT)
+        result = ray.get(proxy.drain.remote(), timeout=timeout + 3 * _STOP_TIMEOUT)
+    except Exception as e:  # noqa: BLE001 - the proxy is down already: nothing to drain
+        logger.info("no drain: the proxy did not answer (%s)", type(e).__name__)
+        return
+    if result.get("in_flight"):
+        print(f"drained: {result['in_flight'] - result['ended']} of {result['in_flight']} "
+              f"request(s) in flight finished, {result['ended']} ended with 'server shutting "
+              f"down' ({result['seconds']}s)", flush=True)
 
 
 def kill_actors(proxy: Any, engines: Any) -> None:
@@ -141,8 +165,9 @@ def engine_env(config: ClusterConfig) -> dict[str, str]:
         return {}
     env, missing = preload_env(os.environ.get("LD_PRELOAD"))
     if missing:
-        logger.info("engines start without %s (not found on this node; `apt install "
-                    "libtcmalloc-minimal4`, `pip install intel-openmp`)", " and ".join(missing))
+        hints = ", ".join(f"{lib}: `{_INSTALL_HINT.get(lib, lib)}`" for lib in missing)
+        logger.info("engines start without %s (not found on this node; %s)",
+                    " and ".join(missing), hints)
     if env:
         logger.info("engines preload %s", env["LD_PRELOAD"])
     return env

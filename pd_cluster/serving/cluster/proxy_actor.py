@@ -98,6 +98,18 @@ class ProxyActor:
         fut.result(timeout=state.cfg.proxy.health_check_timeout + 5)
         return [s.to_dict() for s in state.pool.status()]
 
+    def shutdown_timeout(self) -> float:
+        return float(self.app.state.proxy.cfg.proxy.shutdown_timeout)
+
+    def drain(self) -> dict[str, Any]:
+        """No new requests; wait for the in-flight ones (api/shutdown.py), bounded."""
+        if self.loop is None:
+            return {"in_flight": 0, "ended": 0, "left": 0, "seconds": 0.0}
+        timeout = self.shutdown_timeout()
+        fut = asyncio.run_coroutine_threadsafe(self.app.state.proxy.drain.run(timeout),
+                                               self.loop)
+        return fut.result(timeout=timeout + 2 * _STOP_TIMEOUT)
+
     def stop(self) -> None:
         """Graceful: stop accepting, finish the lifespan, close the socket (frees the port)."""
         self.server.should_exit = True

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -16,9 +17,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +33,16 @@ class RayRuntime:
     address: str | None  # GCS address others can connect to
     kind: str  # "existing" (already connected), "connected", "embedded" or "head"
     head_pid: int | None = None
+    temp_dir: Path | None = None  # an embedded instance's own Ray temp dir (removed with it)
 
     def disconnect(self) -> None:
-        """Leave the cluster; an embedded instance is shut down with it."""
+        """Leave the cluster; an embedded instance is shut down with it, its session folder
+        too."""
         import ray
         if self.kind in ("connected", "embedded", "head"):
             ray.shutdown()
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -59,9 +66,22 @@ def start_ray(address: str | None, namespace: str, num_cpus: float, num_gpus: fl
         return RayRuntime(_gcs_address(), "connected")
     if not detach:
         # address="local": a new instance even if /tmp/ray names someone else's `ray start`.
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, namespace=namespace,
-                 include_dashboard=False, log_to_driver=log_to_driver)
-        return RayRuntime(_gcs_address(), "embedded")
+        # Its session folder in a temp dir of ours, removed at shutdown: /tmp/ray (and its
+        # session_latest, which `ray` commands follow) stays as the user's own Ray left it.
+        if "RAY_AUTH_MODE" not in os.environ:
+            # What Ray picks for a new local instance anyway, said explicitly: no warning
+            # at every start (docs/deployment.md: `ray status` needs RAY_AUTH_MODE=token).
+            _use_token_auth()
+        temp_dir = Path(tempfile.mkdtemp(prefix="pd-cluster-ray-"))
+        try:
+            with _no_terminal_sigint():
+                ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus,
+                         namespace=namespace, include_dashboard=False,
+                         log_to_driver=log_to_driver, _temp_dir=str(temp_dir))
+        except BaseException:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
+        return RayRuntime(_gcs_address(), "embedded", temp_dir=temp_dir)
     port = free_port()
     if "RAY_AUTH_MODE" not in os.environ:
         _use_token_auth()  # what `ray start` uses by default; we must connect the same way
@@ -74,6 +94,21 @@ def start_ray(address: str | None, namespace: str, num_cpus: float, num_gpus: fl
         stop_head(pid, addr)
         raise
     return RayRuntime(addr, "head", pid)
+
+
+@contextlib.contextmanager
+def _no_terminal_sigint() -> Iterator[None]:
+    """Ray's GCS and raylet start with SIGINT ignored (an ignored signal stays ignored across
+    exec): Ctrl-C reaches the terminal's whole process group, and Ray dying with it would stop
+    the engines before the proxy drains (api/shutdown.py). The launcher stops them itself."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def connect(address: str, namespace: str, log_to_driver: bool = False) -> None:

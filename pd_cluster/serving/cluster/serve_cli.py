@@ -3,12 +3,21 @@
 
 Each flag is a cluster YAML key (the table below, shown in `--help`), so `serve` is `launch`
 with a config built from flags: a `--config` file, then `--set KEY=VALUE`s, then the flags.
+Flags that `vllm serve` has use vLLM's names, so a vLLM command line runs unchanged; vLLM flags
+with no meaning here are accepted and named (vllm_flags.py).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from dataclasses import dataclass
 from typing import Any
+
+from pd_cluster.serving.cluster import vllm_flags
+
+# Keys of every role: a flag for one of them (tensor parallelism) sets the mode's roles.
+_ROLES = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}
 
 
 @dataclass(frozen=True)
@@ -20,6 +29,28 @@ class Flag:
     choices: tuple[str, ...] | None = None
     nargs: str | None = None
     metavar: str | None = None
+    action: Any = None  # "store_true", argparse.BooleanOptionalAction, ...
+    aliases: tuple[str, ...] = ()  # vLLM's short forms (-tp)
+    also: tuple[tuple[str, Any], ...] = ()  # other keys set to a constant when given
+    per_role: bool = False  # key is "prefill.X": set X for every role of the mode
+
+    def keys(self) -> list[str]:
+        """Every YAML key this flag may set (the reference names the flag beside each)."""
+        if self.per_role:
+            leaf = self.key.split(".", 1)[1]
+            return [f"{r}.{leaf}" for r in ("prefill", "decode", "colocated")]
+        return [self.key, *(k for k, _ in self.also)]
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """vLLM's JSON-valued flags (--structured-outputs-config '{"backend": "xgrammar"}')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 FLAGS = (
@@ -56,7 +87,35 @@ FLAGS = (
     Flag("--ssl-certfile", "proxy.ssl_certfile", "TLS certificate (PEM): serve https"),
     Flag("--ssl-keyfile", "proxy.ssl_keyfile", "TLS private key (PEM) of --ssl-certfile"),
     Flag("--namespace", "ray.namespace", "Ray namespace (one cluster per namespace)"),
+    # vLLM's names (`vllm serve --help`), each on the key that does the same here.
+    Flag("--tensor-parallel-size", "prefill.tensor_parallel_size", "ranks (devices) per "
+         "engine, for every role (decode., colocated. too)", int, aliases=("-tp",),
+         per_role=True, metavar="N"),
+    Flag("--enable-prefix-caching", "engine.enable_prefix_caching", "reuse the KV of cached "
+         "prompt prefixes (--no-enable-prefix-caching: off)",
+         action=argparse.BooleanOptionalAction),
+    Flag("--kv-offloading-size", "engine.kv_offloading_size", "GiB of host memory per engine "
+         "for KV blocks evicted from the device", float, metavar="GIB"),
+    Flag("--enable-auto-tool-choice", "proxy.enable_auto_tool_choice", "tool_choice auto: "
+         "parse tool calls out of the model's text (with --tool-call-parser)",
+         action="store_true"),
+    Flag("--tool-call-parser", "proxy.tool_call_parser", "hermes, qwen, llama3_json or "
+         "mistral", metavar="NAME"),
+    Flag("--structured-outputs-config", "engine.structured_outputs", "JSON object, e.g. "
+         "'{\"backend\": \"xgrammar\", \"disable_any_whitespace\": true}'", _json_object,
+         metavar="JSON"),
+    Flag("--chat-template", "proxy.chat_template", "a Jinja chat template, or a file holding "
+         "one, used instead of the tokenizer's", metavar="TEMPLATE"),
+    Flag("--enforce-eager", "engine.compile", "no torch.compile and no CUDA graphs",
+         action="store_const", also=(("engine.cuda_graphs", False),)),
+    Flag("--shutdown-timeout", "proxy.shutdown_timeout", "s in-flight requests get to finish "
+         "on Ctrl-C, SIGTERM or `pd-cluster stop` (new ones get 503 meanwhile)", float,
+         metavar="S"),
+    Flag("--disable-log-stats", "proxy.log_stats_interval", "no periodic stats lines",
+         action="store_const"),
 )
+# store_const flags: the value each sets its key to.
+_CONST = {"--enforce-eager": False, "--disable-log-stats": 0.0}
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -76,10 +135,48 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    "instance that stops with this command)")
     p.add_argument("--no-progress", action="store_true", help="no per-engine progress lines")
     for f in FLAGS:
-        p.add_argument(f.flag, dest=_dest(f), type=f.type, default=None, choices=f.choices,
-                       nargs=f.nargs, help=f"{f.help} [{f.key}]",
+        _add_flag(p, f)
+    vllm_flags.add_ignored(p)
+    p.epilog = vllm_flags.epilog()
+    p.set_defaults(run=run_serve, on_extra_args=lambda extra: _unknown(p, extra))
+
+
+def _add_flag(p: argparse.ArgumentParser, f: Flag) -> None:
+    help_text = f"{f.help} [{f.key}]"
+    names = (f.flag, *f.aliases)
+    if f.action == "store_true":
+        p.add_argument(*names, dest=_dest(f), action="store_const", const=True, default=None,
+                       help=help_text)
+    elif f.action == "store_const":
+        p.add_argument(*names, dest=_dest(f), action="store_const", const=_CONST[f.flag],
+                       default=None, help=help_text)
+    elif f.action is not None:
+        p.add_argument(*names, dest=_dest(f), action=f.action, default=None, help=help_text)
+    else:
+        p.add_argument(*names, dest=_dest(f), type=f.type, default=None, choices=f.choices,
+                       nargs=f.nargs, help=help_text,
                        metavar=f.metavar or f.flag.lstrip("-").upper().replace("-", "_"))
-    p.set_defaults(run=run_serve)
+
+
+def _unknown(p: argparse.ArgumentParser, extra: list[str]) -> int:
+    """An argument `serve` does not take: its usage line and the nearest flag or key."""
+    from pd_cluster.serving.cluster.config_reference import all_keys
+    options = [o for a in p._actions for o in a.option_strings if o.startswith("--")]
+    flags = [a for a in extra if a.startswith("-")]
+    if not flags:
+        p.error(f"unrecognized arguments: {' '.join(extra)} (MODEL is given once)")
+    flag = flags[0].split("=", 1)[0]
+    p.error(f"unrecognized argument {flag}: {vllm_flags.nearest(flag, options, all_keys())}")
+    return 2  # p.error exits
+
+
+def flags_by_key() -> dict[str, list[str]]:
+    """YAML key -> the serve flags that set it (for the config reference)."""
+    out: dict[str, list[str]] = {}
+    for f in FLAGS:
+        for key in f.keys():
+            out.setdefault(key, []).append(f.flag)
+    return out
 
 
 def _dest(f: Flag) -> str:
@@ -94,19 +191,43 @@ def serve_config(args: argparse.Namespace) -> Any:
     overrides = parse_overrides(args.set)
     if args.model is not None:
         overrides["model"] = args.model
+    mode = overrides.get("mode") or args.opt_mode or _file_mode(args.config)
     for f in FLAGS:
         value = getattr(args, _dest(f))
-        if value is not None:
-            set_path(overrides, f.key, value)
+        if value is None:
+            continue
+        keys = ([f"{r}.{f.key.split('.', 1)[1]}" for r in _ROLES.get(mode, ())]
+                if f.per_role else [f.key])
+        for key in keys:
+            set_path(overrides, key, value)
+        for key, const in f.also:
+            set_path(overrides, key, const)
     if args.config:
         return load_config(args.config, overrides)
+    if mode == "colocated":  # no KV transfer to place
+        return parse_config({}, overrides)
     kv = overrides.setdefault("kv_transfer", {})
     if not any(kv.get(k) for k in ("host", "interface", "cidr")):
         kv["host"] = "127.0.0.1"  # one machine: the KV plane on loopback (README, "Security")
     return parse_config({}, overrides)
 
 
+def _file_mode(path: str | None) -> str:
+    """The mode a --config file sets (per-role flags need it before the merge)."""
+    if not path:
+        return "disaggregated"
+    import yaml
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return "disaggregated"  # load_config reports the file's problem
+    return (data or {}).get("mode", "disaggregated") if isinstance(data, dict) else "disaggregated"
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from pd_cluster.serving.cluster.cli_cluster import run_cluster
+    for note in vllm_flags.ignored_notes(getattr(args, "vllm_ignored", None)):
+        print(note, file=sys.stderr)
     return run_cluster(serve_config(args), args.address, detach=False,
                        progress=not args.no_progress)

@@ -1,7 +1,7 @@
 """What each engine stat is called on /metrics, and what it means, in one table.
 
 A stat that vLLM exports under its own name (running and waiting requests, KV cache usage,
-preemptions) is exported once, under that name (vllm_metrics.py), and is absent here; the rest
+preemptions, prefix-cache queries and hits) is exported once, under that name (vllm_metrics.py), and is absent here; the rest
 are P/D's own, ``pd_engine_<stat>{engine, role}``. Running totals are counters (``_total``),
 summed over engines by the reader (``sum(pd_engine_kv_bytes_sent_total)``), not by us.
 """
@@ -18,7 +18,8 @@ class EngineSeries:
 
 
 # Stats exported under vLLM's names instead (vllm_metrics.VLLMEngineCollector).
-AS_VLLM = {"num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "num_preemptions"}
+AS_VLLM = {"num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "num_preemptions",
+           "prefix_cache_queried_blocks", "prefix_cache_hit_blocks"}
 # Stats that are not numbers to plot (the ranks' pids, the CPU kernels' state in words: for
 # `pd-cluster status`).
 NOT_SERIES = {"tp_pids", "cpu_kernels"}
@@ -36,11 +37,6 @@ ENGINE_SERIES: dict[str, EngineSeries] = {
         "1 if the engine runs the C++ CPU kernels (paged attention, packed GEMM op); 0 if they "
         "are off (a GPU engine, PD_CLUSTER_CPU_KERNELS=0) or failed to build: then its "
         "attention is the slower torch reference (`pd-cluster status` says why)"),
-    "prefix_cache_queried_blocks": EngineSeries(
-        "Prompt KV blocks looked up in the engine's prefix cache", counter=True),
-    "prefix_cache_hit_blocks": EngineSeries(
-        "Prompt KV blocks found in the engine's prefix cache (hit rate: hit / queried)",
-        counter=True),
     "kv_fallbacks": EngineSeries(
         "Requests a decode engine prefilled itself because their KV did not arrive within "
         "kv_transfer.kv_transfer_timeout", counter=True),

@@ -30,11 +30,12 @@ _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016,
 
 
 class ProxyMetrics:
-    def __init__(self, engines_snapshot: Callable[[], list[Any]], model_name: str = ""):
+    def __init__(self, engines_snapshot: Callable[[], list[Any]], model_name: str = "",
+                 block_size: int = 16):
         self.registry = CollectorRegistry()
         r = self.registry
         self.vllm = VLLMRequestMetrics(r, model_name)
-        r.register(VLLMEngineCollector(engines_snapshot, model_name))
+        r.register(VLLMEngineCollector(engines_snapshot, model_name, block_size))
         self.requests = Counter(
             "pd_requests", "Requests the proxy finished, by outcome (success, client_error, "
             "error, rejected, aborted)", ["outcome"], registry=r)
@@ -42,10 +43,7 @@ class ProxyMetrics:
                               "in its queue included", registry=r)
         self.queued = Gauge("pd_requests_queued", "Requests waiting in the proxy's queue now "
                             "for an in-flight slot (proxy.max_inflight)", registry=r)
-        self.queue_time = Histogram(
-            "pd_request_queue_time_seconds", "Seconds a request waited in the proxy's queue "
-            "for an in-flight slot (part of its time to first token)",
-            buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = self.vllm.queue  # vllm:request_queue_time_seconds
         self.proxy_overhead = Histogram(
             "pd_proxy_overhead_seconds", "Seconds from an engine producing an output to the "
             "proxy forwarding it to the client", buckets=_OVERHEAD_BUCKETS, registry=r)

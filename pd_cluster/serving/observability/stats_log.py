@@ -1,5 +1,7 @@
 """A periodic one-line summary per engine in the proxy's log, like vLLM's engine stats line:
-queue depths, KV cache usage, prefix-cache hit rate and KV transfer and token rates."""
+queue depths, KV cache usage, prefix-cache hit rate and KV transfer and token rates. Only
+while there is work: an engine with nothing running or waiting and no tokens or KV moved since
+its last line (or an unhealthy one: always said) is left out, so an idle server's log is quiet."""
 from __future__ import annotations
 
 import logging
@@ -24,8 +26,19 @@ class StatsLog:
             return
         dt, self._last_time = now - self._last_time, now
         for e in engines:
-            logger.info("%s", self.line(e, dt))
+            if self.busy(e):
+                logger.info("%s", self.line(e, dt))
             self._last[e.name] = dict(e.stats)
+
+    def busy(self, e: Any) -> bool:
+        """Work to report: requests in the engine, or tokens or KV moved since its last line."""
+        s, before = e.stats, self._last.get(e.name)
+        if not e.healthy or s.get("num_running") or s.get("num_waiting") or s.get(
+                "num_waiting_for_remote_kv"):
+            return True
+        moved = [k for k, _, _ in _RATES] + ["prefix_cache_queried_blocks"]
+        return before is None and any(s.get(k) for k in moved) or before is not None and any(
+            s.get(k, 0) != before.get(k, 0) for k in moved)
 
     def line(self, e: Any, dt: float) -> str:
         s, before = e.stats, self._last.get(e.name, {})

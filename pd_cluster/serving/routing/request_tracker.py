@@ -11,7 +11,8 @@ from pd_cluster.serving.routing.admission import Admission
 
 access_log = logging.getLogger("pd_cluster.access")
 
-_STATUS = {"success": 200, "client_error": 400, "rejected": 429, "aborted": 499, "error": 500}
+_STATUS = {"success": 200, "client_error": 400, "rejected": 429, "aborted": 499, "error": 500,
+           "shutdown": 503}
 
 
 class RequestTracker:
@@ -63,6 +64,13 @@ class RequestTracker:
             self._admission.leave(latency - self.queue_time)
         if outcome == "success":
             self.m.vllm.e2e.observe(latency)
+            first = self.jobs[0] if self.jobs else None
+            # n: the choices of one prompt (choice_jobs shares its token list between them)
+            n = sum(1 for j in self.jobs if j.prompt_token_ids is first.prompt_token_ids) \
+                if first is not None else 1
+            self.m.vllm.finished(self.queue_time, self.ttft, latency, self.n_prompt,
+                                 self.n_output, n,
+                                 first.params.max_tokens if first is not None else None)
             self.m.vllm.success.labels(self.m.vllm.model_name, self.finish_reason or "stop").inc()
         ttft = f"{self.ttft * 1e3:.1f}ms" if self.ttft is not None else "-"
         route = ",".join(job.route for job in self.jobs if job.route) or "-"
