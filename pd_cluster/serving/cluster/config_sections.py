@@ -121,6 +121,11 @@ class ProxyConfig(ConfigSection):
     # qwen, llama3_json, mistral), as vLLM's --enable-auto-tool-choice --tool-call-parser.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # the parser for tool_choice "auto" (see above)
+    # Output constraints (json schemas, regex, grammars, tools) are compiled once by the
+    # proxy before any engine sees them, on threads off the event loop: a larger one (bytes)
+    # is a 400 unread; one not compiled within the timeout (s) a 400 naming its field.
+    grammar_max_bytes: int = Field(256 << 10, ge=1)
+    grammar_check_timeout: float = Field(5.0, gt=0)
     log_stats_interval: float = 10.0  # s between per-engine stats lines in the log (0: off)
     # API keys (README, "Security"): one key or a list. With any key set (here or through
     # api_key_env), every route but /health and open_routes needs `Authorization: Bearer KEY`.
