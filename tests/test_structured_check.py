@@ -11,8 +11,7 @@ from typing import Any
 import httpx
 
 from pd_cluster.serving.api import grammar_check
-from pd_cluster.serving.api.app import create_app
-from pd_cluster.serving.cluster.cluster_config import parse_config
+from tests.test_api_limits import _proxy, _serve  # a proxy over a fake engine, served in-process
 from tests.token_path_fakes import FakeEngineActor
 
 # xgrammar takes seconds on this nested repeat (a 50-byte spec); 0.3 s is its time limit here
@@ -20,26 +19,8 @@ SLOW = {"type": "object", "properties": {"s": {"type": "string",
                                                "pattern": "(a{1,200}){1,200}"}}}
 
 
-def _proxy(**proxy: Any) -> tuple[Any, Any, FakeEngineActor]:
-    cfg = parse_config({"mode": "colocated", "colocated": {"replicas": 1},
-                        "proxy": {"port": 0, **proxy}})
-    engine = FakeEngineActor()
-    return cfg, create_app(cfg, [(engine.name, engine.role, engine.handle)]), engine
-
-
 def _run(app: Any, engine: FakeEngineActor, go: Any) -> None:
-    async def main() -> None:
-        state = app.state.proxy
-        await state.pool.start()
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                         base_url="http://proxy", timeout=60) as http:
-                await go(http)
-        finally:
-            await state.pool.close()
-            state.close()
-            engine.stop()
-    asyncio.run(main())
+    asyncio.run(_serve(app, engine, go))
 
 
 def _body(cfg: Any, **kw: Any) -> dict[str, Any]:
