@@ -36,6 +36,10 @@ class StructuredOutputsConfig(BaseModel):
     backend: str = "auto"  # auto | xgrammar (the one measured fastest here; see README)
     # JSON output with no whitespace between tokens unless a request says otherwise.
     disable_any_whitespace: bool = False
+    # At most this many whitespace characters between two JSON tokens (json schemas and
+    # json_object; null: unbounded). Pretty-printing fits; a small model that prefers "\n"
+    # cannot pad until max_tokens (measured on tiny-llama: pure whitespace, unbounded).
+    max_whitespace_cnt: int | None = 8
     compile_threads: int = 1  # grammars compile on these threads, never on the step's
 
     @field_validator("backend")
@@ -50,6 +54,14 @@ class StructuredOutputsConfig(BaseModel):
     def _threads(cls, value: int) -> int:
         if value < 1:
             raise ValueError(f"must be >= 1, got {value}")
+        return value
+
+    @field_validator("max_whitespace_cnt")
+    @classmethod
+    def _whitespace(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"must be >= 1 or null (for none at all: disable_any_whitespace), "
+                             f"got {value}")
         return value
 
 

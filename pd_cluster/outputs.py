@@ -15,6 +15,7 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[dict[int, float] | None] | None = None  # when logprobs were asked
+    error: str | None = None  # why the engine ended the request (finish_reason "abort")
 
 
 @dataclass

@@ -122,3 +122,75 @@ def test_masks_on_cuda_logits_equal_the_cpu_masks(llm) -> None:
     on_cpu = apply_grammar_masks(logits.clone(), reqs)
     assert torch.equal(on_gpu, on_cpu) and torch.equal(on_cpu[1], logits[1])
     assert torch.isinf(on_cpu[0]).any() and torch.isinf(on_cpu[2]).any()
+
+
+def _run_to_end(llm: LLM, rid: str, params: SamplingParams):
+    llm.engine.add_request(rid, llm.get_tokenizer().encode("Once upon a time"), params)
+    for _ in range(1000):
+        for out in llm.engine.step():
+            if out.request_id == rid and out.finished:
+                return out
+    raise AssertionError("request did not finish")
+
+
+@pytest.mark.parametrize("how", ["raises", "refuses"])
+def test_a_grammar_that_breaks_ends_the_request_with_an_error(llm, monkeypatch, how) -> None:
+    """The third token's accept fails: the request ends there (that token never emitted),
+    with an error that says so, counted; never goes on unconstrained."""
+    from pd_cluster.driver.engine_loop import EngineLoop
+    from pd_cluster.driver.messages import ERROR_INVALID_REQUEST
+    whole = _run_to_end(llm, "unbroken", _params(None)).outputs[0]
+    backend, real = llm.engine.grammars.backend, llm.engine.grammars.backend.accepts
+    calls = []
+
+    def accepts(matcher, token):
+        calls.append(token)
+        if len(calls) == 3:
+            if how == "raises":
+                raise RuntimeError("matcher died")
+            return False
+        return real(matcher, token)
+
+    monkeypatch.setattr(backend, "accepts", accepts)
+    before = llm.engine.stats()["grammar_failures"]
+    out = _run_to_end(llm, "broken", _params(None))
+    comp = out.outputs[0]
+    assert comp.finish_reason == "abort"
+    assert comp.token_ids == list(whole.token_ids[:2])  # the refused 3rd token was dropped
+    assert "grammar broke at output token #2" in comp.error
+    assert ("matcher died" if how == "raises" else "is not in the grammar") in comp.error
+    assert llm.engine.stats()["grammar_failures"] == before + 1
+    sent = []  # what the served engine sends the proxy: an error it does not retry
+    loop = EngineLoop(llm.engine, sent.extend)
+    loop._active["broken"] = 0
+    loop._emit_outputs([out])
+    assert sent[0].finished and sent[0].error == comp.error
+    assert sent[0].error_type == ERROR_INVALID_REQUEST
+    llm.engine.check_no_leaks()
+
+
+def test_a_mask_that_fails_ends_only_its_request(llm, monkeypatch) -> None:
+    backend = llm.engine.grammars.backend
+    real = backend.fill_bitmask
+    ids = llm.get_tokenizer().encode("Once upon a time")
+    llm.engine.add_request("bad", ids, _params(None))
+    llm.engine.add_request("good", ids, _params(3))
+    held = {r.request_id: r for r in llm.engine.scheduler.requests.values()}
+
+    def fill(matchers, bitmask, rows):
+        if held["bad"].grammar._matcher in matchers:
+            raise RuntimeError("fill failed")
+        real(matchers, bitmask, rows)
+
+    monkeypatch.setattr(backend, "fill_bitmask", fill)
+    done = {}
+    for _ in range(1000):
+        done.update({o.request_id: o.outputs[0] for o in llm.engine.step() if o.finished})
+        if len(done) == 2:
+            break
+    assert done["bad"].finish_reason == "abort" and "fill failed" in done["bad"].error
+    assert done["bad"].token_ids == []  # its first token was sampled without a mask
+    assert done["good"].finish_reason == "stop" and done["good"].error is None
+    jsonschema.validate(json.loads(llm.get_tokenizer().decode(done["good"].token_ids[:-1])),
+                        SCHEMA)
+    llm.engine.check_no_leaks()

@@ -160,3 +160,87 @@ def test_config_names_a_known_parser() -> None:
     assert ProxyConfig(tool_call_parser="llama3_json").tool_call_parser == "llama3_json"
     with pytest.raises(ValueError, match="tool_call_parser"):
         ProxyConfig(tool_call_parser="nope")
+
+
+def _old_start(parser, text: str) -> tuple[bool, int]:
+    """The streaming rule before the scanners (the whole text rescanned on every chunk):
+    (calls began, characters of ``text`` that may be sent as content)."""
+    if name_of(parser) == "llama3_json":
+        stripped = text.lstrip()
+        if stripped.startswith("<|python_tag|>") or stripped.startswith("{"):
+            return True, len(text) - len(stripped)
+        stripped = text.strip()
+        return False, 0 if not stripped or "<|python_tag|>".startswith(stripped) else len(text)
+    at = text.find(parser.start)
+    if at >= 0:
+        return True, at
+    hold = next((k for k in range(min(len(parser.start), len(text)), 0, -1)
+                 if parser.start.startswith(text[-k:])), 0)
+    return False, len(text) - hold
+
+
+def name_of(parser) -> str:
+    return next(n for n, cls in PARSERS.items() if isinstance(parser, cls) and n != "qwen")
+
+
+def _old_content(parser, pieces: list[str]) -> list[str]:
+    text, sent, in_calls, out = "", 0, False, []
+    for piece in pieces:
+        text += piece
+        got = ""
+        if not in_calls:
+            in_calls, end = _old_start(parser, text)
+            if end > sent:
+                got, sent = text[sent:end], end
+        out.append(got)
+    return out
+
+
+STREAMS = [
+    ("hermes", 'Sure.<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'),
+    ("hermes", "a <tool but <tool_ca no <<tool_call call"),
+    ("hermes", "<<<tool_call>{\"name\": \"g\", \"arguments\": {}}</tool_call>"),
+    ("llama3_json", '  {"name": "f", "parameters": {"a": 1}}'),
+    ("llama3_json", ' \n <|python_tag|>{"name": "f", "parameters": {}}'),
+    ("llama3_json", "<|pyth   \n  on"),
+    ("llama3_json", "<|pyth  x"),
+    ("llama3_json", "   Hello {there} <|python_tag|>"),
+    ("llama3_json", "   "),
+    ("mistral", 'ok [TOOL_CALLS]f[ARGS]{"a": 2}[TOOL_CALLS]g[ARGS]{}'),
+    ("mistral", "[TOOL_ [TOOL_CALL no calls [TOOL"),
+]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 100])
+@pytest.mark.parametrize("name,text", STREAMS)
+def test_scanner_sends_what_the_rescan_sent(name, text, size) -> None:
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    start = PARSERS[name]().scanner()
+    assert [start.feed(p) for p in pieces] == _old_content(PARSERS[name](), pieces)
+    plan = tool_plan(TOOLS, "auto", None, True, name)
+    fmt = ToolChatFormatter(plan, "id", "m", False)
+    content = []
+    for i, piece in enumerate(pieces):
+        chunk = fmt.chunk(piece, [], "stop" if i == len(pieces) - 1 else None)
+        delta = chunk["choices"][0]["delta"] if chunk else {}
+        content.append(delta.get("content") or "")
+    old = _old_content(PARSERS[name](), pieces)
+    body = ToolChatFormatter(plan, "id", "m", False).full([Result([1], text, [], "stop")])
+    if not body["choices"][0]["message"]["tool_calls"]:  # the rest goes out at the end
+        old[-1] += text[sum(map(len, old)):]
+    assert content == old
+
+
+@pytest.mark.parametrize("name,text", [
+    ("hermes", "<tool_ca" * 2500), ("hermes", "plain words, " * 1500),
+    ("llama3_json", "Hello, " * 3000), ("mistral", "[TOOL_CALL" * 2000),
+])
+def test_streaming_work_grows_linearly(name, text) -> None:
+    # One character per chunk: a rescan of the whole text per chunk would look at n^2 / 2
+    # characters (~5e7 here); the scanners look at each one at most len(marker) times.
+    plan = tool_plan(TOOLS, "auto", None, True, name)
+    fmt = ToolChatFormatter(plan, "id", "m", False)
+    for i, ch in enumerate(text):
+        fmt.chunk(ch, [], "stop" if i == len(text) - 1 else None)
+    scanned = fmt._streams[0].start.scanned
+    assert len(text) <= scanned <= len(text) * len(PARSERS[name]().start or "x") * 2

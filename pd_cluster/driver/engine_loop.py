@@ -209,7 +209,9 @@ class EngineLoop:
                 rid, seq, comp.delta_token_ids, comp.delta_text, out.finished,
                 comp.finish_reason, comp.stop_reason, len(out.prompt_token_ids),
                 out.num_cached_tokens, now, logprobs=comp.delta_logprobs,
-                prompt_logprobs=out.prompt_logprobs))
+                prompt_logprobs=out.prompt_logprobs, error=comp.error,
+                # (the engine's only ended requests: a grammar that failed; not retried)
+                error_type=ERROR_INVALID_REQUEST if comp.error else None))
         self._emit(deltas)
 
     def _refresh_snapshot(self) -> None:

@@ -18,6 +18,7 @@ from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.scheduler import Scheduler
 from pd_cluster.engine.stop_checker import eos_ids
 from pd_cluster.engine.structured.compiler import GrammarCompilerPool
+from pd_cluster.engine.structured.masks import split_broken
 from pd_cluster.engine.structured.waitlist import GrammarWaitlist
 from pd_cluster.models.generation_config import read_eos_token_ids
 from pd_cluster.outputs import RequestOutput
@@ -55,6 +56,7 @@ class LLMEngine:
         self.grammars = GrammarCompilerPool(config.structured_outputs, self.tokenizer,
                                             self.vocab_size, list(eos_ids(self.eos_token_id)))
         self.compiling = GrammarWaitlist()  # requests waiting for their grammar
+        self.num_grammar_failures = 0  # requests ended: grammar did not compile, or broke
 
     def _tier_manager(self) -> TierManager | None:
         store = self.runner.tier_store
@@ -180,6 +182,8 @@ class LLMEngine:
             time.sleep(0.001)
         result = self.executor.execute(sched_out)
         updated = self.scheduler.update_from_output(sched_out, result)
+        updated, broken = split_broken(updated)
+        failed += self._end_broken_grammars(broken)
         outputs, to_finish = self.outputs.process(updated)
         for request, status in to_finish:
             self.scheduler.finish(request, status)
@@ -197,7 +201,23 @@ class LLMEngine:
         for request in failed:
             request.status = RequestStatus.FINISHED_ABORTED
             request.finish_reason = request.status.value
-        return [self.outputs.finished_output(r) for r in failed]
+        return [self._ended_by_grammar(r, f"structured_outputs: {r.grammar.error()}")
+                for r in failed]
+
+    def _end_broken_grammars(self, broken: list[Request]) -> list[RequestOutput]:
+        """End requests whose grammar broke this step (request_grammar.py): the token sampled
+        without a working grammar is dropped, never emitted; the error says why."""
+        for request in broken:
+            request.output_token_ids.pop()
+            request.output_logprobs.pop()
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        return [self._ended_by_grammar(r, r.grammar.failure) for r in broken]
+
+    def _ended_by_grammar(self, request: Request, error: str) -> RequestOutput:
+        self.num_grammar_failures += 1
+        out = self.outputs.finished_output(request)
+        out.outputs[0].error = error
+        return out
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -210,6 +230,7 @@ class LLMEngine:
                 "prefix_cache_queried_blocks": bm.stats.queried_blocks,
                 "prefix_cache_hit_blocks": bm.stats.hit_blocks,
                 "num_preemptions": self.scheduler.num_preemptions,
+                "grammar_failures": self.num_grammar_failures,
                 "kv_fallbacks": self.scheduler.num_kv_fallbacks,
                 **self._tier_stats(),
                 **kernel_stats(),  # C++ CPU kernels: ok / failed: why / off

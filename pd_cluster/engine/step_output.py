@@ -7,7 +7,7 @@ from pd_cluster.engine.penalties import apply_penalties
 from pd_cluster.engine.sampler import Sampler, apply_min_tokens_mask, token_logprobs
 from pd_cluster.engine.scheduler import ModelRunnerOutput
 from pd_cluster.engine.step_input import StepPlan
-from pd_cluster.engine.structured.masks import apply_grammar_masks
+from pd_cluster.engine.structured.masks import apply_grammar_masks, follow_sampled
 
 
 def sample_step(plan: StepPlan, logits: list[torch.Tensor], sampler: Sampler,
@@ -30,6 +30,8 @@ def sample_step(plan: StepPlan, logits: list[torch.Tensor], sampler: Sampler,
         rows = apply_grammar_masks(rows, reqs)
     sampled = sampler.sample(rows, [r.sampling_params for r in reqs],
                              [r.generator_for_next_token(rows.device) for r in reqs])
+    if any(r.grammar is not None for r in reqs):
+        follow_sampled(reqs, sampled.token_ids)
     for req, token, logprobs in zip(reqs, sampled.token_ids, sampled.logprobs):
         result.sampled_token_ids[req.request_id] = token
         result.logprobs[req.request_id] = logprobs

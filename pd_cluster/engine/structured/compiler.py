@@ -35,7 +35,8 @@ class GrammarCompilerPool:
             if self._backend is None:
                 from pd_cluster.engine.structured.xgrammar_backend import XGrammarBackend
                 self._backend = XGrammarBackend(self._tokenizer, self._vocab_size, self._stop,
-                                                self.config.compile_threads)
+                                                self.config.compile_threads,
+                                                self.config.max_whitespace_cnt)
             return self._backend
 
     def start(self, params: StructuredOutputsParams) -> RequestGrammar:

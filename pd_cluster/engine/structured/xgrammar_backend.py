@@ -52,22 +52,26 @@ class XGrammarBackend:
     """Compiles specs for one tokenizer (thread safe: xgrammar's compiler caches and locks)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
-                 threads: int) -> None:
+                 threads: int, max_whitespace_cnt: int | None = None) -> None:
         import xgrammar as xgr
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=stop_token_ids or None)
         self.vocab_size = vocab_size
+        self._max_whitespace = max_whitespace_cnt
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
 
     def compile(self, params: StructuredOutputsParams, no_whitespace: bool) -> Any:
         c, kind, spec = self._compiler, params.kind, params.spec()
+        # The whitespace between JSON tokens: none, or at most the cap (per gap)
+        ws: dict[str, Any] = ({"any_whitespace": False} if no_whitespace else
+                              {"any_whitespace": True, "max_whitespace_cnt": self._max_whitespace})
         try:
             if kind == "json":
-                return c.compile_json_schema(_json_schema(spec), any_whitespace=not no_whitespace)
+                return c.compile_json_schema(_json_schema(spec), **ws)
             if kind == "json_object":  # an object, as OpenAI's json_object promises
-                return c.compile_json_schema(_ANY_OBJECT, any_whitespace=not no_whitespace)
+                return c.compile_json_schema(_ANY_OBJECT, **ws)
             if kind == "regex":
                 return c.compile_regex(spec)
             if kind == "choice":

@@ -150,6 +150,7 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool,
             await watch.guard(tracker.admit(adm, deadline))
         # Admitted: tokenizing is the request's work, off the event loop (proxy_state.py).
         prompts, texts = await watch.guard(state.tokenize(req))
+        await watch.guard(state.grammar_check.check(req))  # off the loop, bounded
         tracker.count_prompt(sum(len(ids) for ids in prompts))
         fmt, jobs, events = _plan(state, req, chat, rid, prompts, texts, deadline, resp_req)
         tracker.jobs = jobs

@@ -18,7 +18,7 @@ from pd_cluster.chat import check_content_parts
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.api.errors import APIError, invalid_request
 from pd_cluster.serving.api.unknown_fields import UnknownFields
-from pd_cluster.serving.api.structured import checked, request_params
+from pd_cluster.serving.api.structured import request_params
 from pd_cluster.serving.api.tools import ToolPlan
 from pd_cluster.structured_outputs import StructuredOutputsParams
 
@@ -190,7 +190,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise invalid_request("tool_choice: required or a named function cannot be "
                                   "combined with response_format or structured_outputs",
                                   "tool_choice")
-        return checked(tools, "tools")
+        return tools  # compiled by the proxy's grammar check (grammar_check.py)
 
 
 def parse_request(model: type[_SamplingFields], raw: bytes, unknown: UnknownFields) -> Any:

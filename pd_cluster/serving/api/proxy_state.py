@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pd_cluster.serving.api.errors import invalid_request
+from pd_cluster.serving.api.grammar_check import GrammarCheck
 from pd_cluster.serving.api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from pd_cluster.serving.api.tools import template_messages
 from pd_cluster.serving.api.unknown_fields import UnknownFields
@@ -51,9 +52,13 @@ class ProxyState:
         # Tokenizing (chat templates included) runs off the event loop, one request at a
         # time, and only for requests admitted (app.py): the 429 bound covers it too.
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="proxy-tokenize")
+        # Output constraints compile on their own threads, bounded in size and time (app.py)
+        self.grammar_check = GrammarCheck(cfg.proxy.grammar_max_bytes,
+                                          cfg.proxy.grammar_check_timeout)
 
     def close(self) -> None:
         self.tokenizing.shutdown(wait=False, cancel_futures=True)
+        self.grammar_check.close()
 
     # ---- prompt handling -----------------------------------------------------------------
     async def tokenize(self, req: CompletionRequest | ChatCompletionRequest

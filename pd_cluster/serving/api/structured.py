@@ -1,11 +1,10 @@
 """The request fields that constrain the output, mapped to StructuredOutputsParams:
 OpenAI's ``response_format`` (json_object, json_schema) and vLLM's ``structured_outputs``
-(json, regex, choice, grammar, json_object, disable_any_whitespace). A spec that does not
-compile is a 400 naming the field (checked here without a tokenizer; the engines compile)."""
+(json, regex, choice, grammar, json_object, disable_any_whitespace). Whether a spec compiles
+is checked by grammar_check.py (off the event loop, bounded), not here."""
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -31,10 +30,10 @@ class StructuredOutputsField(BaseModel):
 
     def params(self) -> StructuredOutputsParams:
         schema = self.json_
-        return checked(StructuredOutputsParams(
+        return StructuredOutputsParams(
             json=json.dumps(schema) if isinstance(schema, dict) else schema, regex=self.regex,
             choice=self.choice, grammar=self.grammar, json_object=bool(self.json_object),
-            disable_any_whitespace=self.disable_any_whitespace), "structured_outputs")
+            disable_any_whitespace=self.disable_any_whitespace)
 
 
 def response_format_params(fmt: dict[str, Any] | None, field: str = "response_format"
@@ -55,7 +54,7 @@ def response_format_params(fmt: dict[str, Any] | None, field: str = "response_fo
         raise invalid_request(f"{field}.json_schema: must be an object with a 'schema' object",
                               field)
     schema = spec.get("schema", {"type": "object"})  # OpenAI: schema is optional
-    return checked(StructuredOutputsParams(json=json.dumps(schema)), field)
+    return StructuredOutputsParams(json=json.dumps(schema))
 
 
 def request_params(structured: dict[str, Any] | None, response_format: dict[str, Any] | None
@@ -77,21 +76,19 @@ def request_params(structured: dict[str, Any] | None, response_format: dict[str,
         raise invalid_request(str(e), "structured_outputs") from None
 
 
-def checked(params: StructuredOutputsParams, field: str) -> StructuredOutputsParams:
-    """``params`` if they compile, else a 400 naming ``field``."""
+def spec_bytes(params: StructuredOutputsParams) -> int:
+    """The size of the constraint's text (what a compile's cost grows with)."""
+    spec = params.spec()
+    if isinstance(spec, list):
+        return sum(len(c.encode()) for c in spec)
+    return len(spec.encode()) if isinstance(spec, str) else 0
+
+
+def check_compiles(params: StructuredOutputsParams, field: str) -> None:
+    """A 400 naming ``field`` unless ``params`` compile (slow for some specs: call it off the
+    event loop, grammar_check.py)."""
+    from pd_cluster.engine.structured.xgrammar_backend import check_spec
     try:
-        _check(params.kind, _hashable(params.spec()), bool(params.disable_any_whitespace))
+        check_spec(params, bool(params.disable_any_whitespace))
     except ValueError as e:
         raise invalid_request(f"{field}: {params.kind} does not compile: {e}", field) from None
-    return params
-
-
-def _hashable(spec: Any) -> Any:
-    return tuple(spec) if isinstance(spec, list) else spec
-
-
-@lru_cache(maxsize=256)  # clients repeat their schemas: check each once
-def _check(kind: str, spec: Any, no_whitespace: bool) -> None:
-    from pd_cluster.engine.structured.xgrammar_backend import check_spec
-    value = list(spec) if isinstance(spec, tuple) else spec
-    check_spec(StructuredOutputsParams(**{kind: value}), no_whitespace)

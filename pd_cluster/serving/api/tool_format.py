@@ -4,18 +4,21 @@ to the non-streamed call (a named call streams its arguments as they come; other
 out whole once parsed, content before them streams as it comes)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pd_cluster.serving.api.openai_format import ChatFormatter, Result
+from pd_cluster.serving.api.tool_parsers import CallStart
 from pd_cluster.serving.api.tools import ToolPlan, call_id, tool_call_json
 
 
 @dataclass
 class _Stream:
-    text: str = ""  # the whole output so far
+    # The output so far, as it came (joined once, at the end: ``+=`` on a long text copies
+    # it on every chunk).
+    parts: list[str] = field(default_factory=list)
     sent: int = 0  # characters of it sent as content
-    in_calls: bool = False
+    start: CallStart | None = None  # auto: where the calls begin, found piece by piece
     named_id: str | None = None
 
 
@@ -45,11 +48,10 @@ class ToolChatFormatter(ChatFormatter):
     def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
               index: int = 0, logprobs: Any = None,
               prompt_logprobs: Any = None) -> dict[str, Any] | None:
-        s = self._streams.setdefault(index, _Stream())
-        s.text += text
         plan = self.plan
         if plan.mode == "none":
             return super().chunk(text, token_ids, finish_reason, index, logprobs)
+        s = self._streams.setdefault(index, _Stream())
         delta: dict[str, Any] = {}
         reason = finish_reason
         if plan.mode == "named":
@@ -61,19 +63,21 @@ class ToolChatFormatter(ChatFormatter):
                 delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
             reason = self._reason(finish_reason, [plan.named])
         else:
-            if plan.mode == "auto" and not s.in_calls:
-                begin = plan.parser.calls_begin(s.text)
-                s.in_calls = begin >= 0
-                end = begin if s.in_calls else len(s.text) - plan.parser.holdback(s.text)
-                if end > s.sent:
-                    delta["content"] = s.text[s.sent:end]
-                    s.sent = end
+            s.parts.append(text)
+            if plan.mode == "auto":
+                if s.start is None:
+                    s.start = plan.parser.scanner()
+                content = s.start.feed(text)
+                if content:
+                    delta["content"] = content
+                    s.sent += len(content)
             if finish_reason is not None:
-                content, calls = plan.calls(s.text)
+                whole = "".join(s.parts)
+                _, calls = plan.calls(whole)
                 if calls:
                     delta["tool_calls"] = [tool_call_json(c, i) for i, c in enumerate(calls)]
-                elif len(s.text) > s.sent:  # no calls after all: the rest is content
-                    delta["content"] = delta.get("content", "") + s.text[s.sent:]
+                elif len(whole) > s.sent:  # no calls after all: the rest is content
+                    delta["content"] = delta.get("content", "") + whole[s.sent:]
                 reason = self._reason(finish_reason, calls)
         if not delta and reason is None and not (self.return_token_ids or token_ids):
             return None

@@ -43,14 +43,48 @@ class ToolParser:
         """(content, calls); no calls (and the whole text as content) if none parse."""
         raise NotImplementedError
 
-    def calls_begin(self, text: str) -> int:
-        """Where the calls begin in ``text`` (-1: not yet)."""
-        return text.find(self.start) if self.start else -1
+    def scanner(self) -> "CallStart":
+        """A streamed output's watch for where its calls begin."""
+        return MarkerStart(self.start)
 
-    def holdback(self, text: str) -> int:
-        """Characters at the end of ``text`` that may still begin a call (not sent yet)."""
-        return next((k for k in range(min(len(self.start), len(text)), 0, -1)
-                     if self.start.startswith(text[-k:])), 0)
+
+class CallStart:
+    """Where a streamed output's calls begin, found piece by piece: ``feed`` looks at the new
+    piece and a tail of bounded length, so a stream costs its length, not its length squared
+    (the text is never rescanned from the start)."""
+
+    def __init__(self) -> None:
+        self.in_calls = False
+        self.scanned = 0  # characters looked at, in all (the work a test can measure)
+
+    def feed(self, piece: str) -> str:
+        """The content that can be sent now: text before the calls, never a possible
+        beginning of them (held back until a later piece decides)."""
+        raise NotImplementedError
+
+
+class MarkerStart(CallStart):
+    """Calls begin at a marker anywhere in the text (``<tool_call>``, ``[TOOL_CALLS]``)."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
+        self._held = ""  # a suffix that may begin the marker (shorter than it)
+
+    def feed(self, piece: str) -> str:
+        if self.in_calls:
+            return ""
+        # A marker across pieces begins inside the held suffix, never before it.
+        window = self._held + piece
+        self.scanned += len(window)
+        at = window.find(self.marker) if self.marker else -1
+        if at >= 0:
+            self.in_calls, self._held = True, ""
+            return window[:at]
+        keep = next((k for k in range(min(len(self.marker), len(window)), 0, -1)
+                     if self.marker.startswith(window[-k:])), 0)
+        self._held = window[len(window) - keep:]
+        return window[:len(window) - keep]
 
 
 class HermesParser(ToolParser):
@@ -74,15 +108,8 @@ class Llama3JsonParser(ToolParser):
     start = "{"
     _TAG = "<|python_tag|>"
 
-    def calls_begin(self, text: str) -> int:
-        stripped = text.lstrip()
-        if stripped.startswith(self._TAG) or stripped.startswith("{"):
-            return len(text) - len(stripped)
-        return -1
-
-    def holdback(self, text: str) -> int:
-        stripped = text.strip()  # calls come only at the very start
-        return len(text) if not stripped or self._TAG.startswith(stripped) else 0
+    def scanner(self) -> CallStart:
+        return LeadingStart(self._TAG)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip().removeprefix(self._TAG).strip()
@@ -123,6 +150,52 @@ class MistralParser(ToolParser):
         if not calls or None in calls:
             return text, []
         return (text[:at] if text[:at].strip() else None), calls  # type: ignore[return-value]
+
+
+class LeadingStart(CallStart):
+    """Llama 3's calls come first: after leading whitespace, ``{`` or the python tag begins
+    them; any other first word (or a tag cut short) makes the whole output content."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+        self.free = False  # decided: no calls; every piece is content as it comes
+        self._lead: list[str] = []  # leading whitespace (held)
+        self._head = ""  # the text after it while a prefix of the tag (held)
+        self._trail: list[str] = []  # whitespace after that head (held)
+
+    def _held(self) -> str:
+        return "".join(self._lead) + self._head + "".join(self._trail)
+
+    def feed(self, piece: str) -> str:
+        self.scanned += len(piece)
+        if self.free or self.in_calls:
+            return piece if self.free else ""
+        if not self._head:
+            rest = piece.lstrip()
+            self._lead.append(piece[:len(piece) - len(rest)])
+            if not rest:
+                return ""
+            piece = rest
+        elif self._trail or not piece.strip():
+            if not piece.strip():  # a tag prefix then whitespace: still undecided
+                self._trail.append(piece)
+                return ""
+            # whitespace inside the head: not the tag
+            self.free = True
+            return self._held() + piece
+        core = self._head + piece  # the head is shorter than the tag: a bounded rescan
+        self.scanned += len(self._head)
+        if core.startswith("{") or core.startswith(self.tag):
+            self.in_calls = True
+            return "".join(self._lead)
+        head = core.rstrip()
+        if self.tag.startswith(head):
+            self._head, self._trail = head, [core[len(head):]] if len(core) > len(head) else []
+            return ""
+        self.free = True
+        lead, self._lead, self._head = "".join(self._lead), [], ""
+        return lead + core
 
 
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "qwen": HermesParser,

@@ -143,6 +143,13 @@ class ProxyConfig(ConfigSection):
     # On SIGINT/SIGTERM or `pd-cluster stop`: new requests get 503 (Retry-After), requests
     # in flight get this many seconds to finish, then end with "server shutting down".
     shutdown_timeout: float = Field(30.0, ge=0)
+    # Output constraints (json schemas, regex, grammars, tools) are compiled once by the
+    # proxy before any engine sees them, on threads off the event loop: a larger one (bytes
+    # of its text) is a 400, not compiled.
+    grammar_max_bytes: int = Field(256 << 10, ge=1)
+    # A constraint not compiled within this many seconds is a 400 naming its field (other
+    # streams go on meanwhile); the answer is remembered for the same spec.
+    grammar_check_timeout: float = Field(5.0, gt=0)
     log_stats_interval: float = 10.0  # s between per-engine stats lines in the log (0: off)
     # API keys (README, "Security"): one key or a list. With any key set (here or through
     # api_key_env), every route but /health and open_routes needs `Authorization: Bearer KEY`.
