@@ -40,6 +40,8 @@ def _config(*flags: str) -> Any:
     (["--enforce-eager"], "engine.compile", False),
     (["--enforce-eager"], "engine.cuda_graphs", False),
     (["--disable-log-stats"], "proxy.log_stats_interval", 0.0),
+    (["--slo-tpot-ms", "20"], "proxy.slo.tpot_ms", 20.0),
+    (["--slo-ttft-ms", "1500"], "proxy.slo.ttft_ms", 1500.0),
 ])
 def test_vllm_flag_sets_its_key(flags: list[str], path: str, expected: Any) -> None:
     node: Any = _config(*flags).to_dict()

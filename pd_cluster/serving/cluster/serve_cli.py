@@ -113,6 +113,10 @@ FLAGS = (
          metavar="S"),
     Flag("--disable-log-stats", "proxy.log_stats_interval", "no periodic stats lines",
          action="store_const"),
+    Flag("--slo-ttft-ms", "proxy.slo.ttft_ms", "time-to-first-token target the P-or-D choice "
+         "serves to", float, metavar="MS"),
+    Flag("--slo-tpot-ms", "proxy.slo.tpot_ms", "time-per-output-token target: local prefills "
+         "and lent decode cores keep every running request within it", float, metavar="MS"),
 )
 # store_const flags: the value each sets its key to.
 _CONST = {"--enforce-eager": False, "--disable-log-stats": 0.0}
