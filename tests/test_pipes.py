@@ -246,8 +246,9 @@ def _recv_frames(sock: zmq.Socket, timeout_ms: int = 5000) -> list:
 
 
 def test_garbage_does_not_kill_the_receiver():
-    # security none: a raw socket can handshake (test_kv_security.py covers the proofs)
-    cons = create_pipe("zmq", _cfg(security="none"))
+    # security none, integrity none: a raw socket can handshake and send untagged data
+    # (test_kv_security.py and test_kv_integrity.py cover the proofs and the tags)
+    cons = create_pipe("zmq", _cfg(security="none", integrity="none"))
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
@@ -258,7 +259,7 @@ def test_garbage_does_not_kill_the_receiver():
         good = torch.arange(6, dtype=torch.float32)
         good_frames = [wire.pack("d", {"ok": 1}, wire.tensor_meta(good)), good.numpy().tobytes()]
         raw.send_multipart(good_frames)                  # before any handshake: dropped
-        raw.send_multipart([wire.pack("hello", HELLO)])
+        raw.send_multipart([wire.pack("hello", {**HELLO, "_integrity": "none"})])
         ack = msgpack.unpackb(_recv_frames(raw)[0])
         assert ack["k"] == "ack" and ack["h"]["ok"]
         garbage = [
@@ -285,7 +286,7 @@ def test_garbage_does_not_kill_the_receiver():
         assert cons.stats()["dropped"] == len(garbage)
         assert cons.stats()["refused"] == 1  # the data before the handshake
         # and a real producer is still served
-        prod = create_pipe("zmq", _cfg(security="none"))
+        prod = create_pipe("zmq", _cfg(security="none", integrity="none"))
         prod.connect(addr, HELLO)
         prod.send_tensor(addr, {"after": True}, torch.ones(2)).result(timeout=5)
         assert cons.recv_tensor(timeout=5)[1] == {"after": True}
