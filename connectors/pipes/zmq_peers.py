@@ -126,16 +126,16 @@ class ZmqPeers:
     def _close_dealer(self, peer: str, exc: BaseException, linger: float = 0.0) -> None:
         """Close the socket to ``peer``; with ``linger``, what is already queued (a FIN) is
         handed to zmq first and may still be delivered for that long."""
-        self._channels.pop(peer, None)
         s = self._dealers.pop(peer, None)
         if s is not None:
             if linger:
-                self._flush(s)
+                self._flush(s)  # under the channel's keys: it goes after
             del self._sock_peer[s]
             for out in self._outq.pop(s):
                 self._finish(out, exc)
             settle(self._pending_hs.pop(peer, None), exc)
             s.close(linger=int(linger * 1000))
+        self._channels.pop(peer, None)
 
     def _read(self, s: zmq.Socket) -> None:
         for _ in range(_READ_BURST):
