@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from connectors.pipes import PipeConfig, create_pipe, wire
+from connectors.pipes import PipeConfig, PipeError, create_pipe, wire
 from connectors.pipes import collective
 from connectors.pipes.integrity import TAG_BYTES
 from connectors.pipes.payload_digest import payload_digest
@@ -86,6 +86,27 @@ def test_without_the_binding_the_connection_key_still_stops_a_reused_identity(
     finally:
         prod.close(), cons.close()
         ctx.destroy(linger=0)
+
+
+def test_a_producer_whose_connection_was_lost_fails_its_sends_and_can_relink() -> None:
+    """ZMQ would reconnect under the same identity, which the consumer no longer takes: the
+    producer ends the link instead, so its sends fail (the connector re-links) rather than
+    vanish."""
+    cons, prod = create_pipe("zmq", PipeConfig()), create_pipe("zmq", PipeConfig())
+    try:
+        addr = cons.listen()
+        _connected(cons, prod, addr)
+        cons.close()  # the consumer's end of the connection goes away
+
+        def fails() -> bool:
+            try:
+                prod.send_tensor(addr, {"after": 1}, torch.ones(4)).result(timeout=5)
+            except PipeError:
+                return True
+            return False
+        wait_until(fails, 10, "sends to the lost consumer failing")
+    finally:
+        prod.close(), cons.close()
 
 
 def test_the_connection_table_is_bounded_and_drops_by_socket() -> None:

@@ -298,23 +298,27 @@ def test_garbage_does_not_kill_the_receiver():
 
 
 def test_close_is_idempotent_and_fails_pending():
-    cons, prod = create_pipe("zmq", _cfg()), create_pipe("zmq", _cfg(send_timeout=600.0))
+    # A consumer that stops reading at 1 MiB (one that closed ends the link at once: sends
+    # then fail, tests/test_kv_peer_binding.py)
+    cons = create_pipe("zmq", _cfg(max_recv_bytes=MiB))
+    prod = create_pipe("zmq", _cfg(send_timeout=600.0))
     addr = cons.listen()
     prod.connect(addr, HELLO)
-    cons.close()
-    cons.close()
     futs = [prod.send_tensor(addr, {}, torch.zeros(MiB // 4)) for _ in range(40)]
-    # Nothing reads 10 MiB any more: sends are pending here (the send timeout is far off).
+    # Nothing reads 10 MiB: sends are pending here (the send timeout is far off).
     pending = [f for f in futs if not f.done()]
     assert pending
     prod.close()
     prod.close()
+    cons.close()
+    cons.close()
     assert all(f.done() for f in futs)
     assert any(isinstance(f.exception(), PipeClosed) for f in pending)
     with pytest.raises(PipeClosed):
         prod.send_tensor(addr, {}, None)
     with pytest.raises(PipeClosed):
-        cons.recv_tensor(timeout=0.1)
+        for _ in range(50):  # what was already received, then closed
+            cons.recv_tensor(timeout=0.1)
 
 
 def test_registry_and_config():

@@ -96,12 +96,32 @@ class ZmqPeers:
             addr = f"ipc://{self._ipc_path}"
             s.bind(addr)
         self._router, self._addr = s, addr
-        self._monitor = watch_disconnects(s)  # connections that end are forgotten
+        self._watch(s, None)  # producers' connections that end are forgotten
         return addr
 
-    def _forget_disconnected(self) -> None:
-        for fd in disconnected_fds(self._monitor):
-            self._conns.drop_fd(fd)
+    def _watch(self, s: zmq.Socket, peer: Optional[str]) -> None:
+        m = watch_disconnects(s)
+        self._monitors[m], self._watched[s] = peer, m
+
+    def _unwatch(self, s: zmq.Socket) -> None:
+        m = self._watched.pop(s, None)
+        if m is not None:
+            s.disable_monitor()
+            del self._monitors[m]
+            m.close(linger=0)
+
+    def _on_disconnects(self, m: zmq.Socket) -> None:
+        """The ROUTER's: forget the producers bound to those sockets. A producer's socket to
+        a consumer: after its handshake, a lost connection ends the link (ZMQ would reconnect
+        under the same identity, which the consumer no longer accepts): sends fail from
+        now, and the connector re-links (a new handshake, new keys)."""
+        fds = disconnected_fds(m)
+        peer = self._monitors.get(m)
+        if peer is None:
+            for fd in fds:
+                self._conns.drop_fd(fd)
+        elif fds and peer in self._channels:
+            self._close_dealer(peer, PipeError(f"connection to {peer!r} lost"))
 
     def _open_dealer(self, peer: str, ident: bytes, hs: Future, hello: Outgoing) -> None:
         self._close_dealer(peer, PipeError("reconnected"))
@@ -110,6 +130,7 @@ class ZmqPeers:
         if self.config.security == "curve":
             auth.curve_client(s, self._secret)
         s.connect(peer)
+        self._watch(s, peer)
         self._dealers[peer], self._sock_peer[s] = s, peer
         self._pending_hs[peer] = hs
         self._outq[s].append(hello)
@@ -134,6 +155,7 @@ class ZmqPeers:
             for out in self._outq.pop(s):
                 self._finish(out, exc)
             settle(self._pending_hs.pop(peer, None), exc)
+            self._unwatch(s)
             s.close(linger=int(linger * 1000))
         self._channels.pop(peer, None)
 

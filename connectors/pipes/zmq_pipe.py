@@ -75,7 +75,8 @@ class ZmqPipe(ZmqSends, ZmqPeers, KVPipe):
         self._sock_peer: dict[zmq.Socket, str] = {}
         self._outq: dict[zmq.Socket, deque] = {}     # every socket, with its unsent messages
         self._pending_hs: dict[str, Future] = {}
-        self._monitor: Optional[zmq.Socket] = None    # the ROUTER's disconnect events
+        self._monitors: dict[zmq.Socket, Optional[str]] = {}  # -> dealer's peer; None: ROUTER
+        self._watched: dict[zmq.Socket, zmq.Socket] = {}  # socket -> its monitor
         self._conns = Connections()                   # authenticated producer connections
         self._channels: dict[str, integrity.Channel] = {}  # consumer address -> ours to it
         self._challenges: dict[bytes, tuple[bytes, bytes, float]] = {}  # auth.py, round 1
@@ -242,14 +243,11 @@ class ZmqPipe(ZmqSends, ZmqPeers, KVPipe):
         poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if self._monitor is not None and self._monitor not in polled:
-                    poller.register(self._monitor, zmq.POLLIN)  # never unregistered
-                    polled.add(self._monitor)
                 # Callers write to the wake pipe only while this is set; `full` and the command
                 # queue are read after setting it, so no wake-up can be missed.
                 self._sleeping = True
                 want = set() if self._rq.full else set(self._outq)  # full: stop reading
-                want |= {self._monitor} if self._monitor is not None else set()
+                want |= set(self._monitors)
                 for s in polled - want:
                     poller.unregister(s)
                 for s in want - polled:
@@ -266,8 +264,8 @@ class ZmqPipe(ZmqSends, ZmqPeers, KVPipe):
                     except BlockingIOError:
                         pass
                 self._drain_cmds()
-                if self._monitor in events:   # before any read: a gone peer is no peer
-                    self._forget_disconnected()
+                for m in [m for m in events if m in self._monitors]:
+                    self._on_disconnects(m)  # before any read: a gone peer is no peer
                 for s in events:
                     if s in self._outq:
                         self._read(s)
@@ -277,9 +275,8 @@ class ZmqPipe(ZmqSends, ZmqPeers, KVPipe):
             log.exception("zmq pipe I/O thread crashed")
         finally:
             self._stop.set()
-            if self._monitor is not None:
-                self._router.disable_monitor()
-                self._monitor.close(linger=0)
+            for s in list(self._watched):
+                self._unwatch(s)
             for s, q in self._outq.items():
                 for out in q:
                     self._finish(out, PipeClosed("pipe closed before the message was sent"))
