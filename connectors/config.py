@@ -6,6 +6,7 @@ lives in exactly one place. ``options`` is the cluster YAML's bag of further con
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from connectors.pipes.base import PipeConfig
 
 MiB = 1 << 20
+logger = logging.getLogger(__name__)
 
 
 class KVTransferConfig(BaseModel):
@@ -30,10 +32,10 @@ class KVTransferConfig(BaseModel):
     # logged and retried in the background ("warn").
     unreachable: Literal["error", "warn"] = "error"
     record_timings: bool = False  # per-request layer timestamps (overlap tests, benchmarks)
-    # Each KV layer message carries a digest (kv_digest.py) the decode engine checks before the
-    # request may run: a mismatch, a missing layer or blocks the request does not own fail the
-    # transfer (the decode engine recomputes), never decoded on. Both ends must agree.
-    digest: bool = True
+    # What each message carries against forgery or accidents is the pipe's ``integrity`` (mac,
+    # crc32, none: pipes/integrity.py); a message that fails it, a missing layer or blocks the
+    # request does not own fail the transfer (the decode engine recomputes), never decoded on.
+    # ``digest`` (a bool) is its deprecated name: false means integrity none.
     pipe_config: PipeConfig = Field(default_factory=PipeConfig)
 
     @field_validator("pipe")
@@ -53,13 +55,15 @@ class KVTransferConfig(BaseModel):
         options = data.pop("options", None) or {}
         if not isinstance(options, dict):
             raise ValueError("options: expected a mapping")
-        known = (set(cls.model_fields) | set(PipeConfig.model_fields)) - {"pipe_config", "role"}
+        known = ((set(cls.model_fields) | set(PipeConfig.model_fields) | {"digest"})
+                 - {"pipe_config", "role"})
         for key in options:
             if key not in known or key in data:
                 why = "set it directly" if key in data else "unknown key"
                 raise ValueError(f"options.{key}: {why} (expected one of: "
                                  f"{', '.join(sorted(known))})")
         data.update(options)
+        _digest_alias(data)
         pipe_keys = {k: data.pop(k) for k in list(data) if k in PipeConfig.model_fields}
         if pipe_keys:
             base = data.get("pipe_config") or {}
@@ -103,3 +107,21 @@ class KVTransferConfig(BaseModel):
         if self.is_consumer:
             reserve += self.max_staging_bytes
         return reserve
+
+
+def _digest_alias(data: dict[str, Any]) -> None:
+    """``digest`` (before issue 38: a CRC-32 per layer, on or off) -> ``integrity``."""
+    if "digest" not in data:
+        return
+    digest = data.pop("digest")
+    if not isinstance(digest, bool):
+        raise ValueError(f"digest: expected true or false, got {digest!r} (deprecated: use "
+                         f"integrity: mac | crc32 | none)")
+    if not digest:
+        if data.get("integrity", "none") != "none":
+            raise ValueError(f"digest: false contradicts integrity: {data['integrity']!r}; "
+                             f"set only integrity")
+        data["integrity"] = "none"
+    logger.warning("kv_transfer.digest is deprecated: use kv_transfer.integrity (mac | crc32 "
+                   "| none; digest: %s is integrity: %s)", str(digest).lower(),
+                   data.get("integrity", "the default"))

@@ -22,7 +22,6 @@ import torch
 
 from connectors.metadata import FinHeader, KVLayerHeader, OfferHeader, RecvSpec
 from connectors.block_io import scatter_blocks
-from connectors.kv_digest import digest_error
 from connectors.kv_staging import Staging
 
 logger = logging.getLogger(__name__)
@@ -44,14 +43,13 @@ class _Receiving:
 
 class KVReceiver:
     def __init__(self, num_layers: int, block_size: int, timeout: float, max_staging_bytes: int,
-                 record_timings: bool = False, digest: bool = True):
+                 record_timings: bool = False):
         self.num_layers, self.block_size = num_layers, block_size
         self.timeout, self.max_staging_bytes = timeout, max_staging_bytes
         self.kv_caches: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self._active: dict[str, _Receiving] = {}
         self._staging = Staging(max_staging_bytes)  # early arrivals, bounded per peer
-        self.digest = digest  # check each layer's digest (kv_digest.py) before writing it
         # Requests whose KV failed before they were registered: (why, peer), bounded.
         self._poisoned: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._done: dict[str, int | None] = {}
@@ -154,23 +152,20 @@ class KVReceiver:
     # ---- receiver-thread-driven ----------------------------------------------------------
     def on_message(self, header: KVLayerHeader | FinHeader, tensor: torch.Tensor | None,
                    peer: str) -> list[Ack]:
-        """Apply or stage one message; returns what to ACK when the request ended."""
-        bad = None  # checked before the lock: a digest reads every byte
-        if self.digest and isinstance(header, KVLayerHeader):
-            bad = digest_error(header, tensor)
+        """Apply or stage one message; returns what to ACK when the request ended. Its bytes
+        passed the pipe's integrity check (pipes/integrity.py); a message that failed it
+        never comes, and the FIN then fails the transfer closed (a layer missing)."""
         rid = header.request_id
         with self._lock:
             state = self._active.get(rid)
             if state is not None:
-                if bad is not None:
-                    return self._fail_closed(state, bad, peer, {peer})
                 return self._apply(state, header, tensor, peer)
             if rid in self._cancelled:
                 # NACK a FIN, and an offer too: the producer then sends nothing for it.
                 return [(peer, rid, False)] \
                     if isinstance(header, (FinHeader, OfferHeader)) else []
-            if bad is not None:  # fails the request when it is registered
-                self._poisoned[rid] = (bad, peer)
+            if isinstance(header, KVLayerHeader) and tensor is None:
+                self._poisoned[rid] = ("no payload", peer)  # fails it when it is registered
                 while len(self._poisoned) > 4096:
                     self._poisoned.popitem(last=False)
                 return []

@@ -6,12 +6,10 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
-import msgspec
 import torch
 
 from connectors.block_io import BufferPool, contiguous_runs, gather_blocks
 from connectors.host_staging import HostStaging
-from connectors.kv_digest import kv_digest
 from connectors.metadata import KVLayerHeader, encode_header
 from connectors.pipes.base import KVPipe
 
@@ -32,10 +30,10 @@ class LayerMessage(NamedTuple):
 
 
 class LayerSender:
-    def __init__(self, pipe: KVPipe, max_pooled_bytes: int, copy_timeout: float,
-                 digest: bool = True):
+    def __init__(self, pipe: KVPipe, max_pooled_bytes: int, copy_timeout: float):
+        # Each message's integrity tag is the pipe's (pipes/integrity.py), taken off the
+        # forward thread over the bytes that go on the wire (the pinned copy, when staged).
         self.pipe = pipe
-        self.digest = digest  # each message carries kv_digest.py's digest of its bytes
         self.copy_timeout = copy_timeout
         self.buffers = BufferPool(max_bytes=max_pooled_bytes)
         self._staging: HostStaging | None = None
@@ -48,15 +46,6 @@ class LayerSender:
 
     def layer_messages(self, spec: Any, layer: int, kv_layer: torch.Tensor,
                        heads: tuple[int, int, int] | None = None) -> list[LayerMessage]:
-        msgs = self._layer_messages(spec, layer, kv_layer, heads)
-        if not self.digest:
-            return msgs
-        return [m._replace(header=msgspec.structs.replace(m.header, digest=kv_digest(
-            m.header, m.staged.device_buf if m.staged is not None else m.tensor)))
-            for m in msgs]
-
-    def _layer_messages(self, spec: Any, layer: int, kv_layer: torch.Tensor,
-                        heads: tuple[int, int, int] | None) -> list[LayerMessage]:
         """Zero-copy views of the cache when the blocks form a few contiguous runs (CPU, the
         common case: a prompt's blocks are allocated together); else one gathered copy,
         staged to pinned host memory when the pipe cannot carry device memory.

@@ -62,7 +62,6 @@ class KVLayerHeader(msgspec.Struct, frozen=True, tag="kv", tag_field="kind"):
     part: Literal[0, 1, 2] = 2
     descending: bool = False
     head_start: _Count = 0
-    digest: int | None = None  # kv_digest.py: the consumer checks it before using the bytes
 
 
 class FinHeader(msgspec.Struct, frozen=True, tag="fin", tag_field="kind"):

@@ -49,14 +49,14 @@ class PDConnectorWorker(PDProducer, KVConnectorBase_Worker):
         self.pipe = create_pipe(config.pipe, config.pipe_config)
         self.receiver = KVReceiver(engine_info["num_layers"], engine_info["block_size"],
                                    config.kv_transfer_timeout, config.max_staging_bytes,
-                                   config.record_timings, config.digest)
+                                   config.record_timings)
         self._endpoint = None
         if config.is_consumer:
             self.pipe.set_handshake_validator(self._validate_hello, info=self.hello)
             self._endpoint = self.pipe.listen()
         self._meta: KVConnectorMetadata | None = None
         self.sender = LayerSender(self.pipe, config.pipe_config.max_inflight_bytes,
-                                  config.kv_transfer_timeout, config.digest)
+                                  config.kv_transfer_timeout)
         self._peers: dict[str, str | None] = {}  # connected consumer -> its tag
         self._connecting: dict[str, threading.Lock] = {}
         self._peer_lock = threading.Lock()
@@ -251,6 +251,7 @@ class PDConnectorWorker(PDProducer, KVConnectorBase_Worker):
                 "kv_digest_failures": self.receiver.num_failed_closed,
                 "kv_refused_messages": self.receiver.num_refused + pipe.get("refused", 0),
                 "kv_auth_failures": pipe.get("auth_failures", 0),
+                "kv_integrity_failures": pipe.get("integrity_failures", 0),
                 "kv_prefix_hit_tokens": self.receiver.prefix_hit_tokens,
                 "kv_bytes_skipped": self.receiver.bytes_skipped}
 

@@ -9,11 +9,12 @@ engine (1P1D, two processes) vs a colocated engine, same model.
 Part 3 (issue 20): the same for a DeepSeek-shaped latent-attention (MLA) model beside a GQA
 model of the same hidden size, layers and heads: KV bytes per prompt token measured from P's
 ``kv_bytes_sent`` (beside the value the configs give), and each model's TTFT 1P1D/colocated.
-Part 4 (issue 29): the cost of each ``kv_transfer.security`` mode and of the KV digest: part 1's
-transfer in each mode side by side (none, token, token + digest: the default, curve + digest),
-and the digest alone. Prints `kv_transfer_efficiency=X` (ours / raw, median over sizes) last.
-``--smoke``: one small transfer and a 1P1D run of each part-3 model on a short prompt, a few seconds (CI: interfaces
-still fit; no colocated runs, no TTFT ratios).
+Part 4 (issues 29, 38): the cost of each ``kv_transfer`` integrity mode (none, crc32, mac: the
+default, curve + mac) on each pipe (zmq tcp, zmq ipc, gloo), part 1's transfer side by side in
+one run, and each tag alone. Prints `kv_transfer_efficiency=X` (ours / raw, median over sizes)
+last. ``--smoke``: one small transfer, a 1P1D run of each part-3 model on a short prompt, and
+part 4's none and mac on zmq tcp and gloo, a few seconds (CI: interfaces still fit; no
+colocated runs, no TTFT ratios).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from connectors.config import KVTransferConfig  # noqa: E402
 from connectors.metadata import FinishSpec, KVConnectorMetadata, RecvSpec, SendSpec  # noqa: E402
 from connectors.pd_connector import PDConnectorWorker  # noqa: E402
 from connectors.transfer_params import RecvKV, SendKV  # noqa: E402
+from kv_integrity_modes import PIPES, SECURITY_MODES, part4  # noqa: E402
 
 SHAPE = {"num_layers": 12, "num_kv_heads": 4, "head_dim": 64, "block_size": 16}  # bench-50m
 
@@ -132,45 +134,6 @@ def part1(sizes: list[int], transport: str, repeats: int) -> list[float]:
     proc.join(timeout=30)
     producer.close()
     return ratios
-
-
-# kv_transfer settings compared in part 4: no proof and no digest (as before issue 29), the
-# proof alone, the default (proof + digest), CURVE encryption + digest.
-SECURITY_MODES = {"none": {"security": "none", "digest": False},
-                  "token": {"security": "token", "digest": False},
-                  "token+digest": {"security": "token", "digest": True},
-                  "curve+digest": {"security": "curve", "digest": True}}
-
-
-def part4(n_tokens: int, transport: str, repeats: int) -> None:
-    """Each security mode's cost: the same transfer (a producer process's connector to a
-    consumer process's, end to end) in each mode, in one run, side by side; and the digest
-    alone (kv_digest over one layer message, in this process)."""
-    from connectors.kv_digest import kv_digest
-    from connectors.metadata import KVLayerHeader
-    rates = {}
-    for rep in range(repeats):  # modes interleaved: a shared machine's drift hits all alike
-        for name, extra in SECURITY_MODES.items():
-            producer, here, proc, peer = _pair(n_tokens, transport, extra)
-            rate, nbytes = transfer_throughput(n_tokens, producer, here, peer, 1)
-            rates[name] = max(rates.get(name, 0.0), rate)
-            here.send(None)
-            proc.join(timeout=30)
-            producer.close()
-    layer = producer.kv_caches[0][0, :-(-n_tokens // SHAPE["block_size"])]  # one K message
-    header = KVLayerHeader("bench", 0, 0)
-    t0, n = time.perf_counter(), 20
-    for _ in range(n):
-        kv_digest(header, layer)
-    digest_rate = n * layer.nbytes / (time.perf_counter() - t0)
-    print(f"security modes, {n_tokens} tokens ({nbytes / 2**20:.1f} MiB of KV), {transport}:")
-    print(f"{'mode':>14} {'GB/s':>7} {'vs none':>8}")
-    for name, rate in rates.items():
-        print(f"{name:>14} {rate / 1e9:>7.2f} {rate / rates['none']:>8.3f}")
-    print(f"digest alone: {digest_rate / 1e9:.2f} GB/s (CRC-32 over a {layer.nbytes / 2**20:.2f} "
-          f"MiB message)")
-    print(" ".join(f"security_{name.replace('+', '_')}_over_none={rates[name] / rates['none']:.3f}"
-                   for name in SECURITY_MODES if name != "none"))
 
 
 def ttft_runs(model_name: str, prompt_tokens: int, repeats: int,
@@ -283,7 +246,10 @@ def main() -> None:
                         help="part 3's GQA preset (same hidden size, layers and heads)")
     parser.add_argument("--skip-mla", action="store_true", help="no part 3")
     parser.add_argument("--security-tokens", type=int, default=4096,
-                        help="part 4's prompt size (each kv_transfer.security mode's cost)")
+                        help="part 4's prompt size (each kv_transfer integrity mode's cost)")
+    parser.add_argument("--security-pipes", nargs="+", default=list(PIPES), choices=PIPES)
+    parser.add_argument("--security-modes", nargs="+", default=list(SECURITY_MODES),
+                        choices=SECURITY_MODES, help="part 4's modes (none is the baseline)")
     parser.add_argument("--skip-security", action="store_true", help="no part 4")
     parser.add_argument("--smoke", action="store_true",
                         help="a few seconds (CI): 256 tokens once, then part 3's 1P1D runs on "
@@ -294,7 +260,8 @@ def main() -> None:
         install(new_secret())
     if args.smoke:
         args.sizes, args.repeats, args.ttft_prompt, args.skip_ttft = [256], 1, 64, True
-        args.security_tokens = 256
+        args.security_tokens, args.security_pipes = 256, ["zmq-tcp", "gloo"]
+        args.security_modes = ["none", "mac"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     ratios = part1(args.sizes, args.transport, args.repeats)
@@ -304,7 +271,9 @@ def main() -> None:
         part3(args.ttft_prompt, args.repeats, args.mla_model, args.gqa_model,
               colocated=not args.smoke)
     if not args.skip_security:
-        part4(args.security_tokens, args.transport, args.repeats)
+        modes = ["none"] + [m for m in args.security_modes if m != "none"]
+        part4(args.security_tokens, args.repeats, args.security_pipes, modes, _pair,
+              transfer_throughput, SHAPE["block_size"])
     print(f"kv_transfer_efficiency={statistics.median(ratios):.3f}")
 
 

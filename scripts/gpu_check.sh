@@ -141,6 +141,14 @@ if [ "$MODE" = gpu ]; then
     row "kv tiers cuda" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" \
         "$(grep -E '(passed|failed|error|skipped)' "$DIR/kv_tiers.log" | tail -n 1)"
 
+    # ---- 3a''. KV integrity on CUDA: a device payload's code (NCCL pipe) from its pinned copy on
+    # a side stream after the ready event, equal to its host bytes' (also in step 2) ---------
+    timeout 600 "$PY" -m pytest -q -rs -m cuda tests/test_kv_peer_binding.py -p no:cacheprovider \
+        >"$DIR/kv_integrity.log" 2>&1
+    rc=$?
+    row "kv integrity cuda" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" \
+        "$(grep -E '(passed|failed|error|skipped)' "$DIR/kv_integrity.log" | tail -n 1)"
+
     # ---- 3b. tensor parallelism: TP1 vs TP2 offline throughput (NCCL) ------------------------
     if [ "$GPUS" -ge 2 ]; then
         timeout 900 "$PY" scripts/bench_offline.py --tensor-parallel-size 2 \

@@ -51,21 +51,23 @@ def pair(tiny_model, expected) -> Iterator[tuple[LLMEngine, LLMEngine, dict[str,
 
 @contextmanager
 def _tampered(d: LLMEngine, change: Callable[[dict, torch.Tensor], torch.Tensor | None]):
-    """Messages D's connector receives pass through ``change`` (None: the message is lost)."""
-    pipe = d.runner.connector.pipe
-    real = pipe.recv_tensor
+    """Messages D's pipe receives pass through ``change`` in flight, before its integrity
+    check (None: the message is lost)."""
+    queue = d.runner.connector.pipe._rq
+    real = queue.put
 
-    def recv(timeout: float) -> Any:
-        msg = real(timeout)
-        if msg is None or msg[2] is None or msg[1].get("kind") != "kv":
-            return msg
-        tensor = change(msg[1], msg[2])
-        return None if tensor is None else (msg[0], msg[1], tensor)
-    pipe.recv_tensor = recv
+    def put(item: Any, nbytes: int) -> None:
+        peer, body, tensor, tag = item
+        if tensor is not None and body.get("kind") == "kv":
+            tensor = change(body, tensor)
+            if tensor is None:
+                return
+        real((peer, body, tensor, tag), nbytes)
+    queue.put = put
     try:
         yield
     finally:
-        del pipe.recv_tensor
+        del queue.put
 
 
 def _run(p: LLMEngine, d: LLMEngine, rid: str) -> list[int]:
@@ -92,9 +94,11 @@ def test_a_byte_flipped_in_flight_is_recomputed_exactly(pair) -> None:
         flipped.append(header["layer"])
         return t
     failed, fallbacks = _stat(d, "kv_digest_failures"), d.stats()["kv_fallbacks"]
+    forged = _stat(d, "kv_integrity_failures")
     with _tampered(d, flip):
         assert _run(p, d, "flipped") == expected["flipped"]
     assert flipped and _stat(d, "kv_digest_failures") == failed + 1
+    assert _stat(d, "kv_integrity_failures") == forged + 1  # the MAC caught it
     assert d.stats()["kv_fallbacks"] == fallbacks + 1
 
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-import msgspec
 import torch
 
 from connectors.hello import hello_mismatch, make_hello
-from connectors.kv_digest import kv_digest
 from connectors.kv_receiver import KVReceiver
 from connectors.metadata import FinHeader, KVLayerHeader, RecvSpec
 from connectors.pipes.base import HandshakeError
@@ -63,9 +61,8 @@ def test_block_copy_and_receiver_are_generic_over_parts(parts: int, heads: int,
     rx.kv_caches = [torch.zeros(1, 12, 8, 1, 40), torch.zeros(parts, 12, 8, heads, width)]
     rx.register(RecvSpec("r", (4, 5, 6), 20))
     whole = [torch.randn(1, 3, 8, 1, 40), torch.randn(parts, 3, 8, heads, width)]
-    for layer in range(2):  # each with its digest (kv_digest.py), as a producer sends it
+    for layer in range(2):  # (their integrity is the pipe's: tests/test_kv_integrity.py)
         header = KVLayerHeader("r", layer, 0)
-        header = msgspec.structs.replace(header, digest=kv_digest(header, whole[layer]))
         assert rx.on_message(header, whole[layer], "p") == []
     fin = FinHeader("r", first_token=9, num_prompt_tokens=20)
     assert rx.on_message(fin, None, "p") == [("p", "r", True)]

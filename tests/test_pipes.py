@@ -246,8 +246,9 @@ def _recv_frames(sock: zmq.Socket, timeout_ms: int = 5000) -> list:
 
 
 def test_garbage_does_not_kill_the_receiver():
-    # security none: a raw socket can handshake (test_kv_security.py covers the proofs)
-    cons = create_pipe("zmq", _cfg(security="none"))
+    # security none, integrity none: a raw socket can handshake and send untagged data
+    # (test_kv_security.py and test_kv_integrity.py cover the proofs and the tags)
+    cons = create_pipe("zmq", _cfg(security="none", integrity="none"))
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
@@ -258,7 +259,7 @@ def test_garbage_does_not_kill_the_receiver():
         good = torch.arange(6, dtype=torch.float32)
         good_frames = [wire.pack("d", {"ok": 1}, wire.tensor_meta(good)), good.numpy().tobytes()]
         raw.send_multipart(good_frames)                  # before any handshake: dropped
-        raw.send_multipart([wire.pack("hello", HELLO)])
+        raw.send_multipart([wire.pack("hello", {**HELLO, "_integrity": "none"})])
         ack = msgpack.unpackb(_recv_frames(raw)[0])
         assert ack["k"] == "ack" and ack["h"]["ok"]
         garbage = [
@@ -285,7 +286,7 @@ def test_garbage_does_not_kill_the_receiver():
         assert cons.stats()["dropped"] == len(garbage)
         assert cons.stats()["refused"] == 1  # the data before the handshake
         # and a real producer is still served
-        prod = create_pipe("zmq", _cfg(security="none"))
+        prod = create_pipe("zmq", _cfg(security="none", integrity="none"))
         prod.connect(addr, HELLO)
         prod.send_tensor(addr, {"after": True}, torch.ones(2)).result(timeout=5)
         assert cons.recv_tensor(timeout=5)[1] == {"after": True}
@@ -297,23 +298,27 @@ def test_garbage_does_not_kill_the_receiver():
 
 
 def test_close_is_idempotent_and_fails_pending():
-    cons, prod = create_pipe("zmq", _cfg()), create_pipe("zmq", _cfg(send_timeout=600.0))
+    # A consumer that stops reading at 1 MiB (one that closed ends the link at once: sends
+    # then fail, tests/test_kv_peer_binding.py)
+    cons = create_pipe("zmq", _cfg(max_recv_bytes=MiB))
+    prod = create_pipe("zmq", _cfg(send_timeout=600.0))
     addr = cons.listen()
     prod.connect(addr, HELLO)
-    cons.close()
-    cons.close()
     futs = [prod.send_tensor(addr, {}, torch.zeros(MiB // 4)) for _ in range(40)]
-    # Nothing reads 10 MiB any more: sends are pending here (the send timeout is far off).
+    # Nothing reads 10 MiB: sends are pending here (the send timeout is far off).
     pending = [f for f in futs if not f.done()]
     assert pending
     prod.close()
     prod.close()
+    cons.close()
+    cons.close()
     assert all(f.done() for f in futs)
     assert any(isinstance(f.exception(), PipeClosed) for f in pending)
     with pytest.raises(PipeClosed):
         prod.send_tensor(addr, {}, None)
     with pytest.raises(PipeClosed):
-        cons.recv_tensor(timeout=0.1)
+        for _ in range(50):  # what was already received, then closed
+            cons.recv_tensor(timeout=0.1)
 
 
 def test_registry_and_config():

@@ -1,7 +1,8 @@
 """A proxy session proves the cluster secret (session_sockets.py): a client that connects to a
 session's token stream without the answer to its nonce (or with another secret's) gets
 nothing and is closed, counted, while the real proxy then connects and reads every frame; a
-tcp request socket takes only CURVE clients holding the secret's keys."""
+tcp request socket takes only CURVE clients holding the secret's keys. Refused connections
+are counted each and logged rate-limited."""
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,7 @@ from tests.token_path_fakes import PARAMS
 
 
 @pytest.mark.parametrize("ipc", [False, True])
-def test_a_forged_token_session_client_gets_nothing(ipc: bool) -> None:
+def test_a_forged_token_session_client_gets_nothing(ipc: bool, caplog) -> None:
     proxy = _Proxy(ipc=ipc, connect=False)
     try:
         proxy.sender.route("r", "s")
@@ -43,6 +44,8 @@ def test_a_forged_token_session_client_gets_nothing(ipc: bool) -> None:
             forged.append(s)
         failures = lambda: proxy.sender.counters["session_auth_failures"]  # noqa: E731
         wait_until(lambda: failures() == 3, 10, "three refused connections")
+        # counted each, logged once (then a summary per interval: peers cannot fill logs)
+        assert sum("refused a connection" in r.getMessage() for r in caplog.records) == 1
         for s in forged:  # at most the nonce came, then the engine closed it: no frame
             data = b""
             while chunk := s.recv(4096):

@@ -59,7 +59,24 @@ class PipeConfig(BaseModel):
     # challenge-response over the cluster secret; curve, the same on CURVE-encrypted sockets;
     # none, no proof (anyone who reaches the port is a peer).
     security: Literal["token", "curve", "none"] = "token"
+    # What each message carries so the receiver knows it is what was sent (integrity.py):
+    # mac, a keyed MAC per connection (needs the secret: the default with token and curve);
+    # crc32, a checksum against accidents only (the default with security none); none.
+    # Compared at the handshake: both ends must agree.
+    integrity: Literal["mac", "crc32", "none"] = "mac"
     extra: dict[str, Any] = Field(default_factory=dict)  # transport-specific options
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integrity_default(cls, data: Any) -> Any:
+        """No secret, no MAC: integrity defaults to crc32 with ``security: none``."""
+        if isinstance(data, dict) and data.get("security") == "none":
+            if data.get("integrity") == "mac":
+                raise ValueError("integrity: mac needs the cluster secret (security: token or "
+                                 "curve); with security: none use crc32 or none")
+            if "integrity" not in data:
+                data = {**data, "integrity": "crc32"}
+        return data
 
     @field_validator("port_range", mode="before")
     @classmethod

@@ -11,6 +11,10 @@ between GPUs, Gloo between CPUs, same protocol).
 - Tensors the backend does not handle, None payloads and consumer -> producer replies go over
   ZMQ: the ops on one communicator must be posted in the same order on both ranks, so only one
   direction uses it.
+- Integrity (integrity.py): every ZMQ message is tagged by the control pipe; a collective
+  payload's code (SHA-256 for mac, CRC-32 for crc32; payload_digest.py, off the forward path)
+  travels in its header, so the MAC over the header covers the payload. A payload whose code
+  does not hold is dropped and counted (its transfer then fails closed at the FIN).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch
 from connectors.pipes import wire
 from connectors.pipes.base import KVPipe, Message, PipeClosed, PipeConfig, PipeError, PipeTimeout
 from connectors.pipes.communicators import CommBackend, Communicator
+from connectors.pipes.payload_digest import payload_digest
 from connectors.pipes.sync import InflightGate, settle
 from connectors.pipes.zmq_pipe import ZmqPipe
 
@@ -57,6 +62,7 @@ class CollectivePipe(KVPipe):
         self._peers: dict[str, _Peer] = {}
         self._gate = InflightGate(config.max_inflight_bytes)
         self._validator: Optional[Callable[[dict], Optional[str]]] = None
+        self.integrity_failures = 0
         self._recv_lock = threading.Lock()
         self._lock = threading.Lock()            # orders close() against enqueues
         self._closed = False
@@ -142,7 +148,14 @@ class CollectivePipe(KVPipe):
                                 self.backend.name, peer)
                     continue
                 try:
-                    return peer, header, self._recv_payload(peer, meta)
+                    payload = self._recv_payload(peer, meta)
+                    if payload_digest(self.config.integrity, payload, None,
+                                      self._xfer_timeout) == wrapped.get("m"):
+                        return peer, header, payload
+                    self.integrity_failures += 1
+                    self._ctrl._limited.warn(
+                        "integrity failures", "%s pipe: dropped a payload from %r: its %s "
+                        "does not hold", self.backend.name, peer[:120], self.config.integrity)
                 except wire.Malformed as e:   # nothing was posted for it
                     log.warning("%s pipe: dropped a message from %r: %s",
                                 self.backend.name, peer, e)
@@ -170,7 +183,9 @@ class CollectivePipe(KVPipe):
             self._replace(addr, None)
 
     def stats(self) -> dict[str, int]:
-        return {**self._ctrl.stats(), f"{self.backend.name}_inflight_bytes": self._gate.inflight}
+        ctrl = self._ctrl.stats()
+        return {**ctrl, f"{self.backend.name}_inflight_bytes": self._gate.inflight,
+                "integrity_failures": ctrl["integrity_failures"] + self.integrity_failures}
 
     # ---------------------------------------------------------------- internals
     def _validate(self, hello: dict) -> Optional[str]:
@@ -236,9 +251,10 @@ class CollectivePipe(KVPipe):
                     settle(fut)
                     continue
                 p, comm = self._channel(peer)
+                code = payload_digest(self.config.integrity, t, ready, self._xfer_timeout)
                 # Header first: the consumer posts its receive when the header arrives.
                 self._ctrl.send_tensor(peer, {"h": header, "n": wire.tensor_meta(t),
-                                              "g": p.gen}, None)
+                                              "g": p.gen, "m": code}, None)
                 if t.numel():
                     self._transfer(p, comm, lambda: comm.send(t, ready), f"send to {peer!r}")
                 settle(fut)

@@ -95,9 +95,16 @@ def cpu_payload(tensor: torch.Tensor, max_frame_bytes: int) -> tuple[torch.Tenso
     meta = tensor_meta(t)
     if not t.numel():
         return t, meta, []
-    # uint8 view first: numpy has no bf16/fp8, and the view shares memory (zero-copy)
-    mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    mv = tensor_bytes(t)
     return t, meta, [mv[i:i + max_frame_bytes] for i in range(0, len(mv), max_frame_bytes)]
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, zero-copy (a uint8 view first: numpy has no
+    bf16/fp8, and the view shares memory)."""
+    if not t.numel():
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def tensor_from_buffers(meta: Any, bufs: Sequence[Any]) -> Optional[torch.Tensor]:

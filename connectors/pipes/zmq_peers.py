@@ -17,9 +17,10 @@ from typing import Any, Optional
 
 import zmq
 
-from connectors.pipes import auth, wire
+from connectors.pipes import auth, integrity, wire
 from connectors.pipes.addressing import route_address
 from connectors.pipes.base import PipeError
+from connectors.pipes.zmq_conns import Conn, disconnected_fds, source_fd, watch_disconnects
 from connectors.pipes.sync import settle
 from pd_cluster.ipc_files import sweep_stale
 
@@ -95,7 +96,32 @@ class ZmqPeers:
             addr = f"ipc://{self._ipc_path}"
             s.bind(addr)
         self._router, self._addr = s, addr
+        self._watch(s, None)  # producers' connections that end are forgotten
         return addr
+
+    def _watch(self, s: zmq.Socket, peer: Optional[str]) -> None:
+        m = watch_disconnects(s)
+        self._monitors[m], self._watched[s] = peer, m
+
+    def _unwatch(self, s: zmq.Socket) -> None:
+        m = self._watched.pop(s, None)
+        if m is not None:
+            s.disable_monitor()
+            del self._monitors[m]
+            m.close(linger=0)
+
+    def _on_disconnects(self, m: zmq.Socket) -> None:
+        """The ROUTER's: forget the producers bound to those sockets. A producer's socket to
+        a consumer: after its handshake, a lost connection ends the link (ZMQ would reconnect
+        under the same identity, which the consumer no longer accepts): sends fail from
+        now, and the connector re-links (a new handshake, new keys)."""
+        fds = disconnected_fds(m)
+        peer = self._monitors.get(m)
+        if peer is None:
+            for fd in fds:
+                self._conns.drop_fd(fd)
+        elif fds and peer in self._channels:
+            self._close_dealer(peer, PipeError(f"connection to {peer!r} lost"))
 
     def _open_dealer(self, peer: str, ident: bytes, hs: Future, hello: Outgoing) -> None:
         self._close_dealer(peer, PipeError("reconnected"))
@@ -104,6 +130,7 @@ class ZmqPeers:
         if self.config.security == "curve":
             auth.curve_client(s, self._secret)
         s.connect(peer)
+        self._watch(s, peer)
         self._dealers[peer], self._sock_peer[s] = s, peer
         self._pending_hs[peer] = hs
         self._outq[s].append(hello)
@@ -123,12 +150,14 @@ class ZmqPeers:
         s = self._dealers.pop(peer, None)
         if s is not None:
             if linger:
-                self._flush(s)
+                self._flush(s)  # under the channel's keys: it goes after
             del self._sock_peer[s]
             for out in self._outq.pop(s):
                 self._finish(out, exc)
             settle(self._pending_hs.pop(peer, None), exc)
+            self._unwatch(s)
             s.close(linger=int(linger * 1000))
+        self._channels.pop(peer, None)
 
     def _read(self, s: zmq.Socket) -> None:
         for _ in range(_READ_BURST):
@@ -146,24 +175,22 @@ class ZmqPeers:
                 peer = self._sock_peer[s]
             try:
                 self._handle(ident, peer, frames)
-            except _NotAPeer:  # counted, logged once per connection: floods stay quiet
+            except _NotAPeer:  # counted; logged rate-limited: floods stay quiet
                 self._n["refused"] += 1
-                if ident not in self._noted:
-                    self._noted[ident] = None
-                    if len(self._noted) > _MAX_CHALLENGES:
-                        self._noted.pop(next(iter(self._noted)))
-                    log.warning("zmq pipe: refused messages from %r: no handshake", peer[:120])
+                self._limited.warn("refused messages", "zmq pipe: refused messages from %r: "
+                                   "no handshake on this connection", peer[:120])
             except Exception as e:   # whatever a peer sends, the I/O thread keeps serving
                 self._n["dropped"] += 1
-                log.warning("zmq pipe: dropped a message from %r: %s", peer, e,
-                            exc_info=not isinstance(e, wire.Malformed))
+                self._limited.warn("dropped messages", "zmq pipe: dropped a message from "
+                                   "%r: %s", peer[:120], f"{type(e).__name__}: {e}"[:300])
 
     def _handle(self, ident: Optional[bytes], peer: str, frames: list) -> None:
         if not frames:
             raise wire.Malformed("empty message")
-        kind, body, meta = wire.unpack(frames[0].bytes)
+        head = frames[0].bytes
+        kind, body, meta = wire.unpack(head)
         if kind == "hello" and ident is not None:
-            return self._on_hello(ident, peer, body)
+            return self._on_hello(ident, peer, body, source_fd(frames[0]))
         if kind == "ack" and ident is None:
             hs = self._pending_hs.pop(peer, None)
             if hs is not None and not hs.done():   # a late ack after a timeout is ignored
@@ -171,42 +198,62 @@ class ZmqPeers:
             return None
         if kind != "d":
             raise wire.Malformed(f"unexpected {kind!r} message")
-        if ident is not None and ident not in self._accepted:
-            raise _NotAPeer()
-        tensor = wire.tensor_from_buffers(meta, frames[1:])
-        self._rq.put((peer, body, tensor), len(frames[0]) + (tensor.nbytes if tensor is not None
-                                                            else 0))
+        if ident is not None:  # a producer: only on the connection its handshake came on
+            conn = self._conns.on_this_connection(ident, frames[0])
+            if conn is None:
+                raise _NotAPeer()
+            channel = conn.channel
+        else:                  # the consumer's reply on our own socket
+            channel = self._channels.get(peer)
+            if channel is None:
+                raise wire.Malformed("a reply from a peer without a handshake")
+        tag, payload = None, frames[1:]
+        if channel.mode != "none":  # the tag frame is the last (integrity.py)
+            if not payload:
+                raise wire.Malformed(f"no {channel.mode} tag")
+            tag, payload = payload[-1].bytes, payload[:-1]
+        tensor = wire.tensor_from_buffers(meta, payload)
+        # Checked by recv_tensor's caller, not here: this thread serves every socket.
+        self._rq.put((peer, body, tensor, (channel, head, tag)),
+                     len(head) + (tensor.nbytes if tensor is not None else 0))
         self._n["received"] += 1
         return None
 
-    def _on_hello(self, ident: bytes, peer: str, hello: dict) -> None:
+    def _on_hello(self, ident: bytes, peer: str, hello: dict, fd: int) -> None:
+        keys = (b"", b"")
         if self._secret is not None:
-            hello = self._proven(ident, peer, hello)
-            if hello is None:
+            proven = self._proven(ident, peer, hello)
+            if proven is None:
                 return
-        err = None
+            hello, keys = proven
+        err = integrity.mismatch(self.config.integrity, hello)
+        hello.pop(integrity.HELLO_KEY, None)
         try:
-            if self._validator is not None:
+            if err is None and self._validator is not None:
                 err = self._validator(hello)
             if err is None and self._peer_hook is not None:
                 self._peer_hook(peer, hello)
         except Exception as e:
             log.warning("zmq pipe: handshake check of %r raised %r", peer, e)
             err = "handshake check failed"
-        if err is None:
-            self._accepted[ident] = hello
+        if err is None:  # the consumer receives with the producer's sending key
+            p2c, c2p = keys
+            self._conns.add(ident, Conn(hello, integrity.Channel(
+                self.config.integrity, send_key=c2p, recv_key=p2c), fd))
             reply = {"ok": True, "identity": peer, "info": self._info}
         else:
-            self._accepted.pop(ident, None)
+            self._conns.pop(ident)
             reply = {"ok": False, "error": str(err)}
-            log.warning("zmq pipe: rejected the handshake of %r: %s", peer, err)
+            log.warning("zmq pipe: rejected the handshake of %r: %s", peer[:120], err)
         self._reply(peer, reply)
 
-    def _proven(self, ident: bytes, peer: str, hello: dict) -> Optional[dict]:
+    def _proven(self, ident: bytes, peer: str, hello: dict
+                ) -> Optional[tuple[dict, tuple[bytes, bytes]]]:
         """auth.py's exchange, consumer side: answers a first round with our proof and a
-        challenge (None: nothing more to do now); returns the producer's model hello once
-        its proof held. A failed proof: counted, one log line, one fixed answer."""
-        self._accepted.pop(ident, None)  # a new handshake: not a peer until it succeeds
+        challenge (None: nothing more to do now); returns the producer's model hello and the
+        connection's integrity keys once its proof held. A failed proof: counted, logged
+        rate-limited, one fixed answer."""
+        self._conns.pop(ident)  # a new handshake: not a peer until it succeeds
         proof = hello.pop(auth.KEY, None)
         if isinstance(proof, dict) and auth.is_nonce(proof.get("n")):
             mine = auth.new_nonce()
@@ -222,9 +269,10 @@ class ZmqPeers:
                 and time.monotonic() - pending[2] <= self.config.handshake_timeout
                 and auth.check(auth.proof(self._secret, "producer", pending[0], pending[1]),
                                proof.get("proof"))):
-            return hello
+            return hello, integrity.session_keys(self._secret, pending[0], pending[1])
         self._n["auth_failures"] += 1
-        log.warning("zmq pipe: refused peer %r: %s", peer[:120], auth.REFUSED)
+        self._limited.warn("failed KV proofs", "zmq pipe: refused peer %r: %s", peer[:120],
+                           auth.REFUSED)
         self._reply(peer, {"ok": False, "error": auth.REFUSED})
         return None
 

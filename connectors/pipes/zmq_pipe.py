@@ -5,7 +5,8 @@ chunks of at most max_frame_bytes. One I/O thread owns every socket (zmq sockets
 safe); callers enqueue commands and wake it through an os.pipe. A send's future resolves only
 when zmq has released *every* payload frame (a tracker covers one frame: vLLM #24655).
 This file holds the public API and the I/O loop; the sockets' peer side (bind, connect,
-handshake, checking what arrives) is in zmq_peers.py.
+handshake, checking what arrives) is in zmq_peers.py, the sending side in zmq_sends.py, the
+consumer's authenticated connections in zmq_conns.py.
 """
 from __future__ import annotations
 
@@ -24,18 +25,21 @@ import msgpack
 import torch
 import zmq
 
-from connectors.pipes import auth, wire
+from connectors.pipes import auth, integrity, wire
 from connectors.pipes.base import (HandshakeError, KVPipe, Message, PipeClosed, PipeConfig,
                                    PipeError, PipeTimeout, register_pipe)
+from connectors.pipes.log_limit import LimitedLog
 from connectors.pipes.sync import InflightGate, RecvQueue, ReleaseReaper, settle
+from connectors.pipes.zmq_conns import Connections
 from connectors.pipes.zmq_peers import Outgoing as _Out
-from connectors.pipes.zmq_peers import ZmqPeers, identity as _identity
+from connectors.pipes.zmq_peers import ZmqPeers
+from connectors.pipes.zmq_sends import ZmqSends
 
 log = logging.getLogger(__name__)
 
 
 @register_pipe("zmq")
-class ZmqPipe(ZmqPeers, KVPipe):
+class ZmqPipe(ZmqSends, ZmqPeers, KVPipe):
     def __init__(self, config: PipeConfig) -> None:
         super().__init__(config)
         from connectors.secret import cluster_secret
@@ -58,7 +62,8 @@ class ZmqPipe(ZmqPeers, KVPipe):
         self._id_base = f"{pysocket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
         self._n_connects = 0
         self._n = {"sent": 0, "received": 0, "dropped": 0, "auth_failures": 0,
-                   "refused": 0}
+                   "refused": 0, "integrity_failures": 0}
+        self._limited = LimitedLog(log)  # what peers can cause at will: rate-limited
         self._validator: Optional[Callable[[dict], Optional[str]]] = None
         self._info: dict = {}
         self._peer_hook: Optional[Callable[[str, dict], None]] = None  # the nccl pipe's hook
@@ -70,9 +75,11 @@ class ZmqPipe(ZmqPeers, KVPipe):
         self._sock_peer: dict[zmq.Socket, str] = {}
         self._outq: dict[zmq.Socket, deque] = {}     # every socket, with its unsent messages
         self._pending_hs: dict[str, Future] = {}
-        self._accepted: dict[bytes, dict] = {}        # ROUTER identity -> its hello
+        self._monitors: dict[zmq.Socket, Optional[str]] = {}  # -> dealer's peer; None: ROUTER
+        self._watched: dict[zmq.Socket, zmq.Socket] = {}  # socket -> its monitor
+        self._conns = Connections()                   # authenticated producer connections
+        self._channels: dict[str, integrity.Channel] = {}  # consumer address -> ours to it
         self._challenges: dict[bytes, tuple[bytes, bytes, float]] = {}  # auth.py, round 1
-        self._noted: dict[bytes, None] = {}           # refused connections already logged
         self._io = threading.Thread(target=self._io_loop, name="zmq-pipe-io", daemon=True)
         self._io.start()
 
@@ -91,6 +98,8 @@ class ZmqPipe(ZmqPeers, KVPipe):
         with self._lock:
             self._n_connects += 1
             ident = f"{self._id_base}-{self._n_connects}".encode()
+        hello = {**hello, integrity.HELLO_KEY: self.config.integrity}  # compared there
+        keys = (b"", b"")
         if self._secret is None:
             reply = self._hello_round(peer_addr, hello, ident)
         else:  # auth.py: the consumer proves the secret first, then we do, with our hello
@@ -105,9 +114,12 @@ class ZmqPipe(ZmqPeers, KVPipe):
                     f"kv_transfer.security, or not a pd-cluster consumer)")
             reply = self._hello_round(peer_addr, {**hello, auth.KEY: {
                 "proof": auth.proof(self._secret, "producer", mine, theirs)}})
+            keys = integrity.session_keys(self._secret, mine, theirs)
         if not reply.get("ok"):
             self._run_in_io(lambda: self._close_dealer(peer_addr, PipeError("handshake rejected")))
             raise HandshakeError(f"{peer_addr} rejected the handshake: {reply.get('error')}")
+        channel = integrity.Channel(self.config.integrity, send_key=keys[0], recv_key=keys[1])
+        self._run_in_io(lambda: self._channels.__setitem__(peer_addr, channel))
         return reply
 
     def _hello_round(self, peer_addr: str, hello: dict, ident: Optional[bytes] = None) -> dict:
@@ -147,7 +159,21 @@ class ZmqPipe(ZmqPeers, KVPipe):
         return out.future
 
     def recv_tensor(self, timeout: float) -> Optional[Message]:
-        return self._rq.get(timeout)
+        """The next message whose integrity tag holds (integrity.py); the others are dropped
+        and counted (a layer that never comes fails its transfer closed at the FIN)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            item = self._rq.get(max(0.0, deadline - time.monotonic()))
+            if item is None:
+                return None
+            peer, body, tensor, (channel, head, tag) = item
+            bad = channel.check(head, [wire.tensor_bytes(tensor)] if tensor is not None
+                                else [], tag)
+            if bad is None:
+                return peer, body, tensor
+            self._n["integrity_failures"] += 1
+            self._limited.warn("integrity failures", "zmq pipe: dropped a message from %r: %s",
+                               peer[:120], bad)
 
     def close(self) -> None:
         with self._lock:
@@ -221,6 +247,7 @@ class ZmqPipe(ZmqPeers, KVPipe):
                 # queue are read after setting it, so no wake-up can be missed.
                 self._sleeping = True
                 want = set() if self._rq.full else set(self._outq)  # full: stop reading
+                want |= set(self._monitors)
                 for s in polled - want:
                     poller.unregister(s)
                 for s in want - polled:
@@ -237,6 +264,8 @@ class ZmqPipe(ZmqPeers, KVPipe):
                     except BlockingIOError:
                         pass
                 self._drain_cmds()
+                for m in [m for m in events if m in self._monitors]:
+                    self._on_disconnects(m)  # before any read: a gone peer is no peer
                 for s in events:
                     if s in self._outq:
                         self._read(s)
@@ -246,6 +275,8 @@ class ZmqPipe(ZmqPeers, KVPipe):
             log.exception("zmq pipe I/O thread crashed")
         finally:
             self._stop.set()
+            for s in list(self._watched):
+                self._unwatch(s)
             for s, q in self._outq.items():
                 for out in q:
                     self._finish(out, PipeClosed("pipe closed before the message was sent"))
@@ -253,66 +284,3 @@ class ZmqPipe(ZmqPeers, KVPipe):
             self._outq.clear()
             for hs in self._pending_hs.values():
                 settle(hs, PipeClosed("pipe is closed"))
-
-    def _drain_cmds(self) -> None:
-        while True:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "call":
-                try:
-                    cmd[2].set_result(cmd[1]())
-                except BaseException as e:  # re-raised in the calling thread
-                    cmd[2].set_exception(e)
-                continue
-            out: _Out = cmd[1]
-            s = self._dealers.get(out.peer, self._router)
-            if s is None:
-                self._finish(out, PipeError(f"unknown peer {out.peer!r}: not connected"))
-            else:
-                self._outq[s].append(out)
-
-    def _flush(self, s: zmq.Socket) -> None:
-        q = self._outq[s]
-        while q:
-            out = q[0]
-            if not out.started:
-                out.started = True
-                if out.future is not None and not out.future.set_running_or_notify_cancel():
-                    q.popleft()
-                    self._finish(out, None)    # cancelled before it was sent
-                    continue
-            frames = [out.head] + out.payload
-            if s is self._router:
-                frames.insert(0, _identity(out.peer))
-            try:   # only a message's first frame can be refused: zmq's HWM counts messages
-                s.send(frames[0], zmq.NOBLOCK | (zmq.SNDMORE if len(frames) > 1 else 0))
-            except zmq.Again:                  # retried next turn, for send_timeout at most
-                if time.monotonic() - out.queued <= self.config.send_timeout:
-                    return
-                q.popleft()
-                self._finish(out, PipeTimeout(f"send to {out.peer!r} not accepted within "
-                                              f"{self.config.send_timeout}s (peer gone or "
-                                              f"not draining)"))
-                continue
-            except zmq.ZMQError as e:
-                q.popleft()
-                why = "unknown or disconnected peer" if e.errno == zmq.EHOSTUNREACH else e
-                self._finish(out, PipeError(f"send to {out.peer!r} failed: {why}"))
-                continue
-            q.popleft()
-            try:
-                trackers = [s.send(f, zmq.SNDMORE if i < len(frames) - 1 else 0, copy=False,
-                                   track=True) for i, f in enumerate(frames) if i]
-            except zmq.ZMQError as e:          # SNDTIMEO mid-message: bounded, should not happen
-                log.error("zmq pipe: send to %r failed mid-message: %s", out.peer, e)
-                self._finish(out, PipeError(f"send to {out.peer!r} failed mid-message: {e}"))
-                continue
-            self._n["sent"] += out.future is not None
-            pending = [t for t in trackers if not t.done]  # frames < 64 KiB were copied: done
-            if pending:
-                out.tracker = zmq.MessageTracker(*pending)
-                self._reaper.add(out)
-            else:
-                self._finish(out, None)

@@ -64,8 +64,10 @@ class OutputSender:
         self._sessions: dict[str, FrameSession] = {}
         self.counters = {"output_messages": 0, "output_sessions_dropped": 0,
                          "session_auth_failures": 0}
+        from connectors.pipes.log_limit import LimitedLog
         from connectors.secret import cluster_secret
         self._secret = cluster_secret()  # every session's proxy proves it (frame_socket.py)
+        self._limited = LimitedLog(logger)  # refused connections: any local process can cause
         self._thread = threading.Thread(target=self._run, name="engine-output", daemon=True)
         self._thread.start()
 
@@ -222,7 +224,8 @@ class OutputSender:
     def _refused(self, session: str, why: str) -> None:
         """A connection to a session's listener that did not prove the secret: closed."""
         self.counters["session_auth_failures"] += 1
-        logger.warning("output session %s: refused a connection (%s)", session, why)
+        self._limited.warn("refused session connections", "output session %s: refused a "
+                           "connection (%s)", session, why)
 
     def _drop(self, session: str, why: str, abort: bool = True) -> None:
         s = self._sessions.pop(session, None)

@@ -62,8 +62,11 @@ ENGINE_SERIES: dict[str, EngineSeries] = {
     "kv_auth_failures": EngineSeries(
         "KV peers refused: no valid proof of the cluster secret", counter=True),
     "kv_digest_failures": EngineSeries(
-        "KV transfers failed closed (a digest mismatch, a missing layer, blocks the request "
-        "does not own): the decode engine recomputed", counter=True),
+        "KV transfers failed closed (a message that failed its integrity check, a missing "
+        "layer, blocks the request does not own): the decode engine recomputed", counter=True),
+    "kv_integrity_failures": EngineSeries(
+        "KV messages dropped because their MAC or CRC-32 (kv_transfer.integrity) did not hold, "
+        "or their number was replayed or out of order", counter=True),
     "kv_refused_messages": EngineSeries(
         "KV messages refused by a per-peer bound (unknown request, oversized frame, staging "
         "held by one peer) or from a peer without a handshake", counter=True),
