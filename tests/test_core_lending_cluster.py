@@ -1,6 +1,7 @@
-"""Core lending in a launched 1P1D cluster on one node: the prefill engine borrows the decode
-engine's core for its prefill steps (pinned engines, the default), and every output stays
-exactly the offline engine's; nothing is left held."""
+"""Core lending in a launched 1P1D cluster on one node, with the compiled step as shipped
+(the suite's other tests run eager): the prefill engine borrows the decode engine's core for
+its prefill steps (pinned engines, the default; a lent step runs one more thread, eagerly),
+and every output stays exactly the offline engine's; nothing is left held."""
 from __future__ import annotations
 
 import os
@@ -16,7 +17,8 @@ pytestmark = pytest.mark.timeout(600)
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     from tests.launch_helpers import launched_cluster
     yield from launched_cluster(tmp_path_factory, "local", "core-lending",
-                                engine={"num_kv_blocks": 256, "max_model_len": 512},
+                                engine={"num_kv_blocks": 256, "max_model_len": 512,
+                                        "compile": True},
                                 proxy={"disaggregation": "always",
                                        "slo": {"tpot_ms": 1000.0}})
 
