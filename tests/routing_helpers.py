@@ -25,5 +25,19 @@ def fake_pool(block_size: int, **cfg: Any) -> tuple[EnginePool, Planner]:
     return pool, Planner(pool, "disaggregated", ProxyMetrics(lambda: pool.engines))
 
 
+def pd_pair(**cfg: Any) -> tuple[EnginePool, Planner, ProxyMetrics]:
+    """A planner over one healthy, linked prefill and decode engine (proxy config ``cfg``),
+    and its metrics."""
+    pool = EnginePool([("prefill-0", "prefill", None), ("decode-0", "decode", None)],
+                      ProxyConfig(**cfg))
+    p, d = pool.engines
+    for e in pool.engines:
+        e.healthy, e.incarnation = True, "i0"
+    d.kv_endpoint = "tcp://d"
+    p.kv_peers = {"tcp://d": "i0"}
+    metrics = ProxyMetrics(lambda: pool.engines)
+    return pool, Planner(pool, "disaggregated", metrics), metrics
+
+
 def greedy_job(prompt: list[int], max_tokens: int = 8) -> GenerateJob:
     return GenerateJob("r", prompt, SamplingParams(temperature=0, max_tokens=max_tokens), 1e18)

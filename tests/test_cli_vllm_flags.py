@@ -3,7 +3,6 @@ flags with no meaning here are named in one line; an unknown flag gets serve's u
 nearest flag or key. Parsing only: nothing starts."""
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import pytest

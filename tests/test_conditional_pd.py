@@ -10,14 +10,14 @@ import pytest
 
 from pd_cluster.driver.messages import EngineDelta
 from pd_cluster.sampling_params import SamplingParams
-from pd_cluster.serving.cluster.cluster_config import (DECODE_PREFILL_CAP, ConfigError, ProxyConfig,
-                                                     parse_config)
+from pd_cluster.serving.cluster.cluster_config import (DECODE_PREFILL_CAP, ConfigError, parse_config)
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.engine_load import EngineLoad, Ewma, LinkStats
 from pd_cluster.serving.routing.engine_pool import EnginePool
 from pd_cluster.serving.routing.legs import GenerateJob, Leg, LegKind
 from pd_cluster.serving.routing.planner import Planner
 from pd_cluster.serving.routing.ttft_model import LOCAL, REMOTE, Bias, Link, Side, decide
+from tests.routing_helpers import pd_pair
 
 NO_LINK = Link(0, 0.0, 1e9, 0.0)
 
@@ -184,15 +184,7 @@ def test_link_bandwidth_from_producer_counters() -> None:
 
 # ---- the planner's choice --------------------------------------------------------------------
 def _planner(**cfg: object) -> tuple[EnginePool, Planner, ProxyMetrics]:
-    pool = EnginePool([("prefill-0", "prefill", None), ("decode-0", "decode", None)],
-                      ProxyConfig(**cfg))
-    p, d = pool.engines
-    for e in pool.engines:
-        e.healthy, e.incarnation = True, "i0"
-    d.kv_endpoint = "tcp://d"
-    p.kv_peers = {"tcp://d": "i0"}
-    metrics = ProxyMetrics(lambda: pool.engines)
-    return pool, Planner(pool, "disaggregated", metrics), metrics
+    return pd_pair(**cfg)
 
 
 def _job(n: int) -> GenerateJob:

@@ -13,7 +13,6 @@ import pytest
 import zmq
 
 from pd_cluster.driver.messages import EngineDelta
-from pd_cluster.serving.engine.output_sender import OutputSender
 from pd_cluster.serving.engine.request_reader import RequestReader, request_message
 from pd_cluster.serving.engine.session_sockets import NONCE_BYTES, parse_endpoint
 from pd_cluster.serving.cluster.testing import wait_until

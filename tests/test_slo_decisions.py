@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from pd_cluster.sampling_params import SamplingParams
-from pd_cluster.serving.cluster.cluster_config import ProxyConfig
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.decode_watch import DecodeWatch
 from pd_cluster.serving.routing.engine_pool import EnginePool
 from pd_cluster.serving.routing.legs import GenerateJob
 from pd_cluster.serving.routing.planner import Planner
+from tests.routing_helpers import pd_pair
 from pd_cluster.serving.routing.ttft_model import LOCAL, REMOTE, Link, Side, decide
 from pd_cluster.tpot_budget import SAFETY, Decoding, StepTimes, pause_slack, request_slack
 
@@ -93,15 +93,7 @@ def test_step_time_falls_back_to_the_engines_stats() -> None:
 
 
 def _cluster(tpot_ms: float) -> tuple[EnginePool, Planner, ProxyMetrics]:
-    pool = EnginePool([("prefill-0", "prefill", None), ("decode-0", "decode", None)],
-                      ProxyConfig(slo={"tpot_ms": tpot_ms}, local_prefill_stall_weight=0.0))
-    p, d = pool.engines
-    for e in pool.engines:
-        e.healthy, e.incarnation = True, "i0"
-    d.kv_endpoint = "tcp://d"
-    p.kv_peers = {"tcp://d": "i0"}
-    metrics = ProxyMetrics(lambda: pool.engines)
-    return pool, Planner(pool, "disaggregated", metrics), metrics
+    return pd_pair(slo={"tpot_ms": tpot_ms}, local_prefill_stall_weight=0.0)
 
 
 def _decisions(metrics: ProxyMetrics, path: str, reason: str) -> float:

@@ -11,7 +11,6 @@ HTTP errors and can still be retried; later failures end the stream with an erro
 """
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import logging
