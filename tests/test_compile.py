@@ -191,6 +191,19 @@ def test_pd_compiled_equals_colocated_and_hf(family_model) -> None:  # noqa: F81
     _check_pd(family_model("tiny-gemma3"), [random_prompt(n, seed=n) for n in (4, 16, 33)])
 
 
+# The families the tests above leave out, each compiled as shipped (TP 1; their layer kinds run
+# at TP 2 and through P/D above): the suite runs test_families.py eagerly.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen3", "tiny-qwen2-window",
+                                  "tiny-mistral-window", "tiny-phi3", "tiny-phi3-longrope",
+                                  "tiny-olmo2"])
+def test_each_family_compiled_is_hf_exact(family_model, name: str) -> None:  # noqa: F811
+    model_dir = family_model(name)
+    llm = LLM(model=model_dir, compile=True, block_size=8, max_num_batched_tokens=12)
+    check_greedy(llm, model_dir, [random_prompt(n, seed=n) for n in (3, 13, 45)])
+    assert compiled(llm).compiled_steps and not compiled(llm).eager_steps
+
+
 def _check_pd(model_dir: str, prompts: list[list[int]]) -> None:
     params = [GREEDY] * len(prompts)
     ours = pd_tokens(model_dir, prompts, params, chunk=12, compile=True)

@@ -114,7 +114,9 @@ def test_consumer_gone_producer_frees_after_timeout(model):
         p.add_request("orphan", prompt, SamplingParams(temperature=0, max_tokens=1),
                       SendKV(to=d.kv_endpoint))
         _step_until_idle(p)
-        assert p.stats()["kv_send_timeouts"] >= 1
+        # Its send failed: at once when P saw the connection drop (the link ends: no longer a
+        # working peer), else when the send timed out. Either way nothing is held.
+        assert (p.stats()["kv_send_timeouts"] >= 1 or d.kv_endpoint not in p.kv_peers())
         p.check_no_leaks()
     finally:
         p.close()

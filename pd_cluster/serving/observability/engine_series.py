@@ -70,6 +70,24 @@ ENGINE_SERIES: dict[str, EngineSeries] = {
     "kv_refused_messages": EngineSeries(
         "KV messages refused by a per-peer bound (unknown request, oversized frame, staging "
         "held by one peer) or from a peer without a handshake", counter=True),
+    "grammar_failures": EngineSeries(
+        "Requests ended with an error because their grammar broke mid-request (a refused "
+        "token or a backend error) rather than go on unconstrained", counter=True),
+    "lend_borrowed_steps": EngineSeries(
+        "Prefill steps run with a decode engine's lent core (driver/core_lending.py)",
+        counter=True),
+    "lend_borrowed_seconds": EngineSeries("Seconds of prefill steps on lent cores",
+                                          counter=True),
+    "lend_refused_steps": EngineSeries(
+        "Prefill steps run at home because the decode engine's TPOT slack was too small to "
+        "lend its cores", counter=True),
+    "lend_pauses": EngineSeries(
+        "Times this decode engine paused for a prefill step on its lent cores", counter=True),
+    "lend_pause_seconds": EngineSeries(
+        "Seconds this decode engine paused for prefill steps on its lent cores", counter=True),
+    "lend_revokes": EngineSeries(
+        "Borrows this decode engine ended early (new work beyond its TPOT slack, or an "
+        "overrun): it moved the borrowed thread back at once", counter=True),
     "session_auth_failures": EngineSeries(
         "Proxy session connections refused: no valid proof of the cluster secret",
         counter=True),
