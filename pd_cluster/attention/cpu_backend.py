@@ -1,16 +1,18 @@
 """CPU attention backend: the C++ paged kernel (kernels/cpu/paged_attention.cpp), the default
 on CPU.
 
-One kernel call per layer serves the whole batch, decode tokens and prefill chunks (from a
-prompt's start or after a cached prefix) alike, reading K/V in place from the paged blocks.
-(Measured at 1 thread, bench-50m's heads: on prompts prefilled from their start it is 2-2.8x
-SDPA's flash kernel over gathered K/V, so it takes those too.) The torch backend, which gathers
-every request's context into dense tensors, stays as the reference this one is tested against.
+The kernel serves decode tokens and short prefill chunks, reading K/V in place from the paged
+blocks. In fp32 it takes long chunks too (measured at 1 thread, bench-50m's heads: 2-2.8x
+SDPA's flash kernel over gathered K/V); in bf16/fp16, where ATen's flash kernel runs on
+oneDNN's brgemm, long chunks go there instead (cpu_prefill.py: 1.6-2.7x the paged kernel).
+The torch backend, which gathers every request's context into dense tensors, stays as the
+reference this one is tested against.
 """
 from __future__ import annotations
 
 import torch
 
+from pd_cluster.attention import cpu_prefill
 from pd_cluster.attention.base import AttentionBackend, register_backend
 from pd_cluster.attention.metadata import AttentionMetadata
 from pd_cluster.attention.options import AttentionOptions
@@ -35,6 +37,24 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return out
 
 
+def _split_forward(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   meta: AttentionMetadata, opts: AttentionOptions) -> torch.Tensor:
+    """Long prefill chunks through the flash kernel, runs of the other requests (decodes
+    first, short chunks) through the paged kernel, each into its rows of one output."""
+    out = query.new_empty(*query.shape[:2], value_cache.shape[-1])
+    run_start = 0  # the first request of the current run of short ones
+    for i in range(meta.num_decodes, meta.num_reqs):
+        if cpu_prefill.is_long(meta, i):
+            if run_start < i:
+                paged_attention(query, key_cache, value_cache, meta, opts, range(run_start, i), out)
+            cpu_prefill.prefill_one(query, key_cache, value_cache, meta, opts, i, out)
+            run_start = i + 1
+    if run_start < meta.num_reqs:
+        paged_attention(query, key_cache, value_cache, meta, opts,
+                        range(run_start, meta.num_reqs), out)
+    return out
+
+
 @register_backend("cpu")
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
@@ -52,7 +72,11 @@ class CpuAttentionBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 opts: AttentionOptions) -> torch.Tensor:
-        out = paged_attention(query, kv_cache[0], kv_cache[1], meta, opts)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        if not cpu_prefill.applies(query, key_cache, value_cache, opts):
+            out = paged_attention(query, key_cache, value_cache, meta, opts)
+        else:
+            out = _split_forward(query, key_cache, value_cache, meta, opts)
         n_real = meta.query_start_loc_cpu[-1]
         if query.shape[0] > n_real:  # padding tokens (e.g. a compiled step's): defined zeros
             out[n_real:].zero_()
