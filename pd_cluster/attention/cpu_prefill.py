@@ -28,8 +28,10 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 def applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             opts: AttentionOptions) -> bool:
     """Whether this layer's long chunks may go through the flash kernel: plain softmax
-    attention (no window, soft-cap or sinks) in a dtype its brgemm path serves."""
-    return (query.dtype in _DTYPES and not opts.sliding_window and not opts.logit_softcap
+    attention (no window, soft-cap or sinks) in a dtype its brgemm path serves, the cache in
+    the query's dtype (an FP8 cache stays on the paged kernel, which converts it per block)."""
+    return (query.dtype in _DTYPES and key_cache.dtype == value_cache.dtype == query.dtype
+            and not opts.sliding_window and not opts.logit_softcap
             and opts.sinks is None and key_cache.shape[-1] == value_cache.shape[-1]
             and query.shape[-1] == key_cache.shape[-1])
 
