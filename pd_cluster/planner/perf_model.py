@@ -113,7 +113,8 @@ class PerfModel:
         return self.step(m + 1) + self.transfer / gaps
 
     def tpot(self, lam: float) -> float:
-        return float(np.quantile(self.tpots(lam), 1 - self.q))
+        tpots = self.tpots(lam)
+        return math.inf if math.isinf(tpots[0]) else float(np.quantile(tpots, 1 - self.q))
 
     # ---- capacity --------------------------------------------------------------------------
     def prefill_capacity(self) -> float:
