@@ -21,22 +21,36 @@ class Phase:
     input_len: int
     output_len: int
     range_ratio: float = 0.25  # lengths uniform in len x (1 +- range_ratio)
+    # a mixed phase: this share of requests takes (mix_input_len, mix_output_len) instead
+    mix_share: float = 0.0
+    mix_input_len: int = 1
+    mix_output_len: int = 1
+
+    def workload_pairs(self, n: int = 512, seed: int = 1) -> list[tuple[int, int]]:
+        """A sample of the phase's (prompt, output) lengths (what `plan` sizes for)."""
+        rng = np.random.default_rng(seed)
+        return [self._draw(rng) for _ in range(n)]
+
+    def _draw(self, rng: np.random.Generator) -> tuple[int, int]:
+        mixed = self.mix_share > 0 and rng.random() < self.mix_share
+        n_in, n_out = ((self.mix_input_len, self.mix_output_len) if mixed
+                       else (self.input_len, self.output_len))
+
+        def draw(n: int) -> int:
+            lo, hi = max(1, int(n * (1 - self.range_ratio))), max(1, int(n * (1 + self.range_ratio)))
+            return int(rng.integers(lo, hi + 1))
+        return draw(n_in), draw(n_out)
 
 
 def make_trace(phases: list[Phase], seed: int = 0) -> list[tuple[float, int, int]]:
+    """Poisson arrivals phase after phase: (time, prompt tokens, output tokens)."""
     rng = np.random.default_rng(seed)
     out, t0 = [], 0.0
     for ph in phases:
-        t = t0
-        while True:
+        t = t0 + rng.exponential(1 / ph.rate)
+        while t < t0 + ph.duration_s:
+            out.append((t, *ph._draw(rng)))
             t += rng.exponential(1 / ph.rate)
-            if t >= t0 + ph.duration_s:
-                break
-
-            def draw(n: int) -> int:
-                lo, hi = max(1, int(n * (1 - ph.range_ratio))), max(1, int(n * (1 + ph.range_ratio)))
-                return int(rng.integers(lo, hi + 1))
-            out.append((t, draw(ph.input_len), draw(ph.output_len)))
         t0 += ph.duration_s
     return out
 
