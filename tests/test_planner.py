@@ -214,3 +214,34 @@ def test_simulator_bookkeeping_and_role_switch():
     sim.run([], 200.0)
     assert sorted((v.role, v.state) for v in sim.engines()) == [
         ("decode", "serving"), ("prefill", "serving"), ("prefill", "serving")]
+
+
+def test_live_loop_acts_through_the_actuator_and_counts(tmp_path):
+    """The proxy-side loop: a window fed as the proxy would, the controller on its thread,
+    each decision counted in /metrics as pd_planner_decisions_total{action, reason}."""
+    import threading
+
+    from pd_cluster.planner.live import start_planner
+    from pd_cluster.serving.cluster.config_sections import SloConfig
+    from pd_cluster.serving.observability.metrics import ProxyMetrics
+    path = tmp_path / "p.json"
+    synthetic_profile().save(path)
+    cfg = PlannerConfig(enabled=True, profile=str(path), interval_s=0.05, cooldown_s=0,
+                        max_engines=4, max_prefill=3, max_decode=3)
+    act = _Applying(1, 3)
+    metrics = ProxyMetrics(lambda: [])
+    acted = threading.Event()
+
+    def count(action: str, reason: str) -> None:
+        metrics.planner_decisions.labels(action, reason).inc()
+        acted.set()
+    loop, window = start_planner(cfg, SloConfig(ttft_ms=2000, tpot_ms=50), act, 256, count)
+    try:
+        for _ in range(200):  # long prompts, short answers: P is the bottleneck
+            window.arrived(1536, 16)
+        assert acted.wait(10), "the controller made no decision"
+    finally:
+        loop.stop()
+    assert act.calls[0][0] == "switch" and act.calls[0][2] == "prefill"
+    assert 'pd_planner_decisions_total{action="switch",reason="prefill_capacity"} 1.0' in \
+        metrics.render().decode()
