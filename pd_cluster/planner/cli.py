@@ -43,6 +43,10 @@ def add_planner_commands(sub: argparse._SubParsersAction) -> None:
                    "(up to --max-slots) that take it, instead of --slots")
     q.add_argument("--max-slots", type=int, default=64)
     q.add_argument("--max-num-seqs", type=int, default=256, help="decode batch cap considered")
+    q.add_argument("--at-rate", type=float, default=None, help="also predict p50 and the "
+                   "percentile TTFT/TPOT at this req/s on the planned split (or --split)")
+    q.add_argument("--split", default=None, metavar="P:D", help="with --at-rate: this many "
+                   "prefill and decode engines instead of the plan's")
     q.add_argument("--config", default=None, help="base cluster YAML the plan is written into")
     q.add_argument("--out", default=None, help="write the planned cluster YAML here")
     q.set_defaults(run=_run_plan)
@@ -133,6 +137,8 @@ def _run_plan(args: argparse.Namespace) -> int:
           f"{plan.goodput:.3g} req/s, TTFT p{args.percentile:g} {plan.ttft_s * 1e3:.0f} ms, "
           f"TPOT p{args.percentile:g} {plan.tpot_s * 1e3:.1f} ms")
     print(f"not modelled: {LIMITATIONS}")
+    if args.at_rate is not None:
+        _predict_at(model, plan, args)
     if args.out:
         from pd_cluster.serving.cluster.cluster_config import ClusterConfig
         base = yaml.safe_load(Path(args.config).read_text()) if args.config else {
@@ -143,3 +149,19 @@ def _run_plan(args: argparse.Namespace) -> int:
         Path(args.out).write_text(yaml.safe_dump(data, sort_keys=False))
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _predict_at(model: Any, plan: Any, args: argparse.Namespace) -> None:
+    n_p, n_d = plan.n_prefill, plan.n_decode
+    if args.split:
+        try:
+            n_p, n_d = (int(x) for x in args.split.split(":"))
+        except ValueError:
+            raise ValueError(f"--split: expected P:D (two integers), got {args.split!r}") from None
+        if n_p < 1 or n_d < 1:
+            raise ValueError(f"--split: both counts must be >= 1, got {args.split!r}")
+    r, pct = args.at_rate, args.percentile
+    print(f"at {r:g} req/s on {n_p}P:{n_d}D: TTFT p50 {model.ttft(r / n_p, 50) * 1e3:.0f} ms, "
+          f"p{pct:g} {model.ttft(r / n_p) * 1e3:.0f} ms; TPOT p50 "
+          f"{model.tpot(r / n_d, 50) * 1e3:.1f} ms, p{pct:g} {model.tpot(r / n_d) * 1e3:.1f} ms;"
+          f" goodput {model.goodput(r, n_p, n_d):.3g} req/s")

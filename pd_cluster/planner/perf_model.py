@@ -70,13 +70,15 @@ class PerfModel:
             return rho, math.inf
         return rho, lam * self.es2 / (2 * (1 - rho))
 
-    def ttft(self, lam: float) -> float:
-        """The percentile TTFT (s) on a prefill engine taking ``lam`` requests/s."""
+    def ttft(self, lam: float, percentile: float | None = None) -> float:
+        """The percentile TTFT (s) on a prefill engine taking ``lam`` requests/s (default:
+        the targets' percentile)."""
+        q = self.q if percentile is None else 1 - percentile / 100
         rho, wq = self._wait(lam)
         if math.isinf(wq):
             return math.inf
-        wait_q = 0.0 if self.q >= rho or rho == 0 else (wq / rho) * math.log(rho / self.q)
-        return wait_q + float(np.quantile(self.service, 1 - self.q))
+        wait_q = 0.0 if q >= rho or rho == 0 else (wq / rho) * math.log(rho / q)
+        return wait_q + float(np.quantile(self.service, 1 - q))
 
     def ttft_ok(self, lam: float) -> np.ndarray:
         """Per request of the sample: the probability its TTFT meets the target."""
@@ -112,9 +114,10 @@ class PerfModel:
         gaps = np.maximum(self.workload.output_lens - 1, 1)
         return self.step(m + 1) + self.transfer / gaps
 
-    def tpot(self, lam: float) -> float:
+    def tpot(self, lam: float, percentile: float | None = None) -> float:
+        q = self.q if percentile is None else 1 - percentile / 100
         tpots = self.tpots(lam)
-        return math.inf if math.isinf(tpots[0]) else float(np.quantile(tpots, 1 - self.q))
+        return math.inf if math.isinf(tpots[0]) else float(np.quantile(tpots, 1 - q))
 
     # ---- capacity --------------------------------------------------------------------------
     def prefill_capacity(self) -> float:

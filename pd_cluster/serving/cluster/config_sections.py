@@ -243,7 +243,7 @@ class PlannerConfig(ConfigSection):
     it compares measured TTFT/TPOT and load with the profile's predictions (targets:
     proxy.slo) and switches engines between roles or scales a role within these bounds.
     `pd-cluster plan` writes this section; `pd-cluster profile` makes the profile."""
-    enabled: bool = False
+    enabled: bool = False  # run the controller in the proxy (it needs profile and the actuator)
     # The cost table `pd-cluster profile` wrote for this model, dtype, device and pipe
     # (required when enabled).
     profile: str | None = None
