@@ -87,10 +87,10 @@ def bench(profile: Profile, slo: Slo, slots: int, args: argparse.Namespace) -> f
     trace = make_trace(phases, args.seed)
     print(f"\n== {slots} slots: " + ", ".join(
         f"{p.name} {p.rate:.3g} req/s" for p in phases) + f"; {len(trace)} requests")
-    # (a) per phase alone, every split
+    # (a) per phase alone (its own arrivals of the trace, from an empty cluster), every split
     per_phase = []
-    for ph in phases:
-        tr = make_trace([ph], args.seed + 1)
+    for ph, (a, b) in zip(phases, bounds):
+        tr = [(t - a, n_in, n_out) for t, n_in, n_out in trace if a <= t < b]
         best = max(((score(run_fixed(profile, tr, ph.duration_s, n, slots - n), slo, 0,
                            ph.duration_s), n) for n in splits(slots)),
                    key=lambda x: x[0].goodput)
