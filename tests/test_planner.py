@@ -193,8 +193,8 @@ def test_controller_follows_a_shift_and_counts_decisions():
     assert shift[0].action == "switch" and shift[0].role == "decode"
     assert shift[0].at <= 340 and shift[0].reason == "decode_capacity"
     assert score(sim, SLO, 300, 600).goodput > 2 * score(fixed, SLO, 300, 600).goodput
-    n_p, n_d = sim.role_log[-1][1:]
-    assert n_p + n_d == 8 and n_d > n_p
+    n_p, n_d = [entry[1:] for entry in sim.role_log if entry[0] <= 600][-1]
+    assert n_p + n_d == 8 and n_d > n_p  # (after the trace ends, idle engines may go)
 
 
 def test_simulator_bookkeeping_and_role_switch():

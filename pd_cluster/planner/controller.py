@@ -60,27 +60,44 @@ class ControllerState:
 
 @dataclass
 class _Window:
-    """Arrivals and finished requests of the last ``span`` seconds."""
+    """Looks of the last ``longest`` seconds; the workload is judged from the newest looks
+    covering ``span`` seconds and ``min_arrivals`` arrivals (at a low rate a short span holds
+    too few requests of a mixed workload: its capacities would swing by more than the
+    hysteresis from one look to the next)."""
     span: float
-    arrivals: deque = field(default_factory=deque)  # (time, (prompt tokens, output tokens))
-    finished: deque = field(default_factory=deque)  # (time, RequestSample)
+    longest: float
+    min_arrivals: int = 40
+    started: float = 0.0  # when looking began (the first look covers the time since)
+    looks: deque = field(default_factory=deque)  # (time, arrivals, finished samples)
 
     def add(self, obs: Observation) -> None:
-        self.arrivals.extend((obs.now, a) for a in obs.arrived)
-        self.finished.extend((obs.now, s) for s in obs.finished)
-        for q in (self.arrivals, self.finished):
-            while q and q[0][0] <= obs.now - self.span:
-                q.popleft()
+        self.looks.append((obs.now, list(obs.arrived), list(obs.finished)))
+        while self.looks and self.looks[0][0] <= obs.now - self.longest:
+            self.looks.popleft()
 
-    def rate(self, now: float, started: float) -> float:
-        seen = min(self.span, now - started)
-        return len(self.arrivals) / seen if seen > 0 else 0.0
+    def _recent(self, now: float) -> tuple[list, float]:
+        """The newest looks to judge from, and the seconds they cover."""
+        taken, count = [], 0
+        for look in reversed(self.looks):
+            if look[0] <= now - self.span and count >= self.min_arrivals:
+                break
+            taken.append(look)
+            count += len(look[1])
+        if not taken:
+            return [], 0.0
+        older = len(self.looks) - len(taken) - 1
+        since = self.looks[older][0] if older >= 0 else self.started
+        return taken, now - since
 
-    def lengths(self) -> list[tuple[int, int]]:
-        return [a for _, a in self.arrivals]
+    def rate(self, now: float) -> float:
+        taken, covered = self._recent(now)
+        return sum(len(t[1]) for t in taken) / covered if covered > 0 else 0.0
+
+    def lengths(self, now: float) -> list[tuple[int, int]]:
+        return [a for t in self._recent(now)[0] for a in t[1]]
 
     def samples(self) -> list[RequestSample]:
-        return [s for _, s in self.finished]
+        return [x for t in self.looks for x in t[2]]
 
 
 class Controller:
@@ -91,7 +108,8 @@ class Controller:
         self.max_num_seqs = max_num_seqs
         self.on_decision = on_decision
         # Long enough for a steady estimate, short enough to see a shift within it.
-        self.window = _Window(max(2 * config.interval_s, 20.0))
+        self.window = _Window(max(2 * config.interval_s, 20.0),
+                              max(12 * config.interval_s, 120.0), started=started)
         self.started = started
         self.last_action_at = -math.inf
         self.last: Decision | None = None
@@ -108,8 +126,8 @@ class Controller:
             return None
         n_p = sum(v.role == ROLE_PREFILL for v in views)
         n_d = sum(v.role == ROLE_DECODE for v in views)
-        lengths = self.window.lengths()
-        rate = self.window.rate(obs.now, self.started)
+        lengths = self.window.lengths(obs.now)
+        rate = self.window.rate(obs.now)
         st = self.state
         st.n_prefill, st.n_decode, st.rate = n_p, n_d, rate
         if len(lengths) < MIN_SAMPLES or n_p == 0 or n_d == 0:
