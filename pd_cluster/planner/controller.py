@@ -67,13 +67,13 @@ class _Window:
     span: float
     longest: float
     min_arrivals: int = 40
-    started: float = 0.0  # when looking began (the first look covers the time since)
+    started: float = 0.0  # the time the oldest look kept covers from
     looks: deque = field(default_factory=deque)  # (time, arrivals, finished samples)
 
     def add(self, obs: Observation) -> None:
         self.looks.append((obs.now, list(obs.arrived), list(obs.finished)))
         while self.looks and self.looks[0][0] <= obs.now - self.longest:
-            self.looks.popleft()
+            self.started = self.looks.popleft()[0]  # the oldest look kept covers from here
 
     def _recent(self, now: float) -> tuple[list, float]:
         """The newest looks to judge from, and the seconds they cover."""
