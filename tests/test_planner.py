@@ -248,11 +248,16 @@ def test_live_loop_acts_through_the_actuator_and_counts(tmp_path):
 
 
 def test_window_rate_once_old_looks_are_dropped():
-    """A steady 1 req/s seen for longer than the window keeps: the rate stays 1 (the oldest
-    look kept covers from the one dropped before it, not from the start)."""
+    """A steady 0.2 req/s seen for longer than the window keeps (too slow for 40 arrivals in
+    it: every look kept counts): the rate stays 0.2, the oldest look kept covering from the
+    one dropped before it, not from the start."""
     from pd_cluster.planner.controller import _Window
     w = _Window(span=20, longest=120, min_arrivals=40)
     for k in range(1, 31):
-        w.add(Observation(k * 10.0, [(100, 10)] * 10, []))
-        assert w.rate(k * 10.0) == pytest.approx(1.0)
-    assert len(w.lengths(300.0)) == 40  # the newest looks holding 40 arrivals at least
+        w.add(Observation(k * 10.0, [(100, 10)] * 2, []))
+        assert w.rate(k * 10.0) == pytest.approx(0.2)
+    assert len(w.lengths(300.0)) == 24  # every look kept (12 of them)
+    fast = _Window(span=20, longest=120, min_arrivals=40)
+    for k in range(1, 31):
+        fast.add(Observation(k * 10.0, [(100, 10)] * 10, []))
+    assert len(fast.lengths(300.0)) == 40  # the newest looks holding 40 arrivals
