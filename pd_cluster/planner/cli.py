@@ -35,13 +35,16 @@ def add_planner_commands(sub: argparse._SubParsersAction) -> None:
                    help="lengths uniform in len x (1 +- ratio)")
     q.add_argument("--requests", default=None, help="JSONL of requests (input_len / "
                    "prompt_tokens and output_len / max_tokens per line) instead of the lengths")
-    q.add_argument("--slo-ttft-ms", type=float, required=True)
-    q.add_argument("--slo-tpot-ms", type=float, required=True)
-    q.add_argument("--percentile", type=float, default=90.0)
+    q.add_argument("--slo-ttft-ms", type=float, required=True, help="time to first token "
+                   "target, ms")
+    q.add_argument("--slo-tpot-ms", type=float, required=True, help="time per output token "
+                   "target, ms")
+    q.add_argument("--percentile", type=float, default=90.0,
+                   help="the targets hold at this percentile of requests (default 90)")
     q.add_argument("--slots", type=int, default=2, help="engine slots to split (default 2)")
     q.add_argument("--rate", type=float, default=None, help="req/s to serve: the fewest slots "
                    "(up to --max-slots) that take it, instead of --slots")
-    q.add_argument("--max-slots", type=int, default=64)
+    q.add_argument("--max-slots", type=int, default=64, help="with --rate: slots at most")
     q.add_argument("--max-num-seqs", type=int, default=256, help="decode batch cap considered")
     q.add_argument("--at-rate", type=float, default=None, help="also predict p50 and the "
                    "percentile TTFT/TPOT at this req/s on the planned split (or --split)")
