@@ -140,7 +140,8 @@ class Controller:
         # force, not the backlog of the one before)
         recent = [x for x in self.window.samples() if x.arrived_at >= self.last_action_at]
         st.measured_ttft, st.measured_tpot = self._measured(recent)
-        proposal = self._propose(n_p, n_d, rate, c_p, c_d, len(recent) >= MIN_SAMPLES)
+        proposal = self._propose(n_p, n_d, rate, c_p, c_d, len(recent) >= MIN_SAMPLES,
+                                 obs.now)
         if proposal is None or obs.now - self.last_action_at < self.config.cooldown_s:
             self.pending = None if proposal is None else self.pending
             return None
@@ -160,7 +161,7 @@ class Controller:
                 float(np.quantile(tpot, q)) if tpot else None)
 
     def _propose(self, n_p: int, n_d: int, rate: float, c_p: float, c_d: float,
-                 settled: bool) -> tuple[str, str, int, str, str] | None:
+                 settled: bool, now: float) -> tuple[str, str, int, str, str] | None:
         cfg, h = self.config, self.config.hysteresis
         n = n_p + n_d
         cap_p, cap_d = n_p * c_p, n_d * c_d
@@ -181,8 +182,11 @@ class Controller:
             bp, bd = best_split(c_p, c_d, n, bounds)
         except ValueError:
             return None
-        if bp != n_p and min(bp * c_p, bd * c_d) > cap * (1 + h) and rate > 0:
-            gain = ROLE_PREFILL if bp > n_p else ROLE_DECODE
+        gain = ROLE_PREFILL if bp > n_p else ROLE_DECODE
+        # undoing a recent switch takes twice the margin: a noisy estimate (few requests of
+        # a mixed workload) must not swing engines back and forth
+        margin = 2 * h if self._reverses(gain, now) else h
+        if bp != n_p and min(bp * c_p, bd * c_d) > cap * (1 + margin) and rate > 0:
             return ("switch", gain, abs(bp - n_p), reason if gain == short else "rebalance",
                     f"{why}; best split {bp}P:{bd}D")
         # 3. a measured miss of one target while the other has room
@@ -226,6 +230,13 @@ class Controller:
             return n_p < cfg.max_prefill and (n_d - 1 >= cfg.min_decode
                                               and (n_d - 1) * c_d >= rate)
         return n_d < cfg.max_decode and n_p - 1 >= cfg.min_prefill and (n_p - 1) * c_p >= rate
+
+    def _reverses(self, role: str, now: float) -> bool:
+        """A switch to ``role`` would undo the last change (a switch the other way, within
+        three cooldowns)."""
+        last = self.last
+        return (last is not None and last.action == "switch" and last.role != role
+                and now - last.at < 3 * self.config.cooldown_s)
 
     def _undoes_last(self, action: str, role: str, reason: str, now: float) -> bool:
         last = self.last
