@@ -4,10 +4,11 @@ each role's per-engine capacity within the targets from the profile (perf_model.
 at most one change through the Actuator: scale a role up (short of capacity, room in the
 budget), switch one engine to the role that limits the rate, or scale down (idle).
 
-It never flaps: a change must raise predicted capacity by ``hysteresis`` (or answer a measured
-miss of one target while the other has room), the same change must be called for on two looks
-in a row, nothing happens during a switch or within ``cooldown_s`` of the last change, and a
-change is not undone within three cooldowns on a measured miss alone. Each decision is logged
+It never flaps: a change must raise predicted capacity by ``hysteresis`` (twice that to undo
+a switch made within ten cooldowns; or answer a measured miss of one target while the other
+has room), the same change must be called for on two looks in a row, nothing happens during a
+switch or within ``cooldown_s`` of the last change, and a change is not undone within three
+cooldowns on a measured miss alone. Each decision is logged
 with its reason and handed to ``on_decision`` (the proxy counts it in /metrics)."""
 from __future__ import annotations
 
@@ -233,10 +234,10 @@ class Controller:
 
     def _reverses(self, role: str, now: float) -> bool:
         """A switch to ``role`` would undo the last change (a switch the other way, within
-        three cooldowns)."""
+        ten cooldowns)."""
         last = self.last
         return (last is not None and last.action == "switch" and last.role != role
-                and now - last.at < 3 * self.config.cooldown_s)
+                and now - last.at < 10 * self.config.cooldown_s)
 
     def _undoes_last(self, action: str, role: str, reason: str, now: float) -> bool:
         last = self.last
