@@ -159,7 +159,7 @@ def _reversals(hysteresis: float, out: int, rate: float) -> tuple[int, list]:
     assert isinstance(act, Actuator)
     ctl = Controller(synthetic_profile(), SLO, cfg, act)
     rng = np.random.default_rng(0)
-    for k in range(1, 361):  # an hour of looks at a steady Poisson load
+    for k in range(1, 181):  # half an hour of looks at a steady Poisson load
         arrived = [(int(rng.integers(525, 876)), int(rng.integers(out * 3 // 4, out * 5 // 4 + 1)))
                    for _ in range(rng.poisson(rate * 10))]
         ctl.tick(Observation(k * 10.0, arrived, []))
@@ -169,7 +169,7 @@ def _reversals(hysteresis: float, out: int, rate: float) -> tuple[int, list]:
 
 def test_controller_does_not_flap_near_a_threshold():
     """Steady load where 5:3 and 6:2 take nearly the same rate (within 10%): with the default
-    hysteresis at most one switch and none undone in an hour; without it (0), the sampling
+    hysteresis at most one switch and none undone in half an hour; without it (0), the sampling
     noise alone makes it switch back and forth (what the hysteresis is for)."""
     ratio, out, cap = _threshold_load()
     assert abs(ratio - 1) < 0.1
