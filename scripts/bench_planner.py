@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pd_cluster.planner.perf_model import PerfModel, Slo  # noqa: E402
 from pd_cluster.planner.plan import make_plan  # noqa: E402
 from pd_cluster.planner.profile_table import Profile  # noqa: E402
-from pd_cluster.planner.scenarios import (Phase, make_trace, phase_bounds, run_controlled,  # noqa: E402
-                                          run_fixed, score)
+from pd_cluster.planner.scenarios import (  # noqa: E402
+    Phase, make_trace, phase_bounds, run_controlled, run_fixed, score)
 from pd_cluster.planner.workload import Workload  # noqa: E402
 from pd_cluster.serving.cluster.config_sections import PlannerConfig  # noqa: E402
 

@@ -37,8 +37,8 @@ class Phase:
                        else (self.input_len, self.output_len))
 
         def draw(n: int) -> int:
-            lo, hi = max(1, int(n * (1 - self.range_ratio))), max(1, int(n * (1 + self.range_ratio)))
-            return int(rng.integers(lo, hi + 1))
+            r = self.range_ratio
+            return int(rng.integers(max(1, int(n * (1 - r))), max(1, int(n * (1 + r))) + 1))
         return draw(n_in), draw(n_out)
 
 
