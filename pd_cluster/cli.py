@@ -50,6 +50,14 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     add_cluster_commands(sub)
 
 
+def _add_planner_commands(sub: argparse._SubParsersAction) -> None:
+    try:
+        from pd_cluster.planner.cli import add_planner_commands
+    except ImportError:  # serving extras not importable: the offline commands still work
+        return
+    add_planner_commands(sub)
+
+
 def _add_config_reference(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("config-reference",
                        help="print (or write) the cluster YAML reference, docs/configuration.md")
@@ -70,7 +78,8 @@ def _run_config_reference(args: argparse.Namespace) -> int:
 
 
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_cluster_commands, _add_generate, _add_make_model, _add_config_reference]
+    _add_cluster_commands, _add_planner_commands, _add_generate, _add_make_model,
+    _add_config_reference]
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 

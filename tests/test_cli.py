@@ -80,7 +80,8 @@ def test_version_and_log_level_choices(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "invalid choice: 'LOUD'" in bad.stderr
 
 
-@pytest.mark.parametrize("command", ["generate", "make-model", "serve", "launch", "status"])
+@pytest.mark.parametrize("command", ["generate", "make-model", "serve", "launch", "status",
+                                     "profile", "plan"])
 def test_every_flag_has_help_text(tmp_path: Path, command: str) -> None:
     """argparse prints a flag with no help as its name alone on a line."""
     out = _run(command, "--help", tmp_path=tmp_path).stdout

@@ -18,8 +18,9 @@ from connectors.config import KVTransferConfig
 from pd_cluster.config import EngineArgs
 from pd_cluster.driver.messages import (ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL,
                                         EngineSpec)
-from pd_cluster.serving.cluster.config_sections import (ConfigSection, CpuConfig, ProxyConfig,
-                                                        RayConfig, RoleConfig)
+from pd_cluster.serving.cluster.config_sections import (ConfigSection, CpuConfig,
+                                                        PlannerConfig, ProxyConfig, RayConfig,
+                                                        RoleConfig)
 from pd_cluster.serving.cluster.model_source import resolve_model, served_name
 from pd_cluster.serving.cluster.schema import ConfigError, config_error, set_path
 
@@ -51,6 +52,8 @@ class ClusterConfig(ConfigSection):
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     cpu: CpuConfig = Field(default_factory=CpuConfig)
+    # The SLO controller: engines switched between roles and scaled to the load (off).
+    planner: PlannerConfig = Field(default_factory=PlannerConfig)
 
     @field_validator("engine")
     @classmethod

@@ -236,3 +236,44 @@ class RayConfig(ConfigSection):
     namespace: str = "pd-cluster"  # Ray namespace of the cluster's actors (one cluster each)
     num_cpus: float | None = None  # local instance only; default: what the engines need
     num_gpus: float | None = None  # local instance only; default: the GPUs Ray detects
+
+
+class PlannerConfig(ConfigSection):
+    """The SLO controller (pd_cluster/planner/controller.py; off by default): every interval_s
+    it compares measured TTFT/TPOT and load with the profile's predictions (targets:
+    proxy.slo) and switches engines between roles or scales a role within these bounds.
+    `pd-cluster plan` writes this section; `pd-cluster profile` makes the profile."""
+    enabled: bool = False  # run the controller in the proxy (it needs profile and the actuator)
+    # The cost table `pd-cluster profile` wrote for this model, dtype, device and pipe
+    # (required when enabled).
+    profile: str | None = None
+    interval_s: float = Field(10.0, gt=0)  # s between the controller's looks
+    # After any action, none other for this long (a switched engine drains, then the
+    # measurements need time to show its effect).
+    cooldown_s: float = Field(60.0, ge=0)
+    min_prefill: int = Field(1, ge=1)  # prefill engines at least
+    max_prefill: int = Field(8, ge=1)  # prefill engines at most
+    min_decode: int = Field(1, ge=1)  # decode engines at least
+    max_decode: int = Field(8, ge=1)  # decode engines at most
+    # Engines of both roles together at most (engine slots; null: max_prefill + max_decode).
+    max_engines: int | None = Field(None, ge=2)
+    # A change is made only when it raises the predicted capacity by this share at least
+    # (and the same call came twice in a row): steady load near a threshold does not flap.
+    hysteresis: float = Field(0.15, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "PlannerConfig":
+        if self.min_prefill > self.max_prefill:
+            raise ValueError(f"min_prefill: {self.min_prefill} > max_prefill {self.max_prefill}")
+        if self.min_decode > self.max_decode:
+            raise ValueError(f"min_decode: {self.min_decode} > max_decode {self.max_decode}")
+        if self.max_engines is not None and self.max_engines < self.min_prefill + self.min_decode:
+            raise ValueError(f"max_engines: {self.max_engines} < min_prefill + min_decode")
+        if self.enabled and not self.profile:
+            raise ValueError("profile: the controller needs the cost table (`pd-cluster "
+                             "profile --config FILE --out PROFILE`)")
+        return self
+
+    @property
+    def engine_budget(self) -> int:
+        return self.max_engines or self.max_prefill + self.max_decode

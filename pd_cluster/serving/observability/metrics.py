@@ -87,6 +87,11 @@ class ProxyMetrics:
         self.auth_failures = Counter(
             "pd_auth_failures", "Requests or peers refused for want of a valid key or cluster "
             "secret, by channel (api: the HTTP API)", ["channel"], registry=r)
+        self.planner_decisions = Counter(
+            "pd_planner_decisions", "Changes the SLO controller made (planner.enabled), by "
+            "action (scale_up, scale_down, switch) and reason (prefill_capacity, "
+            "decode_capacity, rebalance, measured_ttft, measured_tpot, idle)",
+            ["action", "reason"], registry=r)
         r.register(_EngineCollector(engines_snapshot))
         r.register(OffloadCollector(engines_snapshot, model_name))
 

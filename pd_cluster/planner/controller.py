@@ -1,0 +1,276 @@
+"""The SLO controller: every interval it takes what the cluster measured (arrival rate,
+prompt and output lengths, TTFT and TPOT of finished requests) over a sliding window, predicts
+each role's per-engine capacity within the targets from the profile (perf_model.py), and makes
+at most one change through the Actuator: scale a role up (short of capacity, room in the
+budget), switch one engine to the role that limits the rate, or scale down (idle).
+
+It never flaps: a change must raise predicted capacity by ``hysteresis`` (twice that to undo
+a switch made within ten cooldowns; or answer a measured miss of one target while the other
+has room), the same change must be called for on two looks in a row, nothing happens during a
+switch or within ``cooldown_s`` of the last change, and a change is not undone within three
+cooldowns on a measured miss alone. Each decision is logged
+with its reason and handed to ``on_decision`` (the proxy counts it in /metrics)."""
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from pd_cluster.driver.messages import ROLE_DECODE, ROLE_PREFILL
+from pd_cluster.planner.actuator import Actuator, Observation, RequestSample
+from pd_cluster.planner.perf_model import PerfModel, Slo
+from pd_cluster.planner.plan import best_split
+from pd_cluster.planner.profile_table import Profile
+from pd_cluster.planner.workload import Workload
+from pd_cluster.serving.cluster.config_sections import PlannerConfig
+
+logger = logging.getLogger(__name__)
+
+MIN_SAMPLES = 8  # finished requests in the window before the controller trusts its lengths
+_MEASURED_SLACK = 0.8  # the other target counts as having room below this share of it
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # scale_up, scale_down, switch
+    role: str  # the role that gains (scale_up, switch) or loses (scale_down) engines
+    reason: str  # prefill_capacity, decode_capacity, rebalance, measured_ttft, measured_tpot, idle
+    detail: str
+    at: float
+    count: int = 1  # engines added, removed or switched
+    engine_ids: tuple[str, ...] = ()  # the engines switched
+
+
+@dataclass
+class ControllerState:
+    """What `pd-cluster status` shows: the split in force and why."""
+    n_prefill: int = 0
+    n_decode: int = 0
+    rate: float = 0.0
+    prefill_capacity: float = 0.0  # req/s per engine within the TTFT target
+    decode_capacity: float = 0.0
+    measured_ttft: float | None = None
+    measured_tpot: float | None = None
+    last: Decision | None = None
+    decisions: int = 0
+
+
+@dataclass
+class _Window:
+    """Looks of the last ``longest`` seconds; the workload is judged from the newest looks
+    covering ``span`` seconds and ``min_arrivals`` arrivals (at a low rate a short span holds
+    too few requests of a mixed workload: its capacities would swing by more than the
+    hysteresis from one look to the next)."""
+    span: float
+    longest: float
+    min_arrivals: int = 40
+    started: float = 0.0  # the time the oldest look kept covers from
+    looks: deque = field(default_factory=deque)  # (time, arrivals, finished samples)
+
+    def add(self, obs: Observation) -> None:
+        self.looks.append((obs.now, list(obs.arrived), list(obs.finished)))
+        while self.looks and self.looks[0][0] <= obs.now - self.longest:
+            self.started = self.looks.popleft()[0]  # the oldest look kept covers from here
+
+    def _recent(self, now: float) -> tuple[list, float]:
+        """The newest looks to judge from, and the seconds they cover."""
+        taken, count = [], 0
+        for look in reversed(self.looks):
+            if look[0] <= now - self.span and count >= self.min_arrivals:
+                break
+            taken.append(look)
+            count += len(look[1])
+        if not taken:
+            return [], 0.0
+        older = len(self.looks) - len(taken) - 1
+        since = self.looks[older][0] if older >= 0 else self.started
+        return taken, now - since
+
+    def rate(self, now: float) -> float:
+        taken, covered = self._recent(now)
+        return sum(len(t[1]) for t in taken) / covered if covered > 0 else 0.0
+
+    def lengths(self, now: float) -> list[tuple[int, int]]:
+        return [a for t in self._recent(now)[0] for a in t[1]]
+
+    def samples(self) -> list[RequestSample]:
+        return [x for t in self.looks for x in t[2]]
+
+
+class Controller:
+    def __init__(self, profile: Profile, slo: Slo, config: PlannerConfig, actuator: Actuator,
+                 max_num_seqs: int = 256, on_decision: Callable[[Decision], None] | None = None,
+                 started: float = 0.0):
+        self.profile, self.slo, self.config, self.actuator = profile, slo, config, actuator
+        self.max_num_seqs = max_num_seqs
+        self.on_decision = on_decision
+        # Long enough for a steady estimate, short enough to see a shift within it.
+        self.window = _Window(max(2 * config.interval_s, 20.0),
+                              max(12 * config.interval_s, 120.0), started=started)
+        self.started = started
+        self.last_action_at = -math.inf
+        self.last: Decision | None = None
+        self.pending: tuple[str, str] | None = None  # the change called for on the last look
+        self.state = ControllerState()
+
+    # ---- one look ------------------------------------------------------------------------
+    def tick(self, obs: Observation) -> Decision | None:
+        """Take one observation; make (and return) at most one change."""
+        self.window.add(obs)
+        views = self.actuator.engines()
+        if any(v.state != "serving" for v in views):
+            self.pending = None  # a change is under way: judge only its result
+            return None
+        n_p = sum(v.role == ROLE_PREFILL for v in views)
+        n_d = sum(v.role == ROLE_DECODE for v in views)
+        lengths = self.window.lengths(obs.now)
+        rate = self.window.rate(obs.now)
+        st = self.state
+        st.n_prefill, st.n_decode, st.rate = n_p, n_d, rate
+        if len(lengths) < MIN_SAMPLES or n_p == 0 or n_d == 0:
+            return None
+        model = PerfModel(self.profile, Workload.from_pairs(lengths), self.slo,
+                          self.max_num_seqs)
+        c_p, c_d = model.prefill_capacity(), model.decode_capacity()
+        st.prefill_capacity, st.decode_capacity = c_p, c_d
+        # measured targets: only requests that arrived after the last change (the split in
+        # force, not the backlog of the one before)
+        recent = [x for x in self.window.samples() if x.arrived_at >= self.last_action_at]
+        st.measured_ttft, st.measured_tpot = self._measured(recent)
+        proposal = self._propose(n_p, n_d, rate, c_p, c_d, len(recent) >= MIN_SAMPLES,
+                                 obs.now)
+        if proposal is None or obs.now - self.last_action_at < self.config.cooldown_s:
+            self.pending = None if proposal is None else self.pending
+            return None
+        action, role, count, reason, detail = proposal
+        if self.pending != (action, role):
+            self.pending = (action, role)  # act only when the next look agrees
+            return None
+        if self._undoes_last(action, role, reason, obs.now):
+            return None
+        return self._act(action, role, count, reason, detail, obs.now, views)
+
+    def _measured(self, samples: list[RequestSample]) -> tuple[float | None, float | None]:
+        q = self.slo.percentile / 100
+        ttft = [s.ttft for s in samples]
+        tpot = [s.tpot for s in samples if s.tpot is not None]
+        return (float(np.quantile(ttft, q)) if ttft else None,
+                float(np.quantile(tpot, q)) if tpot else None)
+
+    def _propose(self, n_p: int, n_d: int, rate: float, c_p: float, c_d: float,
+                 settled: bool, now: float) -> tuple[str, str, int, str, str] | None:
+        cfg, h = self.config, self.config.hysteresis
+        n = n_p + n_d
+        cap_p, cap_d = n_p * c_p, n_d * c_d
+        cap = min(cap_p, cap_d)
+        short = ROLE_PREFILL if cap_p <= cap_d else ROLE_DECODE
+        why = f"rate {rate:.3g}/s, capacity P {n_p}x{c_p:.3g} D {n_d}x{c_d:.3g} req/s"
+        reason = "prefill_capacity" if short == ROLE_PREFILL else "decode_capacity"
+        # 1. short of capacity with room to grow: new engines for the limiting role
+        room = min(cfg.engine_budget - n, self._room(short, n_p, n_d))
+        if cap < rate * (1 + h) and room > 0:
+            per = c_p if short == ROLE_PREFILL else c_d
+            have = n_p if short == ROLE_PREFILL else n_d
+            need = math.ceil(rate * (1 + h) / per) - have if per > 0 else room
+            return "scale_up", short, max(1, min(need, room)), reason, why
+        # 2. a better split of the engines there are (all the way there in one change)
+        bounds = (cfg.min_prefill, cfg.max_prefill, cfg.min_decode, cfg.max_decode)
+        try:
+            bp, bd = best_split(c_p, c_d, n, bounds)
+        except ValueError:
+            return None
+        gain = ROLE_PREFILL if bp > n_p else ROLE_DECODE
+        # undoing a recent switch takes twice the margin: a noisy estimate (few requests of
+        # a mixed workload) must not swing engines back and forth
+        margin = 2 * h if self._reverses(gain, now) else h
+        if bp != n_p and min(bp * c_p, bd * c_d) > cap * (1 + margin) and rate > 0:
+            return ("switch", gain, abs(bp - n_p), reason if gain == short else "rebalance",
+                    f"{why}; best split {bp}P:{bd}D")
+        # 3. a measured miss of one target while the other has room
+        miss = self._measured_miss() if settled else None
+        p2, d2 = (n_p + 1, n_d - 1) if miss == ROLE_PREFILL else (n_p - 1, n_d + 1)
+        best = min(bp * c_p, bd * c_d)
+        if (miss is not None and self._can_move_to(miss, n_p, n_d, rate, c_p, c_d)
+                and min(p2 * c_p, d2 * c_d) * (1 + h) >= best):  # step 2 would not undo it
+            if n < cfg.engine_budget and self._room(miss, n_p, n_d) > 0:
+                return "scale_up", miss, 1, _MISS_REASON[miss], why
+            return "switch", miss, 1, _MISS_REASON[miss], why
+        # 4. idle: one engine fewer still leaves twice the headroom
+        if n > cfg.min_prefill + cfg.min_decode and miss is None:
+            for role in (ROLE_PREFILL, ROLE_DECODE):
+                p2, d2 = (n_p - 1, n_d) if role == ROLE_PREFILL else (n_p, n_d - 1)
+                if (p2 >= cfg.min_prefill and d2 >= cfg.min_decode
+                        and min(p2 * c_p, d2 * c_d) > 2 * rate * (1 + 2 * h)):
+                    return "scale_down", role, 1, "idle", why
+        return None
+
+    def _measured_miss(self) -> str | None:
+        st, slo = self.state, self.slo
+        if st.measured_ttft is None or st.measured_tpot is None:
+            return None
+        if st.measured_ttft > slo.ttft_s and st.measured_tpot < _MEASURED_SLACK * slo.tpot_s:
+            return ROLE_PREFILL
+        if st.measured_tpot > slo.tpot_s and st.measured_ttft < _MEASURED_SLACK * slo.ttft_s:
+            return ROLE_DECODE
+        return None
+
+    def _room(self, role: str, n_p: int, n_d: int) -> int:
+        """Engines ``role`` may still gain within its bound."""
+        cfg = self.config
+        return cfg.max_prefill - n_p if role == ROLE_PREFILL else cfg.max_decode - n_d
+
+    def _can_move_to(self, role: str, n_p: int, n_d: int, rate: float, c_p: float,
+                     c_d: float) -> bool:
+        """Moving one engine to ``role`` keeps the other role within its predicted capacity."""
+        cfg = self.config
+        if role == ROLE_PREFILL:
+            return n_p < cfg.max_prefill and (n_d - 1 >= cfg.min_decode
+                                              and (n_d - 1) * c_d >= rate)
+        return n_d < cfg.max_decode and n_p - 1 >= cfg.min_prefill and (n_p - 1) * c_p >= rate
+
+    def _reverses(self, role: str, now: float) -> bool:
+        """A switch to ``role`` would undo the last change (a switch the other way, within
+        ten cooldowns)."""
+        last = self.last
+        return (last is not None and last.action == "switch" and last.role != role
+                and now - last.at < 10 * self.config.cooldown_s)
+
+    def _undoes_last(self, action: str, role: str, reason: str, now: float) -> bool:
+        last = self.last
+        if last is None or not reason.startswith("measured"):
+            return False
+        inverse = (last.action == "switch" and action == "switch" and last.role != role) or \
+            ({last.action, action} == {"scale_up", "scale_down"} and last.role == role)
+        return inverse and now - last.at < 3 * self.config.cooldown_s
+
+    # ---- acting --------------------------------------------------------------------------
+    def _act(self, action: str, role: str, count: int, reason: str, detail: str, now: float,
+             views: list) -> Decision:
+        engine_ids: tuple[str, ...] = ()
+        have = sum(v.role == role for v in views)
+        if action == "scale_up":
+            self.actuator.scale(role, have + count)
+        elif action == "scale_down":
+            self.actuator.scale(role, have - count)
+        else:  # the donor's least loaded engines switch
+            donor = ROLE_DECODE if role == ROLE_PREFILL else ROLE_PREFILL
+            pool = sorted((v for v in views if v.role == donor), key=lambda v: v.load)
+            engine_ids = tuple(v.id for v in pool[:count])
+            for engine_id in engine_ids:
+                self.actuator.switch_role(engine_id, role)
+        decision = Decision(action, role, reason, detail, now, count, engine_ids)
+        logger.info("planner: %s %d %s%s (%s): %s", action, count, role,
+                    f" ({', '.join(engine_ids)})" if engine_ids else "", reason, detail)
+        self.last, self.last_action_at, self.pending = decision, now, None
+        self.state.last = decision
+        self.state.decisions += 1
+        if self.on_decision is not None:
+            self.on_decision(decision)
+        return decision
+
+
+_MISS_REASON = {ROLE_PREFILL: "measured_ttft", ROLE_DECODE: "measured_tpot"}
