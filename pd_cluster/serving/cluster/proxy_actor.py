@@ -33,9 +33,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 class ProxyActor:
     def __init__(self, config: dict[str, Any], engines: list[dict[str, str]], namespace: str,
-                 secrets: dict[str, Any] | None = None):
+                 secrets: dict[str, Any] | None = None, detached: bool = False):
         """``secrets`` (handed through Ray, never the config): ``cluster`` (the cluster
-        secret its sessions prove) and ``api_keys`` (resolved in the launching shell)."""
+        secret its sessions prove) and ``api_keys`` (resolved in the launching shell).
+        ``detached``: engines it adds at run time (scaling.py) outlive their creator too."""
         import ray
         import uvicorn
 
@@ -50,7 +51,11 @@ class ProxyActor:
         cfg = ClusterConfig.from_dict(config)
         handles = [(e["name"], e["role"], ray.get_actor(e["name"], namespace=namespace))
                    for e in engines]
-        self.app = create_app(cfg, handles, secrets.get("api_keys"))
+        from pd_cluster.serving.cluster.engine_starter import EngineStarter
+        from pd_cluster.serving.cluster.launcher import engine_env
+        starter = EngineStarter(cfg, namespace, secrets.get("cluster"), detached,
+                                engine_env(cfg))
+        self.app = create_app(cfg, handles, secrets.get("api_keys"), starter)
         self.sock = bind_socket(cfg.proxy.host, cfg.proxy.port)
         port = self.sock.getsockname()[1]
         host = cfg.proxy.host
