@@ -59,7 +59,10 @@ def run_scale(args: argparse.Namespace) -> int:
 
 def post(url: str, path: str, body: dict[str, Any]) -> tuple[bool, list[str]]:
     """(ok, what to print) for one admin call."""
+    import logging
+
     import httpx
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no per-request INFO lines here
     key = os.environ.get("PD_CLUSTER_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
