@@ -40,7 +40,6 @@ from pd_cluster.serving.api.responses_format import ResponsesFormatter
 from pd_cluster.serving.api.shutdown import Drain, DrainGate, until_shutdown
 from pd_cluster.serving.api.tool_format import ToolChatFormatter
 from pd_cluster.serving.api.tools import tool_plan
-from pd_cluster.serving.api.admin_routes import add_admin_routes
 from pd_cluster.serving.api.utility_routes import add_utility_routes
 from pd_cluster.serving.cluster.cluster_config import ClusterConfig
 from pd_cluster.serving.routing.legs import StreamEvent

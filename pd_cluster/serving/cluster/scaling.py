@@ -173,12 +173,9 @@ class LiveActuator:
         await self._forget_consumer(e)
         self.pool.remove(e)
         channel = self.pool.token_channel
-        for call in ((e.handle.close_output.remote(channel.session),) if channel else ()) + (
-                e.handle.shutdown.remote(),):
-            try:
-                await asyncio.wait_for(call, _STOP_TIMEOUT)
-            except Exception:  # noqa: BLE001 - it is killed next anyway
-                pass
+        if channel is not None:  # this proxy's session closes first
+            await _quietly(e.handle.close_output.remote(channel.session))
+        await _quietly(e.handle.shutdown.remote())  # its engine thread and connector stop
         kill(e.handle)
         self._count("remove")
         done.append(f"removed {e.name} ({e.role}; {moved} request(s) moved off it)")
@@ -233,7 +230,7 @@ class LiveActuator:
         self.pool.routers.setdefault(role, create_router(self.pool.config.routing))
         await self._join(e)
 
-    # ---- joining: health, token path, KV links ----------------------------------------------------
+    # ---- joining: health, token path, KV links --------------------------------------------
     async def _join(self, e: EngineState) -> None:
         """Until ``e`` is healthy (its token path open) and KV-linked with every serving
         engine of the other role (bounded)."""
@@ -277,6 +274,13 @@ class LiveActuator:
     def _count(self, action: str) -> None:
         if self.metrics is not None:
             self.metrics.scaling.labels(action).inc()
+
+
+async def _quietly(ref: Any) -> None:
+    try:
+        await asyncio.wait_for(ref, _STOP_TIMEOUT)
+    except Exception:  # noqa: BLE001 - the engine is killed next anyway
+        pass
 
 
 def _index(name: str) -> int:

@@ -180,5 +180,5 @@ class Sent:
         self.prompt_logprobs_sent = self.prompt_logprobs_sent or ev.prompt_logprobs is not None
 
 
-__all__ = ["EngineDraining", "EngineFailed", "GenerateJob", "Leg", "LegKind", "Output", "Sent", "SharedPrefix",
-           "StreamEvent"]
+__all__ = ["EngineDraining", "EngineFailed", "GenerateJob", "Leg", "LegKind", "Output", "Sent",
+           "SharedPrefix", "StreamEvent"]
