@@ -106,6 +106,12 @@ class KVReceiver:
             peers = state.peers if state else staged_peers
             return [(peer, request_id, False) for peer in sorted(peers)]
 
+    def staging_bytes(self) -> int:
+        return self._staging.nbytes
+
+    def num_receiving(self) -> int:
+        return len(self._active)
+
     def take_finished(self) -> dict[str, int | None]:
         """Completed receives (first token) and expired ones (None: fall back)."""
         now = time.monotonic()

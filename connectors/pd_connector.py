@@ -28,8 +28,9 @@ from connectors.metadata import (AckHeader, FinHeader, FinishSpec, HoldHeader,
                                  KVConnectorMetadata, RenewHeader, SendSpec,
                                  decode_header, encode_header)
 from connectors.pd_producer import PDProducer
+from connectors.pd_roles import PDRoles
 from connectors.pd_scheduler import PDConnectorScheduler
-from connectors.hello import hello_mismatch, make_hello
+from connectors.hello import make_hello
 from connectors.send_leases import SendLeases
 from connectors.tp_topology import Route, routes_for, split_endpoint
 from connectors.pipes.base import PipeError, create_pipe
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 _SKIP_ALL = 1 << 62  # "held" tokens after a NACK: the consumer wants nothing of the request
 
 
-class PDConnectorWorker(PDProducer, KVConnectorBase_Worker):
+class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
     def __init__(self, config: KVTransferConfig, engine_info: dict[str, Any]):
         self.config = config
         # Tensor parallelism: this rank's place; num_kv_heads in the hello is the model's total.
@@ -50,10 +51,10 @@ class PDConnectorWorker(PDProducer, KVConnectorBase_Worker):
         self.receiver = KVReceiver(engine_info["num_layers"], engine_info["block_size"],
                                    config.kv_transfer_timeout, config.max_staging_bytes,
                                    config.record_timings)
-        self._endpoint = None
+        self._endpoint: str | None = None
+        self._listening = False
         if config.is_consumer:
-            self.pipe.set_handshake_validator(self._validate_hello, info=self.hello)
-            self._endpoint = self.pipe.listen()
+            self._listen()
         self._meta: KVConnectorMetadata | None = None
         self.sender = LayerSender(self.pipe, config.pipe_config.max_inflight_bytes,
                                   config.kv_transfer_timeout)
@@ -84,18 +85,12 @@ class PDConnectorWorker(PDProducer, KVConnectorBase_Worker):
         self._thread = threading.Thread(target=self._recv_loop, name="kv-recv", daemon=True)
         self._thread.start()
 
-    # ---- set-up --------------------------------------------------------------------------
-    def endpoint(self) -> str | None:
-        return self._endpoint
-
+    # ---- set-up (endpoint, set_role, holds: pd_roles.py) ----------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
         self.receiver.kv_caches = kv_caches
         if self.config.is_producer and kv_caches:
             self.sender.use_device(kv_caches[0].device)
-
-    def _validate_hello(self, hello: dict) -> str | None:
-        return hello_mismatch(self.hello, hello)
 
     # ---- peers: the consumers this producer sends to ------------------------------------
     def connect_peer(self, peer: str, tag: str | None = None) -> None:

@@ -59,6 +59,11 @@ class SendLeases:
                 self.send_seconds += time.monotonic() - started
             self._done.add(request_id)
 
+    def num_held(self) -> int:
+        """Finished sends whose blocks still wait for the consumer's answer."""
+        with self._lock:
+            return len(self._expires)
+
     def drop(self, request_id: str) -> None:
         """Nothing to wait for (the send failed, or no consumer can answer): free now."""
         with self._lock:

@@ -102,3 +102,53 @@ def test_tp2_prefill_to_tp1_decode_and_a_killed_worker(cluster) -> None:
                                                   offline.generate(prompts[:4], params)]
     wait_idle(cluster.url, timeout=60)
     assert leak_reports(cluster) == {}
+
+
+def test_the_tp2_engine_switches_role_under_load(cluster) -> None:
+    """Issue 40: decode-1 turns prefill (so the TP2 prefill-0 is not the last prefill engine),
+    then prefill-0 turns decode while requests run, and everything turns back: outputs equal
+    offline, the TP2 engine keeps its ranks (no reload) and advertises one KV endpoint per
+    rank as a consumer, and nothing is held after."""
+    import ray
+    offline = LLM(model=resolve_model("tiny-llama"), num_kv_blocks=512, max_model_len=512)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    wait_until(lambda: all(e["healthy"] and e["state"] == "serving"
+                           for e in cluster_status(cluster.url)["engines"]), 300, "all serving")
+    before = {e["name"]: e for e in cluster_status(cluster.url)["engines"]}
+
+    def switch(engine: str, role: str) -> None:
+        r = httpx.post(f"{cluster.url}/admin/switch_role", json={"engine": engine, "role": role},
+                       timeout=300)
+        assert r.status_code == 200, r.text
+
+    async def under_load(prompts: list[list[int]]) -> tuple[httpx.Response, list[list[int]]]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=300) as http:
+            tasks = [asyncio.create_task(_complete(http, p, 48)) for p in prompts]
+            deadline = asyncio.get_running_loop().time() + 60
+            while not (await http.get("/cluster/status")).json()["inflight"]:
+                assert asyncio.get_running_loop().time() < deadline, "nothing in flight"
+                await asyncio.sleep(0.05)
+            reply = await http.post("/admin/switch_role",
+                                    json={"engine": "prefill-0", "role": "decode"})
+            return reply, await asyncio.gather(*tasks)
+
+    switch("decode-1", "prefill")
+    prompts = work(8, seed=3)
+    reply, got = asyncio.run(under_load(prompts))
+    assert reply.status_code == 200, reply.text
+    assert got == [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+    st = {e["name"]: e for e in wait_idle(cluster.url, timeout=60)["engines"]}
+    assert st["prefill-0"]["role"] == "decode"
+    assert st["prefill-0"]["stats"]["tp_pids"] == before["prefill-0"]["stats"]["tp_pids"]
+    assert len(st["prefill-0"]["kv_endpoint"].split("|")) == 2
+    more = work(6, seed=4)  # through the TP2 engine as a decode engine now
+    assert _run(cluster.url, more, 48) == [o.outputs[0].token_ids
+                                           for o in offline.generate(more, params)]
+    switch("prefill-0", "prefill")
+    switch("decode-1", "decode")
+    assert _run(cluster.url, more, 48) == [o.outputs[0].token_ids
+                                           for o in offline.generate(more, params)]
+    wait_idle(cluster.url, timeout=60)
+    assert leak_reports(cluster) == {}
+    holds = ray.get([h.kv_holds.remote() for h in cluster.engines.values()], timeout=30)
+    assert all(not any(h.values()) for h in holds), holds

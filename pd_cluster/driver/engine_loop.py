@@ -70,6 +70,15 @@ class EngineLoop:
         self._cmds.put(("call", fn, fut))
         return fut
 
+    def end_lending(self) -> Future:
+        """This engine no longer lends or borrows cores (its role changed: lending is set up
+        per role at start); done on the engine thread, between steps."""
+        def end(_engine: Any) -> None:
+            if self._lending is not None:
+                self._lending.close()
+                self._lending = None
+        return self.call(end)
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._cmds.put(("wake",))
@@ -104,6 +113,8 @@ class EngineLoop:
                 if lender is not None and not busy:
                     lender.publish()  # idle: what a newcomer absorbs (renewed every wait)
                 self._drain(block=not busy)
+                if self._lending is None:  # ended by end_lending (a role switch)
+                    lender = borrower = None
                 if not self.engine.has_unfinished_requests():
                     continue
                 if lender is not None:

@@ -118,6 +118,7 @@ class EngineStatus(Msg, frozen=True):
     name: str
     role: str
     healthy: bool
+    state: str = "serving"  # serving | starting | draining (serving/cluster/scaling.py)
     inflight: int = 0
     restarts: int = 0
     pid: int = 0

@@ -160,6 +160,20 @@ class Executor:
             self.workers.peer_op("disconnect", endpoint, None)
         self.runner.connector.disconnect_peer(endpoint)
 
+    def set_kv_role(self, role: str) -> str | None:
+        """Flip every rank's connector to ``role`` (a drained engine; connectors/pd_roles.py);
+        returns the engine's new KV endpoint (None for a producer)."""
+        seq = self.workers.peer_op("role", role, None) if self.workers else None
+        self.runner.connector.set_role(role)
+        if seq is not None:
+            self.workers.wait_peer_op(seq, self.config.collective_timeout)
+        return self.kv_endpoint()
+
+    def kv_holds(self) -> dict[str, int]:
+        """What rank 0's connector holds for transfers (pd_roles.holds; the ranks move in
+        lockstep, so rank 0 answers for the engine)."""
+        return self.runner.connector.holds() if self.runner.connector is not None else {}
+
     def connector_stats(self) -> dict[str, Any]:
         """Rank 0's connector stats, KV byte counters summed over the ranks."""
         stats = dict(self.runner.connector.stats())

@@ -87,6 +87,24 @@ class LLMEngine:
         """Consumers this producer has a working handshake with (endpoint -> tag)."""
         return self.runner.connector.peers() if self.runner.connector else {}
 
+    def set_kv_role(self, role: str, max_prefill_tokens_per_step: int | None = None
+                    ) -> str | None:
+        """Switch a drained engine's KV role (producer | consumer | both) in place, weights and
+        cache kept, and the per-step prefill cap that goes with it; returns the new KV
+        endpoint (None for a producer). ValueError while a request is in flight."""
+        if self.runner.connector is None:
+            raise ValueError("kv_transfer: this engine has no KV connector")
+        if self.has_unfinished_requests():
+            raise ValueError("role: the engine still has requests in flight; drain it first")
+        endpoint = self.executor.set_kv_role(role)
+        self.scheduler.config = self.scheduler.config.model_copy(
+            update={"max_prefill_tokens_per_step": max_prefill_tokens_per_step})
+        return endpoint
+
+    def kv_holds(self) -> dict[str, int]:
+        """What the KV connector still holds (staging bytes, receives, send leases)."""
+        return self.executor.kv_holds()
+
     def close(self) -> None:
         """Stop the connector, any tensor-parallel workers and the grammar compilers."""
         self.grammars.close()

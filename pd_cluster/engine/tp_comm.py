@@ -32,7 +32,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 class PeerOp(msgspec.Struct, tag="peer"):
     """Connect (handshake, off the step path: a worker runs it in a thread and reports under
     ``peerop/<seq>/<rank>`` in the store) or disconnect a KV peer on every rank."""
-    op: str  # "connect" | "disconnect"
+    op: str  # "connect" | "disconnect" | "role" (endpoint: the connector's new role)
     endpoint: str
     tag: str | None
     seq: int

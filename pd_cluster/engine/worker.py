@@ -97,6 +97,8 @@ def _peer_op(connector: Any, op: PeerOp, store: Any, rank: int) -> None:
     try:
         if op.op == "connect":
             connector.connect_peer(op.endpoint, op.tag)
+        elif op.op == "role":  # ``endpoint`` names the role; the new endpoint is published
+            store.set(f"endpoint/{rank}", connector.set_role(op.endpoint) or "")
         else:
             connector.disconnect_peer(op.endpoint)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it

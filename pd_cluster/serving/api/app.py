@@ -11,6 +11,7 @@ HTTP errors and can still be retried; later failures end the stream with an erro
 """
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import logging
@@ -23,6 +24,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pd_cluster.serving.api.admin_routes import add_admin_routes
 from pd_cluster.serving.api.auth import APIKeyAuth, resolve_api_keys
 from pd_cluster.serving.api.choices import choice_jobs, merged
 from pd_cluster.serving.api.client_watch import ClientDisconnected, ClientWatch, SSEResponse
@@ -225,18 +227,19 @@ def _plan(state: ProxyState, req: Any, chat: bool, rid: str, prompts: list[list[
 
 
 def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]],
-               api_keys: list[str] | None = None) -> FastAPI:
+               api_keys: list[str] | None = None, starter: Any = None) -> FastAPI:
     """The proxy app over ``engines`` = [(name, role, Ray actor handle)]. ``api_keys``: the
     keys clients must send (None: resolved from ``cfg.proxy`` and this process's environment;
     the launcher resolves them in the user's shell and hands them over through Ray)."""
     if api_keys is None:
         api_keys = resolve_api_keys(cfg.proxy.api_key, cfg.proxy.api_key_env)
-    state = ProxyState(cfg, engines)
+    state = ProxyState(cfg, engines, starter)  # starter: engines added at run time
     state.drain = Drain(lambda: state.inflight)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.pool.start()
+        state.actuator.bind(asyncio.get_running_loop())
         # Everything loaded so far (torch, transformers, the tokenizer: millions of objects)
         # lives as long as the proxy: out of the collector's sight, a full collection no
         # longer walks it (it cost ~1 ms per streamed request, measured in bench_proxy).
@@ -280,6 +283,7 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]],
         return await handle_generate(state, request, chat=True, responses=True)
 
     add_utility_routes(app, state)
+    add_admin_routes(app, state, bool(api_keys))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -12,6 +12,7 @@ from pd_cluster.serving.api.openai_schemas import ChatCompletionRequest, Complet
 from pd_cluster.serving.api.tools import template_messages
 from pd_cluster.serving.api.unknown_fields import UnknownFields
 from pd_cluster.serving.cluster.cluster_config import ClusterConfig, resolve_model
+from pd_cluster.serving.cluster.scaling import LiveActuator
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.admission import Admission
 from pd_cluster.serving.routing.dispatch import Dispatcher
@@ -23,7 +24,10 @@ MAX_CHOICES = 256  # prompts x n in one request
 
 
 class ProxyState:
-    def __init__(self, cfg: ClusterConfig, engines: list[tuple[str, str, Any]]):
+    def __init__(self, cfg: ClusterConfig, engines: list[tuple[str, str, Any]],
+                 starter: Any = None):
+        """``starter``: an EngineStarter (serving/cluster/engine_starter.py) when this proxy
+        may start engines (launched on Ray); without one it can only remove or switch."""
         from transformers import AutoTokenizer
 
         from pd_cluster.config import read_hf_config
@@ -45,6 +49,7 @@ class ProxyState:
         self.dispatcher = Dispatcher(self.pool, cfg.mode, self.metrics, channel,
                                      cfg.proxy.max_retries, cfg.proxy.max_migrations,
                                      cfg.proxy.stream_interval)
+        self.actuator = LiveActuator(self.pool, cfg, starter, self.metrics)
         self.admission = Admission(cfg.proxy.max_inflight, cfg.proxy.max_queue, self.metrics)
         self.inflight = 0  # requests in the proxy, queued ones included
         self.unknown_fields = UnknownFields()  # request fields ignored (each logged once)

@@ -44,6 +44,9 @@ def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--address", default=None, help="Ray address (default: the launch record)")
     t.set_defaults(run=run_stop)
 
+    from pd_cluster.serving.cluster.cli_scale import add_scale_command
+    add_scale_command(sub)
+
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default=None, help=f"default: {_DEFAULT_NAMESPACE}")
@@ -222,14 +225,15 @@ def run_status(args: argparse.Namespace) -> int:
     proxy_node = body.get("proxy", {}).get("node_ip", "?")
     print(f"{body['mode']} cluster serving {body['model']} at {url} (proxy on node "
           f"{proxy_node}); {body['inflight']} request(s) in flight")
-    cols = ("ENGINE", "ROLE", "HEALTH", "RUNNING", "WAITING", "KV_USED", "KV_FREE", "KV_LINKS",
-            "INFLIGHT", "RESTARTS", "PID", "NODE", "TP")
+    cols = ("ENGINE", "ROLE", "HEALTH", "STATE", "RUNNING", "WAITING", "KV_USED", "KV_FREE",
+            "KV_LINKS", "INFLIGHT", "RESTARTS", "PID", "NODE", "TP")
     rows = [cols]
     for e in body["engines"]:
         s = e.get("stats", {})
         # Ranks: rank 0 is the engine's process, the others its children on the same node.
         tp = s.get("tensor_parallel_size", 1)
         rows.append((e["name"], e["role"], "ok" if e["healthy"] else "UNHEALTHY",
+                     e.get("state", "serving"),
                      s.get("num_running", "?"), s.get("num_waiting", "?"),
                      s.get("kv_blocks_used", "?"), s.get("kv_blocks_free", "?"),
                      e.get("kv_peers", 0) if e["role"] == "prefill" else "-", e["inflight"],

@@ -123,28 +123,28 @@ class ClusterConfig(ConfigSection):
         return {ROLE_PREFILL: self.prefill, ROLE_DECODE: self.decode}
 
     def engine_specs(self) -> list[EngineSpec]:
-        specs = []
-        for role, rc in self.roles.items():
-            args = dict(self.engine)
-            if role in _KV_ROLE:
-                args["kv_transfer"] = kv_for_role(self.kv_transfer, role)
-            if rc.tensor_parallel_size > 1:
-                args["tensor_parallel_size"] = rc.tensor_parallel_size
-            cap = prefill_cap(role, rc, self.engine)
-            if cap is not None:
-                args["max_prefill_tokens_per_step"] = cap
-            for i in range(rc.replicas):
-                name = f"{role}-{i}"
-                specs.append(EngineSpec(name=name, role=role, model=self.model,
-                                        engine_args=own_disk_tier(args, name),
-                                        num_cpus=rc.num_cpus,
-                                        num_gpus=rc.num_gpus,
-                                        pin_threads=self.cpu.pin_threads,
-                                        reserve_cores=self.cpu.reserve_cores,
-                                        lend_cores=self._lends(role, rc),
-                                        tpot_target_s=self.proxy.slo.tpot_ms / 1e3,
-                                        slo_percentile=self.proxy.slo.percentile))
-        return specs
+        return [self.engine_spec(role, f"{role}-{i}")
+                for role, rc in self.roles.items() for i in range(rc.replicas)]
+
+    def engine_spec(self, role: str, name: str) -> EngineSpec:
+        """The spec of one engine of ``role`` named ``name`` (at launch, and for engines a
+        running cluster adds or switches to this role: serving/cluster/scaling.py)."""
+        rc = self.roles[role]
+        args = dict(self.engine)
+        if role in _KV_ROLE:
+            args["kv_transfer"] = kv_for_role(self.kv_transfer, role)
+        if rc.tensor_parallel_size > 1:
+            args["tensor_parallel_size"] = rc.tensor_parallel_size
+        cap = prefill_cap(role, rc, self.engine)
+        if cap is not None:
+            args["max_prefill_tokens_per_step"] = cap
+        return EngineSpec(name=name, role=role, model=self.model,
+                          engine_args=own_disk_tier(args, name), num_cpus=rc.num_cpus,
+                          num_gpus=rc.num_gpus, pin_threads=self.cpu.pin_threads,
+                          reserve_cores=self.cpu.reserve_cores,
+                          lend_cores=self._lends(role, rc),
+                          tpot_target_s=self.proxy.slo.tpot_ms / 1e3,
+                          slo_percentile=self.proxy.slo.percentile)
 
     def _lends(self, role: str, rc: RoleConfig) -> bool:
         """Engines of ``role`` take part in core lending (disaggregated, CPU, one rank)."""

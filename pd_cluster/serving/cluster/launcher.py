@@ -56,7 +56,8 @@ class Cluster:
             return
         self._down = True
         drain_proxy(self.proxy)  # in-flight requests finish (or end) before engines stop
-        kill_actors(self.proxy, self.engines.values())
+        # the engines launched and any the proxy added since (`pd-cluster scale`)
+        kill_actors(self.proxy, {**self.engines, **named_engines(self.namespace)}.values())
         self.placement.release()
         ClusterState(self.namespace, None, "", [], False, 0).remove()
         self.runtime.disconnect()
@@ -81,6 +82,23 @@ def drain_proxy(proxy: Any) -> None:
         print(f"drained: {result['in_flight'] - result['ended']} of {result['in_flight']} "
               f"request(s) in flight finished, {result['ended']} ended with 'server shutting "
               f"down' ({result['seconds']}s)", flush=True)
+
+
+def named_engines(namespace: str) -> dict[str, Any]:
+    """Every engine actor alive in ``namespace`` by name (the proxy excluded)."""
+    import ray
+    try:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == namespace and a["name"] != PROXY_NAME]
+    except Exception:  # noqa: BLE001 - Ray gone: the launched ones are killed anyway
+        return {}
+    out = {}
+    for name in names:
+        try:
+            out[name] = ray.get_actor(name, namespace=namespace)
+        except ValueError:  # gone meanwhile
+            pass
+    return out
 
 
 def kill_actors(proxy: Any, engines: Any) -> None:
@@ -144,7 +162,7 @@ def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = 
             max_restarts=config.proxy.max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         ).remote(config.to_dict(), [{"name": s.name, "role": s.role} for s in specs], ns,
-                 {"cluster": secret, "api_keys": api_keys})
+                 {"cluster": secret, "api_keys": api_keys}, detach)
         url = ray.get(proxy.url.remote(), timeout=ready_timeout)
     except BaseException:
         kill_actors(proxy, engines.values())

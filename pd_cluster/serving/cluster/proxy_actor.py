@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 
 _START_TIMEOUT = 120.0  # s: tokenizer load + first health check of every engine
 _STOP_TIMEOUT = 10.0
+_ROLE_TIMEOUT = 10.0  # s: an engine's answer to "which role now" when the proxy starts
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -33,9 +34,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 class ProxyActor:
     def __init__(self, config: dict[str, Any], engines: list[dict[str, str]], namespace: str,
-                 secrets: dict[str, Any] | None = None):
+                 secrets: dict[str, Any] | None = None, detached: bool = False):
         """``secrets`` (handed through Ray, never the config): ``cluster`` (the cluster
-        secret its sessions prove) and ``api_keys`` (resolved in the launching shell)."""
+        secret its sessions prove) and ``api_keys`` (resolved in the launching shell).
+        ``detached``: engines it adds at run time (scaling.py) outlive their creator too."""
         import ray
         import uvicorn
 
@@ -48,9 +50,12 @@ class ProxyActor:
         if secrets.get("cluster"):
             install(secrets["cluster"])
         cfg = ClusterConfig.from_dict(config)
-        handles = [(e["name"], e["role"], ray.get_actor(e["name"], namespace=namespace))
-                   for e in engines]
-        self.app = create_app(cfg, handles, secrets.get("api_keys"))
+        handles = current_engines(engines, namespace)
+        from pd_cluster.serving.cluster.engine_starter import EngineStarter
+        from pd_cluster.serving.cluster.launcher import engine_env
+        starter = EngineStarter(cfg, namespace, secrets.get("cluster"), detached,
+                                engine_env(cfg))
+        self.app = create_app(cfg, handles, secrets.get("api_keys"), starter)
         self.sock = bind_socket(cfg.proxy.host, cfg.proxy.port)
         port = self.sock.getsockname()[1]
         host = cfg.proxy.host
@@ -118,6 +123,31 @@ class ProxyActor:
             self.sock.close()
         except OSError:
             pass
+
+
+def current_engines(launched: list[dict[str, str]], namespace: str
+                    ) -> list[tuple[str, str, Any]]:
+    """(name, role, handle) of every engine in ``namespace``: the launched ones and any added
+    since (`pd-cluster scale`), each with the role it serves now (it may have switched), for a
+    proxy that Ray restarted. An engine that does not answer keeps its launch role."""
+    import ray
+
+    from pd_cluster.serving.cluster.launcher import named_engines
+    roles = {e["name"]: e["role"] for e in launched}
+    handles = named_engines(namespace)  # a launched engine scaled down since is not among them
+    for e in launched:
+        if e["name"] not in handles:  # the listing failed: ask for it by name
+            try:
+                handles[e["name"]] = ray.get_actor(e["name"], namespace=namespace)
+            except ValueError:  # removed by a scale-down
+                pass
+    refs = {name: h.health.remote() for name, h in handles.items()}
+    for name, ref in refs.items():
+        try:
+            roles[name] = ray.get(ref, timeout=_ROLE_TIMEOUT)["role"]
+        except Exception:  # noqa: BLE001 - down now: the health checks take it from here
+            pass
+    return [(name, roles[name], h) for name, h in handles.items() if name in roles]
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:

@@ -19,6 +19,8 @@ import threading
 import uuid
 from typing import Any
 
+import msgspec
+
 from pd_cluster.driver.core_lending import make_lending
 from pd_cluster.driver.cpu_setup import CoreClaim, claim_cores
 from pd_cluster.driver.engine_loop import EngineLoop
@@ -153,6 +155,23 @@ class EngineActor:
                 return endpoint, f"{type(e).__name__}: {e}"[:500]
             return endpoint, None
         return dict(await asyncio.gather(*(one(ep, tag) for ep, tag in peers.items())))
+
+    async def switch_role(self, role: str, kv_role: str, prefill_cap: int | None = None,
+                          timeout: float = 60.0) -> dict[str, Any]:
+        """Become a ``role`` engine in place (weights and cache kept): the connector turns
+        ``kv_role`` (on every rank), the scheduler takes the role's prefill cap, core lending
+        ends. The caller drained the engine first (a request in flight: ValueError)."""
+        fut = self.loop.call(lambda engine: engine.set_kv_role(kv_role, prefill_cap))
+        self.kv_endpoint = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+        await asyncio.wait_for(asyncio.wrap_future(self.loop.end_lending()), timeout)
+        self.spec = msgspec.structs.replace(self.spec, role=role)
+        logger.info("%s is now a %s engine (kv endpoint %s)", self.spec.name, role,
+                    self.kv_endpoint)
+        return self._info().to_dict()
+
+    async def kv_holds(self) -> dict[str, int]:
+        """What the KV connector still holds (all zero on a drained engine)."""
+        return self.engine.kv_holds()
 
     # ---- the token path: output sessions ---------------------------------------------------
     async def open_output(self, session: str, proxy_node_id: str) -> str:

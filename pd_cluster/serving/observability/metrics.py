@@ -52,6 +52,12 @@ class ProxyMetrics:
         self.migrations = Counter(
             "pd_migrations", "Requests resumed on another engine after theirs failed mid-stream",
             registry=r)
+        self.drain_moves = Counter(
+            "pd_drain_moves", "Requests moved off an engine that was draining (scaled down "
+            "or switching role), continued on another", registry=r)
+        self.scaling = Counter(
+            "pd_scaling_operations", "Engines added, removed and switched between roles on "
+            "the running cluster, by action", ["action"], registry=r)
         self.degraded = Counter(
             "pd_degraded_requests", "Requests served by one engine in a disaggregated cluster, "
             "by reason (no_decode, no_prefill, no_kv_link)", ["reason"], registry=r)

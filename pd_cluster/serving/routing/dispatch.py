@@ -23,8 +23,8 @@ from pd_cluster.serving.api.errors import APIError, internal_error, timeout_erro
 from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.engine_pool import EnginePool, NoHealthyEngine
 from pd_cluster.serving.routing.inbox import AttemptInbox
-from pd_cluster.serving.routing.legs import (EngineFailed, GenerateJob, Leg, Output, Sent,
-                                             StreamEvent)
+from pd_cluster.serving.routing.legs import (EngineDraining, EngineFailed, GenerateJob, Leg,
+                                             Output, Sent, StreamEvent)
 from pd_cluster.serving.routing.planner import Planner
 from pd_cluster.serving.routing.stream_diff import next_output, waiting_prompt_logprobs
 from pd_cluster.serving.routing.token_channel import TokenChannel
@@ -85,6 +85,11 @@ class Dispatcher:
                 async for event in self._run(job, legs, sent):
                     yield event
                 return
+            except EngineDraining as e:  # moved off: not a failure, not counted
+                self.metrics.drain_moves.inc()
+                logger.info("%s: moved off draining %s after %d tokens", job.request_id,
+                            e.engine.name, len(sent.token_ids))
+                continue
             except EngineFailed as e:
                 self.pool.mark_failed(e.engine, str(e), dead=e.dead)
                 excluded.add(e.engine.name)

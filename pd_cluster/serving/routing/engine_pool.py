@@ -32,11 +32,18 @@ class NoHealthyEngine(RuntimeError):
     pass
 
 
+# An engine's place in the pool (serving/cluster/scaling.py moves it): only a serving engine
+# is routed to; a starting one is health-checked and KV-linked first; a draining one finishes
+# or hands over its work before it is removed or switches role.
+SERVING, STARTING, DRAINING = "serving", "starting", "draining"
+
+
 @dataclass
 class EngineState:
     name: str
     role: str
     handle: Any
+    state: str = SERVING
     healthy: bool = False
     failures: int = 0
     incarnation: str | None = None
@@ -146,7 +153,23 @@ class EnginePool:
     # ---- routing ----------------------------------------------------------------------------
     def available(self, role: str, excluded: set[str] | frozenset[str] = frozenset()
                   ) -> list[EngineState]:
-        return [e for e in self.engines if e.role == role and e.healthy and e.name not in excluded]
+        return [e for e in self.engines if e.role == role and e.healthy and e.state == SERVING
+                and e.name not in excluded]
+
+    def add(self, name: str, role: str, handle: Any) -> EngineState:
+        """A new engine, not routed to until it is made SERVING (scaling.py)."""
+        e = EngineState(name, role, handle, state=STARTING)
+        self.routers.setdefault(role, create_router(self.config.routing))
+        self.engines.append(e)  # in place: the peer linker, cache feed and metrics see it
+        return e
+
+    def remove(self, e: EngineState) -> None:
+        """Forget a drained engine (its producers drop their links at the next sync)."""
+        if e in self.engines:
+            self.engines.remove(e)
+        self.cache_feed.forget(e)
+        if self.token_channel is not None:
+            self.token_channel.detach(e, "engine removed", dead=False)
 
     def pick(self, role: str, excluded: set[str] | frozenset[str] = frozenset(),
              candidates: list[EngineState] | None = None,
@@ -182,14 +205,15 @@ class EnginePool:
         e.outstanding_work -= work
 
     def ready_roles(self) -> dict[str, bool]:
-        """Per role: is at least one engine healthy."""
+        """Per role: is at least one engine healthy (and serving)."""
         out: dict[str, bool] = {}
         for e in self.engines:
-            out[e.role] = out.get(e.role, False) or e.healthy
+            out[e.role] = out.get(e.role, False) or (e.healthy and e.state == SERVING)
         return out
 
     def status(self) -> list[EngineStatus]:
-        return [EngineStatus(name=e.name, role=e.role, healthy=e.healthy, inflight=e.inflight,
+        return [EngineStatus(name=e.name, role=e.role, state=e.state, healthy=e.healthy,
+                             inflight=e.inflight,
                              restarts=e.restarts, pid=e.pid, node_ip=e.node_ip,
                              node_id=e.node_id, kv_endpoint=e.kv_endpoint,
                              kv_peers=len(e.kv_peers),

@@ -75,6 +75,14 @@ class EngineFailed(Exception):
         self.engine, self.dead = engine, dead
 
 
+class EngineDraining(EngineFailed):
+    """The leg was moved off an engine that is draining (scaled down or switching role): not
+    the engine's failure; the request continues elsewhere, uncounted against its retries."""
+
+    def __init__(self, engine: EngineState, message: str = "draining"):
+        super().__init__(engine, message, dead=False)
+
+
 class LegKind(enum.Enum):
     """What one engine does for an attempt (the P/D vocabulary, one name per part)."""
     WHOLE = "whole"  # computes the whole answer (colocated, degraded, resumed, n-sibling)
@@ -172,5 +180,5 @@ class Sent:
         self.prompt_logprobs_sent = self.prompt_logprobs_sent or ev.prompt_logprobs is not None
 
 
-__all__ = ["EngineFailed", "GenerateJob", "Leg", "LegKind", "Output", "Sent", "SharedPrefix",
-           "StreamEvent"]
+__all__ = ["EngineDraining", "EngineFailed", "GenerateJob", "Leg", "LegKind", "Output", "Sent",
+           "SharedPrefix", "StreamEvent"]

@@ -39,8 +39,10 @@ class PeerLinker:
 
     def sync(self) -> None:
         """Start a handshake for every missing link that is due (never blocks)."""
-        consumers = [d for d in self.engines
-                     if d.role == ROLE_DECODE and d.healthy and d.kv_endpoint and d.incarnation]
+        # A draining consumer gets no new links (but keeps its old ones until it is gone).
+        consumers = [d for d in self.engines if d.role == ROLE_DECODE and d.healthy
+                     and d.kv_endpoint and d.incarnation
+                     and getattr(d, "state", "serving") != "draining"]
         live = {(d.kv_endpoint, d.incarnation) for d in consumers}
         for key in [k for k in self._retry_at if (k[1], k[2]) not in live]:
             self._retry_at.pop(key, None), self._delay.pop(key, None)  # gone: forget it

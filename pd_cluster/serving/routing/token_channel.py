@@ -36,7 +36,7 @@ from pd_cluster.serving.engine.request_reader import abort_message, request_mess
 from pd_cluster.serving.engine.session_sockets import curve_request_socket, session_proof
 from pd_cluster.serving.routing.frame_reader import FrameReader
 from pd_cluster.serving.routing.inbox import AttemptInbox
-from pd_cluster.serving.routing.legs import EngineFailed, Leg
+from pd_cluster.serving.routing.legs import EngineDraining, EngineFailed, Leg
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,24 @@ class TokenChannel:
         for leg, inbox in link.legs.values():
             inbox.fail(leg, EngineFailed(engine, f"token path: {why}", dead=dead))
         link.legs.clear()
+
+    def open_legs(self, engine: Any) -> int:
+        """Legs on ``engine`` whose deltas are still awaited."""
+        link = self._links.get(engine.name)
+        return len(link.legs) if link is not None else 0
+
+    def move_off(self, engine: Any, which: Callable[[Leg], bool]) -> int:
+        """Fail the legs on ``engine`` that ``which`` selects with EngineDraining (their
+        requests continue on other engines); the link stays, so their aborts still reach it.
+        Returns how many were moved."""
+        link = self._links.get(engine.name)
+        if link is None:
+            return 0
+        moved = [(rid, leg, inbox) for rid, (leg, inbox) in link.legs.items() if which(leg)]
+        for rid, leg, inbox in moved:
+            del link.legs[rid]
+            inbox.fail(leg, EngineDraining(engine))
+        return len(moved)
 
     async def close(self) -> None:
         """Close every session (the engines abort what this proxy still had running)."""

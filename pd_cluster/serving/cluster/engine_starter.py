@@ -1,0 +1,123 @@
+"""Starting one more engine actor on a running cluster (the launcher's way), and making room
+for it: on a Ray cluster with an autoscaler, an engine that fits on no node now asks Ray for
+the resources (``ray.autoscaler.sdk.request_resources``) and waits a bounded time; without
+one it is a clear error at once, naming what it needs and what is free.
+
+An engine added after launch is placed by its role's resources and node labels only: the
+role's placement group (``strategy``) was sized at launch for its ``replicas``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable
+
+from pd_cluster.driver.messages import EngineSpec
+from pd_cluster.serving.cluster.cluster_config import ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+_AUTOSCALING_KEY = "__autoscaling_status"  # written by Ray's autoscaler monitor on each update
+
+
+class ScaleError(RuntimeError):
+    """An engine could not be added (no room, or it failed to start)."""
+
+
+def autoscaler_present() -> bool:
+    """Is an autoscaler managing this Ray cluster (its monitor publishes its status)?"""
+    try:
+        from ray.experimental.internal_kv import _internal_kv_get
+        return _internal_kv_get(_AUTOSCALING_KEY) is not None
+    except Exception:  # noqa: BLE001 - no GCS access: treat as none
+        return False
+
+
+def missing(demand: dict[str, float], free: dict[str, float]) -> dict[str, float]:
+    """What of ``demand`` the cluster's free resources lack (empty: it fits)."""
+    return {k: v - free.get(k, 0.0) for k, v in demand.items() if free.get(k, 0.0) < v - 1e-9}
+
+
+class EngineStarter:
+    def __init__(self, config: ClusterConfig, namespace: str, secret: str | None,
+                 detached: bool = False, engine_env: dict[str, str] | None = None,
+                 ready_timeout: float = 600.0, autoscale_timeout: float = 300.0,
+                 has_autoscaler: Callable[[], bool] = autoscaler_present,
+                 free_resources: Callable[[], dict[str, float]] | None = None):
+        from pd_cluster.serving.cluster.placement import Placement
+        self.config, self.namespace, self.secret = config, namespace, secret
+        self.detached = detached
+        self.placement = Placement(config, detached, engine_env)  # no groups: see above
+        self.ready_timeout, self.autoscale_timeout = ready_timeout, autoscale_timeout
+        self.has_autoscaler = has_autoscaler
+        self.free_resources = free_resources or _available_resources
+
+    def demand(self, role: str) -> dict[str, float]:
+        opts = self.placement.options(self.config.engine_spec(role, f"{role}-x"), 0)
+        out = {"CPU": float(opts.get("num_cpus", 0)), "GPU": float(opts.get("num_gpus", 0))}
+        out.update({k: float(v) for k, v in opts.get("resources", {}).items()})
+        return {k: v for k, v in out.items() if v > 0}
+
+    def make_room(self, role: str, count: int) -> float:
+        """Check that ``count`` engines of ``role`` fit now; if not, ask the autoscaler for
+        them. Returns how long to wait for them to start. ScaleError when nothing can host
+        them."""
+        one = self.demand(role)
+        total = {k: v * count for k, v in one.items()}
+        lack = missing(total, self.free_resources())
+        if not lack:
+            return self.ready_timeout
+        if not self.has_autoscaler():
+            raise ScaleError(f"{role}: no room for {count} more engine(s) (each needs {one}; "
+                             f"the cluster lacks {lack}); add a node, or run Ray with an "
+                             f"autoscaler")
+        from ray.autoscaler.sdk import request_resources
+        logger.info("asking Ray's autoscaler for %d %s engine(s) (%s each)", count, role, one)
+        request_resources(bundles=[dict(one) for _ in range(count)])
+        return self.autoscale_timeout + self.ready_timeout
+
+    def spec(self, role: str, name: str) -> EngineSpec:
+        return self.config.engine_spec(role, name)
+
+    def start(self, spec: EngineSpec) -> Any:
+        """Create the engine actor (named, in the cluster's namespace); not yet ready."""
+        from pd_cluster.serving.engine.engine_actor import engine_actor_class
+        rc = self.config.roles[spec.role]
+        return engine_actor_class().options(
+            name=spec.name, namespace=self.namespace, max_restarts=rc.max_restarts,
+            max_task_retries=0, lifetime="detached" if self.detached else None,
+            **self.placement.options(spec, 0)).remote(spec.to_dict(), self.secret)
+
+    async def wait_ready(self, name: str, handle: Any, timeout: float) -> dict[str, Any]:
+        """The engine's EngineInfo once it loaded; ScaleError (the actor killed) if it failed
+        or did not start within ``timeout``."""
+        try:
+            return await asyncio.wait_for(handle.ready.remote(), timeout)
+        except asyncio.TimeoutError:
+            why = f"not ready within {timeout:.0f}s (no node could host it, or still loading)"
+        except Exception as e:  # noqa: BLE001 - its constructor failed
+            why = f"failed to start: {str(e).strip().splitlines()[-1][:300]}"
+        kill(handle)
+        raise ScaleError(f"{name}: {why}")
+
+    def settled(self) -> None:
+        """Every requested engine started: withdraw the standing autoscaler request."""
+        if self.has_autoscaler():
+            try:
+                from ray.autoscaler.sdk import request_resources
+                request_resources(bundles=[])
+            except Exception:  # noqa: BLE001 - only a hint to the autoscaler
+                pass
+
+
+def kill(handle: Any) -> None:
+    import ray
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+def _available_resources() -> dict[str, float]:
+    import ray
+    return dict(ray.available_resources())

@@ -1,0 +1,85 @@
+"""The scaling admin routes and the LiveActuator without Ray (a fake engine behind the real
+proxy app): keyed like every route, open only on loopback without keys, bad input a 400
+naming the field; the controller's blocking calls from another thread; an engine that does
+not fit asks Ray's autoscaler where there is one, and fails clearly where there is not."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pd_cluster.serving.cluster.engine_starter import EngineStarter, ScaleError, missing
+from pd_cluster.serving.cluster.scaling import EngineView
+from tests.test_api_auth import _config, _run
+
+
+def test_admin_routes_want_the_key() -> None:
+    cfg = _config(api_key="admin-key")
+    auth = {"Authorization": "Bearer admin-key"}
+
+    async def body(app, http, engine, submitted) -> None:
+        assert (await http.post("/admin/scale", json={"colocated": 2})).status_code == 401
+        assert (await http.get("/admin/engines")).status_code == 401
+        assert (await http.post("/admin/switch_role", json={"engine": engine.name,
+                                                            "role": "decode"})).status_code == 401
+        ok = await http.get("/admin/engines", headers=auth)
+        assert ok.status_code == 200
+        assert ok.json()["engines"] == [{"id": engine.name, "role": "colocated",
+                                         "state": "serving"}]
+        bad = await http.post("/admin/scale", json={"colocated": 0}, headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "colocated"
+        assert "at least 1 colocated engine" in bad.json()["error"]["message"]
+        bad = await http.post("/admin/scale", json={"prefill": 2}, headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prefill"
+        bad = await http.post("/admin/switch_role", json={"engine": engine.name,
+                                                          "role": "prefill"}, headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "role"
+        # no starter (not launched on Ray): adding is a 503 saying so; nothing changed
+        no = await http.post("/admin/scale", json={"colocated": 2}, headers=auth)
+        assert no.status_code == 503 and "cannot start engines" in no.json()["error"]["message"]
+        assert [e.id for e in app.state.proxy.actuator.engines()] == [engine.name]
+        assert not submitted
+    _run(cfg, body)
+
+
+@pytest.mark.parametrize("host, status", [("0.0.0.0", 403), ("127.0.0.1", 200)])
+def test_without_keys_admin_routes_answer_on_loopback_only(host: str, status: int) -> None:
+    async def body(app, http, engine, submitted) -> None:
+        assert (await http.get("/admin/engines")).status_code == status
+    _run(_config(host=host), body)
+
+
+def test_the_controllers_blocking_calls_run_on_the_proxys_loop() -> None:
+    async def body(app, http, engine, submitted) -> None:
+        actuator = app.state.proxy.actuator
+        actuator.bind(asyncio.get_running_loop())  # as the app's lifespan does
+        assert actuator.engines() == [EngineView(engine.name, "colocated", "serving")]
+        with pytest.raises(ValueError, match="^colocated: at least 1"):
+            await asyncio.to_thread(actuator.scale, "colocated", 0)
+        with pytest.raises(ValueError, match="^engine: no engine named"):
+            await asyncio.to_thread(actuator.switch_role, "nope", "decode")
+        with pytest.raises(RuntimeError, match="await scale_to"):  # would deadlock the loop
+            actuator.scale("colocated", 1)
+    _run(_config(), body)
+
+
+def _starter(free: dict[str, float], autoscaler: bool) -> EngineStarter:
+    from pd_cluster.serving.cluster.cluster_config import parse_config
+    cfg = parse_config({"prefill": {"num_cpus": 2}, "decode": {"num_cpus": 1}})
+    return EngineStarter(cfg, "ns", None, has_autoscaler=lambda: autoscaler,
+                         free_resources=lambda: free, ready_timeout=5.0, autoscale_timeout=7.0)
+
+
+def test_an_engine_that_does_not_fit_asks_the_autoscaler(monkeypatch) -> None:
+    import ray.autoscaler.sdk as sdk
+    asked: list = []
+    monkeypatch.setattr(sdk, "request_resources", lambda **kw: asked.append(kw))
+    assert missing({"CPU": 4.0}, {"CPU": 3.0}) == {"CPU": 1.0}
+    assert _starter({"CPU": 8.0}, autoscaler=True).make_room("prefill", 2) == 5.0  # fits
+    assert asked == []
+    wait = _starter({"CPU": 1.0}, autoscaler=True).make_room("prefill", 2)
+    assert wait == 12.0  # the autoscaler's bound and the engines' load
+    assert asked == [{"bundles": [{"CPU": 2.0}, {"CPU": 2.0}]}]
+    with pytest.raises(ScaleError, match=r"^prefill: no room for 2 more engine\(s\) .*lacks "
+                                         r"\{'CPU': 3.0\}.*autoscaler"):
+        _starter({"CPU": 1.0}, autoscaler=False).make_room("prefill", 2)
