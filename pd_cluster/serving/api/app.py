@@ -154,7 +154,7 @@ async def handle_generate(state: ProxyState, request: Request, chat: bool,
         await watch.guard(state.grammar_check.check(req))  # off the loop, bounded
         tracker.count_prompt(sum(len(ids) for ids in prompts))
         fmt, jobs, events = _plan(state, req, chat, rid, prompts, texts, deadline, resp_req)
-        tracker.jobs = jobs
+        tracker.planned(jobs)
         results = [Result(prompt_token_ids=job.prompt_token_ids) for job in jobs]
         if isinstance(fmt, ResponsesFormatter):
             fmt.results = results  # its response.completed event carries the usage
@@ -240,11 +240,13 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]],
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.pool.start()
         state.actuator.bind(asyncio.get_running_loop())
+        state.start_planner()
         # Everything loaded so far (torch, transformers, the tokenizer: millions of objects)
         # lives as long as the proxy: out of the collector's sight, a full collection no
         # longer walks it (it cost ~1 ms per streamed request, measured in bench_proxy).
         gc.freeze()
         yield
+        state.stop_planner()
         await state.pool.close()
         state.close()
 

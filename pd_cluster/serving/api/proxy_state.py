@@ -50,6 +50,8 @@ class ProxyState:
                                      cfg.proxy.max_retries, cfg.proxy.max_migrations,
                                      cfg.proxy.stream_interval)
         self.actuator = LiveActuator(self.pool, cfg, starter, self.metrics)
+        self.planner_window: Any = None  # planner.enabled: the controller's RequestWindow
+        self._planner_loop: Any = None
         self.admission = Admission(cfg.proxy.max_inflight, cfg.proxy.max_queue, self.metrics)
         self.inflight = 0  # requests in the proxy, queued ones included
         self.unknown_fields = UnknownFields()  # request fields ignored (each logged once)
@@ -60,6 +62,24 @@ class ProxyState:
         # Output constraints compile on their own threads, bounded in size and time (app.py)
         self.grammar_check = GrammarCheck(cfg.proxy.grammar_max_bytes,
                                           cfg.proxy.grammar_check_timeout)
+
+    def start_planner(self) -> None:
+        """planner.enabled: the SLO controller's thread, acting through this proxy's actuator
+        (pd_cluster/planner/live.py); it runs off the event loop, so the actuator's blocking
+        calls are allowed there."""
+        if not self.cfg.planner.enabled:
+            return
+        from pd_cluster.planner.live import start_planner
+        decisions = self.metrics.planner_decisions
+        self._planner_loop, self.planner_window = start_planner(
+            self.cfg.planner, self.cfg.proxy.slo, self.actuator,
+            int(self.cfg.engine.get("max_num_seqs", 64)),
+            lambda action, reason: decisions.labels(action, reason).inc())
+
+    def stop_planner(self) -> None:
+        if self._planner_loop is not None:
+            self._planner_loop.stop()
+            self._planner_loop, self.planner_window = None, None
 
     def close(self) -> None:
         self.tokenizing.shutdown(wait=False, cancel_futures=True)

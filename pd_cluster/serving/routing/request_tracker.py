@@ -39,6 +39,13 @@ class RequestTracker:
         self.n_prompt = n_prompt
         self.m.vllm.prompt_tokens.inc(n_prompt)
 
+    def planned(self, jobs: list[Any]) -> None:
+        """The request's jobs are chosen: it counts as an arrival for the SLO controller."""
+        self.jobs = jobs
+        window = getattr(self.state, "planner_window", None)
+        if window is not None and jobs:
+            window.arrived(self.n_prompt, jobs[0].params.max_tokens or 1)
+
     def on_event(self, ev: Any) -> None:
         now = time.monotonic()
         if ev.token_ids or ev.text:
@@ -72,9 +79,17 @@ class RequestTracker:
                                  self.n_output, n,
                                  first.params.max_tokens if first is not None else None)
             self.m.vllm.success.labels(self.m.vllm.model_name, self.finish_reason or "stop").inc()
+            self._tell_planner(latency)
         ttft = f"{self.ttft * 1e3:.1f}ms" if self.ttft is not None else "-"
         route = ",".join(job.route for job in self.jobs if job.route) or "-"
         access_log.info("%s %d %s prompt_tokens=%d output_tokens=%d ttft=%s latency=%.1fms "
                         "queued=%.1fms route=%s", self.request_id,
                         status or _STATUS.get(outcome, 500), outcome, self.n_prompt,
                         self.n_output, ttft, latency * 1e3, self.queue_time * 1e3, route)
+
+    def _tell_planner(self, latency: float) -> None:
+        window = getattr(self.state, "planner_window", None)
+        if window is None or self.ttft is None:
+            return
+        tpot = (latency - self.ttft) / (self.n_output - 1) if self.n_output > 1 else None
+        window.finished(self.n_prompt, self.n_output, self.ttft, tpot, self.start)
