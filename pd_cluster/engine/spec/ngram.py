@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from pd_cluster.config import SpeculativeConfig
 from pd_cluster.request import Request
@@ -31,15 +30,29 @@ class _State:
 
 def find_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """The ``k`` tokens after the latest earlier occurrence of the longest suffix of
-    ``tokens`` (length in [min_n, max_n]) that occurs earlier; [] if none does."""
+    ``tokens`` (length in [min_n, max_n]) that occurs earlier; [] if none does. One pass over
+    the tokens for the last one's earlier occurrences, then only those are extended back
+    (ungrounded text: almost none, so a step pays about a microsecond per request)."""
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        windows = sliding_window_view(tokens[:length - 1], n)  # each has a token after it
-        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
-    return []
+    if length < min_n + 1:
+        return []
+    ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])  # each has a successor
+    if not ends.size:
+        return []
+    matched = np.ones(ends.size, dtype=np.int64)
+    alive = np.ones(ends.size, dtype=bool)
+    for back in range(1, min(max_n, length - 1)):
+        idx = ends - back
+        alive &= idx >= 0
+        alive[alive] = tokens[idx[alive]] == tokens[length - 1 - back]
+        if not alive.any():
+            break
+        matched += alive
+    best = int(matched.max())
+    if best < min_n:
+        return []
+    end = int(ends[np.flatnonzero(matched == best)[-1]]) + 1
+    return tokens[end:end + k].tolist()
 
 
 class NgramProposer:
