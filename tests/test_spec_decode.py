@@ -21,12 +21,13 @@ PROMPTS = [random_prompt(n, seed=n) for n in (5, 19, 40, 33)]
 
 @pytest.fixture(scope="module")
 def pair(tiny_model: Any) -> tuple[LLM, LLM]:
-    """(no speculation, speculation): the second short of blocks (4 requests of ~70 tokens
+    """(no speculation, speculation), compiled: the second short of blocks (4 requests of ~70 tokens
     in 14 blocks of 8: preemptions) and of step budget (prompts chunked by 16)."""
     model = tiny_model()
-    return (LLM(model=model, block_size=8, num_kv_blocks=128),
+    # Both compiled (the CPU default): the verify step runs through the one dynamic graph.
+    return (LLM(model=model, block_size=8, num_kv_blocks=128, compile=True),
             LLM(model=model, block_size=8, num_kv_blocks=14, max_num_batched_tokens=16,
-                speculative=SPEC))
+                speculative=SPEC, compile=True))
 
 
 def _run_both(pair: tuple[LLM, LLM], params: SamplingParams, prompts: list[list[int]] = PROMPTS,
