@@ -27,3 +27,23 @@ def test_greedy_equal_with_and_without_speculation(family_model, name: str) -> N
     s = spec.engine.stats()
     assert 0 < s["spec_num_accepted_tokens"] < s["spec_num_draft_tokens"]
     spec.engine.check_no_leaks()
+
+
+def test_tp2_greedy_equal_with_speculation(tiny_model) -> None:
+    """Tensor parallel: the drafts travel in the step's tokens, every rank computes the verify
+    rows, rank 0 decides."""
+    model = tiny_model()
+    prompts = [random_prompt(n, seed=n) for n in (4, 21)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = outputs(LLM(model=model, block_size=8, num_kv_blocks=64), prompts, params)
+    spec = LLM(model=model, tensor_parallel_size=2, block_size=8, num_kv_blocks=64,
+               collective_timeout=20.0, speculative={"method": "ngram"})
+    try:
+        use_proposer(spec.engine, OracleProposer({tuple(p): list(w.token_ids)
+                                                  for p, w in zip(prompts, want)}))
+        got = outputs(spec, prompts, params)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        assert spec.engine.stats()["spec_num_accepted_tokens"] > 0
+        spec.engine.check_no_leaks()
+    finally:
+        spec.close()
