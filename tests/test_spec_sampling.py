@@ -98,3 +98,22 @@ def test_ngram_lookup_takes_the_longest_latest_match() -> None:
     assert find_drafts(t, 2, 3, 3) == [6, 7, 1]
     assert find_drafts(np.array([1, 2, 3, 4]), 2, 4, 3) == []  # no earlier occurrence
     assert find_drafts(np.array([7, 7, 7]), 1, 2, 5) == [7]  # only what follows exists
+
+
+def test_ngram_backs_off_after_misses_and_longer_when_most_drafts_fail() -> None:
+    from pd_cluster.config import SpeculativeConfig
+    from pd_cluster.engine.spec.ngram import NgramProposer
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3), max_model_len=100)
+    req = Request("r", [5, 6, 7, 5, 6], SamplingParams(max_tokens=20))
+    req.output_token_ids, req.num_computed_tokens = [7], 5  # decoding
+    proposer.propose([req])
+    assert req.spec_token_ids == [5, 6, 7]  # "5 6 7" follows the earlier "6 7"
+    proposer.observe(req, 3, 0)  # a miss: one step off (the recent rate is still high)
+    assert req.spec_state.cooldown == 1
+    proposer.propose([req])
+    assert req.spec_token_ids == []
+    for _ in range(10):
+        proposer.observe(req, 3, 0)  # most drafts fail: backing off is 8x longer
+    assert proposer.rate < 0.2 and req.spec_state.cooldown == 8 * 32
+    proposer.observe(req, 3, 2)
+    assert req.spec_state.misses == 0

@@ -6,7 +6,8 @@ resumed elsewhere speculates alike.
 
 Backing off: a verification that accepted nothing cost a wider step for one token, so a
 request whose drafts keep failing proposes again only after 1, 2, 4 ... 32 steps (reset by the
-first accepted draft); ungrounded text then runs almost as without speculation."""
+first accepted draft), 8x that while most of the engine's recent drafts failed; ungrounded text
+then runs almost as without speculation."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pd_cluster.config import SpeculativeConfig
 from pd_cluster.request import Request
 
 _MAX_COOLDOWN = 32
+_LOW_RATE, _LOW_RATE_SCALE = 0.2, 8  # accepted / drafted below which backing off is longer
 
 
 @dataclass
@@ -60,15 +62,20 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_model_len = max_model_len
+        self.rate = 0.5  # accepted / drafted, a moving average over recent verifications
 
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """A verification's outcome (the scheduler's update): backs off on a total miss."""
+        """A verification's outcome (the scheduler's update): backs off on a total miss, 8x
+        longer while the engine's recent drafts are mostly rejected (a large batch of
+        ungrounded requests would otherwise have one of them verifying in most steps)."""
+        self.rate = 0.9 * self.rate + 0.1 * (num_accepted / num_drafts)
         state = self._state(request)
         if num_accepted:
             state.misses = 0
         else:
             state.misses += 1
-            state.cooldown = min(2 ** (state.misses - 1), _MAX_COOLDOWN)
+            scale = _LOW_RATE_SCALE if self.rate < _LOW_RATE else 1
+            state.cooldown = min(scale * 2 ** (state.misses - 1), scale * _MAX_COOLDOWN)
 
     def propose(self, requests: list[Request]) -> None:
         """Set ``spec_token_ids`` of each decoding request for the next step."""
