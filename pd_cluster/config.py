@@ -65,6 +65,46 @@ class StructuredOutputsConfig(BaseModel):
         return value
 
 
+SPEC_METHODS = ("ngram",)  # draft_model and mtp: not built yet (issue 41)
+
+
+class SpeculativeConfig(BaseModel):
+    """The engine section's ``speculative`` (vLLM's ``--speculative-config`` keys): decode
+    engines verify up to ``num_speculative_tokens`` proposed tokens per request per step and
+    keep the longest accepted prefix plus one token (engine/spec/)."""
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    method: str = "ngram"  # ngram (prompt lookup, no model)
+    num_speculative_tokens: int = 4  # drafts per request per step at most
+    prompt_lookup_min: int = 2  # shortest n-gram of the recent tokens looked up
+    prompt_lookup_max: int = 5  # longest (tried first)
+    model: str | None = None  # draft_model's checkpoint (not built yet)
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, value: str) -> str:
+        if value not in SPEC_METHODS:
+            raise ValueError(f"must be one of {list(SPEC_METHODS)} (draft_model and mtp are "
+                             f"not available yet), got {value!r}")
+        return value
+
+    @field_validator("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be >= 1, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _window(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.model is not None and self.method == "ngram":
+            raise ValueError("model: ngram proposes from the prompt and needs no model")
+        return self
+
+
 class KVOffloadingDiskConfig(BaseModel):
     """The engine section's ``kv_offloading_disk``: a disk tier written behind the host tier."""
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -137,6 +177,10 @@ class EngineArgs(BaseModel):
     # tensor_parallel_size 1. In a cluster each engine uses <path>/<engine name> (its own
     # LRU and size; a restarted engine finds its files). None: no disk tier.
     kv_offloading_disk: KVOffloadingDiskConfig | None = None
+    # Speculative decoding ({method: ngram, num_speculative_tokens, prompt_lookup_min,
+    # prompt_lookup_max}, vLLM's --speculative-config keys); None: off. Lossless: greedy output
+    # is the same, sampled output has the same distribution (engine/spec/).
+    speculative: SpeculativeConfig | None = None
 
     @field_validator("block_size")
     @classmethod

@@ -61,14 +61,23 @@ class Request:
     # With sampling_params.structured_outputs: the matcher that masks this request's logits
     # (engine/structured/request_grammar.py).
     grammar: Any = None
+    # Speculative decoding (engine/spec/): the tokens proposed for the next step (verified
+    # there, never part of the output until accepted), and the proposer's per-request state.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_state: Any = None
 
     def generator_for_next_token(self, device: torch.device) -> torch.Generator | None:
+        return self.generator_for_token(device, self.num_output_tokens)
+
+    def generator_for_token(self, device: torch.device, index: int) -> torch.Generator | None:
+        """The generator that draws output token ``index`` (seeded by (seed, index)), or None
+        for an unseeded request."""
         seed = self.sampling_params.seed
         if seed is None:
             return None
         if self.generator is None or self.generator.device != device:
             self.generator = torch.Generator(device=device)
-        mixed = (seed * 0x9E3779B97F4A7C15 + self.num_output_tokens) % (1 << 63)
+        mixed = (seed * 0x9E3779B97F4A7C15 + index) % (1 << 63)
         return self.generator.manual_seed(mixed)
 
     @property

@@ -312,3 +312,26 @@ def test_a_block_released_more_often_than_taken_is_an_error() -> None:
     bm.free(r)
     with pytest.raises(BlockTableError, match="released more often than taken"):
         bm.free(ghost)
+
+
+def test_trim_returns_rejected_drafts_lookahead_blocks() -> None:
+    """Speculation: slots for 1 + 6 drafts, 2 drafts accepted; the blocks past the computed
+    tokens go back first in line, and only the computed full blocks are hashed."""
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    r = req(toks(4))
+    admit(bm, r)
+    compute_all(bm, r)
+    r.output_token_ids.append(7)
+    r.num_computed_tokens = 4
+    bm.append_slots(r, 7)  # positions 4..10: 3 blocks
+    assert len(r.block_ids) == 3
+    lookahead = r.block_ids[2]
+    r.output_token_ids += [8, 9, 10]  # 2 accepted drafts + the token after them
+    r.num_computed_tokens = 4 + 1 + 2
+    bm.trim(r)
+    assert len(r.block_ids) == 2 and bm.num_free_blocks == 6
+    assert next(iter(bm.free_queue)) == lookahead  # handed out again first
+    bm.cache_full_blocks(r)
+    assert bm.hashed[r.request_id] == 1  # block 2 (tokens 4..7) is not all computed
+    bm.free(r)
+    bm.check_no_leaks()

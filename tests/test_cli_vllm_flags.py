@@ -33,6 +33,8 @@ def _config(*flags: str) -> Any:
     (["--tool-call-parser", "hermes"], "proxy.tool_call_parser", "hermes"),
     (["--structured-outputs-config", '{"backend": "xgrammar"}'],
      "engine.structured_outputs", {"backend": "xgrammar"}),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+     "engine.speculative", {"method": "ngram", "num_speculative_tokens": 3}),
     (["--gpu-memory-utilization", "0.5"], "engine.gpu_memory_utilization", 0.5),
     (["--chat-template", "{{ messages[0].content }}"], "proxy.chat_template",
      "{{ messages[0].content }}"),

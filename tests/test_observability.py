@@ -20,7 +20,9 @@ def _engine(name: str, **stats: float) -> SimpleNamespace:
 def test_access_log_line_and_vllm_named_metrics(caplog) -> None:
     engines = [_engine("decode-0", num_running=3, num_waiting=1, kv_blocks_used=25,
                        kv_blocks_total=100, num_preemptions=2, kv_bytes_sent=5,
-                       prefix_cache_hit_blocks=1, tp_pids="1,2")]
+                       prefix_cache_hit_blocks=1, tp_pids="1,2", spec_num_drafts=4,
+                       spec_num_draft_tokens=12, spec_num_accepted_tokens=7,
+                       spec_accepted_per_pos=[4, 2, 1])]
     metrics = ProxyMetrics(lambda: engines, "my-model")
     state = SimpleNamespace(metrics=metrics, inflight=0, cfg=parse_config({}))
     with caplog.at_level(logging.INFO, logger="pd_cluster.access"):
@@ -43,7 +45,12 @@ def test_access_log_line_and_vllm_named_metrics(caplog) -> None:
                    '1.0',
                    'vllm:num_preemptions_total{engine="decode-0",model_name="my-model"} 2.0',
                    'pd_engine_kv_bytes_sent_total{engine="decode-0",role="decode"} 5.0',
-                   'vllm:prefix_cache_hits_total{engine="decode-0",model_name="my-model"} 16.0'):
+                   'vllm:prefix_cache_hits_total{engine="decode-0",model_name="my-model"} 16.0',
+                   'vllm:spec_decode_num_drafts_total{engine="decode-0",model_name="my-model"} 4.0',
+                   'vllm:spec_decode_num_accepted_tokens_total{engine="decode-0",'
+                   'model_name="my-model"} 7.0',
+                   'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="decode-0",'
+                   'model_name="my-model",position="1"} 2.0'):
         assert series in text, series
     # One name per series: nothing vLLM exports has a pd_ twin, no cluster-wide sums.
     for twin in ("pd_time_to_first_token", "pd_inter_token", "pd_e2e", "pd_prompt_tokens",
@@ -199,3 +206,21 @@ def test_missing_preloads_name_their_own_package(caplog, monkeypatch) -> None:
         launcher.engine_env(parse_config({}))
     text = caplog.records[-1].getMessage()
     assert "libiomp5: `pip install intel-openmp`" in text and "tcmalloc" not in text, text
+
+
+def test_stats_line_says_the_speculation_acceptance(caplog, monkeypatch) -> None:
+    from pd_cluster.serving.observability import stats_log
+    clock = [0.0]
+    monkeypatch.setattr(stats_log.time, "monotonic", lambda: clock[0])
+    e = _engine("decode-0", num_running=1, num_waiting=0, spec_num_drafts=10,
+                spec_num_draft_tokens=40, spec_num_accepted_tokens=20)
+    log = StatsLog(interval=10.0)
+    with caplog.at_level(logging.INFO, logger="pd_cluster.stats"):
+        clock[0] = 10.0
+        log.maybe_log([e])
+        e.stats = {**e.stats, "spec_num_drafts": 20, "spec_num_draft_tokens": 80,
+                   "spec_num_accepted_tokens": 50}
+        clock[0] = 20.0
+        log.maybe_log([e])
+    assert caplog.records[-1].getMessage().endswith(
+        "running 1, waiting 0, spec acceptance 75.0% (length 4.00)")

@@ -189,6 +189,20 @@ class BlockManager:
         while len(table) < self.blocks_needed(total):
             table.append(self._pop_free())
 
+    def trim(self, request: Request) -> None:
+        """Speculation: give back the blocks past the request's computed tokens (lookahead
+        slots of rejected drafts; never hashed: only computed tokens' blocks are). They go to
+        the front of the pool: nothing cached in them is worth keeping."""
+        table = self.tables[request.request_id]
+        keep = max(self.blocks_needed(request.num_computed_tokens), self.hashed[request.request_id])
+        while len(table) > keep:
+            block_id = table.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                self.free_queue.move_to_end(block_id, last=False)
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register hashes of blocks whose KV is now fully computed, for later prefix hits."""
         if not self.enable_prefix_caching:

@@ -16,6 +16,7 @@ from pd_cluster.engine.kv_tiers.manager import TierManager
 from pd_cluster.engine.kv_tiers.setup import create_disk_tier
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.scheduler import Scheduler
+from pd_cluster.engine.spec.ngram import NgramProposer
 from pd_cluster.engine.stop_checker import eos_ids
 from pd_cluster.engine.structured.compiler import GrammarCompilerPool
 from pd_cluster.engine.structured.masks import split_broken
@@ -52,6 +53,9 @@ class LLMEngine:
                                           tiers=self._tier_manager())
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.executor.scheduler_connector)
+        self.proposer = (NgramProposer(config.speculative, self.max_model_len)
+                         if config.speculative is not None else None)
+        self.scheduler.proposer = self.proposer
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.grammars = GrammarCompilerPool(config.structured_outputs, self.tokenizer,
                                             self.vocab_size, list(eos_ids(self.eos_token_id)))
@@ -205,6 +209,8 @@ class LLMEngine:
         outputs, to_finish = self.outputs.process(updated)
         for request, status in to_finish:
             self.scheduler.finish(request, status)
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         return failed + outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -250,6 +256,7 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "grammar_failures": self.num_grammar_failures,
                 "kv_fallbacks": self.scheduler.num_kv_fallbacks,
+                **self.scheduler.spec_stats.as_stats(),
                 **self._tier_stats(),
                 **kernel_stats(),  # C++ CPU kernels: ok / failed: why / off
                 **self.executor.rank_stats(),

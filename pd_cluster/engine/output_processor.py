@@ -70,6 +70,12 @@ class OutputProcessor:
                         break
                 if reason:
                     break
+            if reason and i + 1 < len(new_tokens):
+                # Several tokens came at once (speculation) and one ended the request: the
+                # ones after it were never generated, as without speculation.
+                del request.output_token_ids[state.num_seen_tokens + i + 1:]
+                del request.output_logprobs[state.num_seen_tokens + i + 1:]
+                new_tokens = new_tokens[:i + 1]
             state.num_seen_tokens = len(request.output_token_ids)
             state.first_token_time = state.first_token_time or now
             if reason:

@@ -33,6 +33,10 @@ class Sampler:
         # generator to live on the same device as the probabilities.
         self._default_gens: dict[str, torch.Generator] = {}
 
+    def default_generator(self, device: torch.device) -> torch.Generator:
+        """The generator of unseeded requests on ``device`` (speculation's draws use it too)."""
+        return self._default_generator(device)
+
     def _default_generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
         g = self._default_gens.get(key)

@@ -15,6 +15,7 @@ from typing import Any
 from pd_cluster.config import EngineConfig
 from pd_cluster import ttft_trace
 from pd_cluster.engine.block_manager import BlockManager
+from pd_cluster.engine.spec.stats import SpecStats
 from pd_cluster.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the drafts included
+    spec_token_ids: list[int] = field(default_factory=list)  # verified this step
 
 
 @dataclass
@@ -45,6 +47,9 @@ class ModelRunnerOutput:
     finished_sending: set[str] = field(default_factory=set)
     # request id -> first token sampled by the producer, or None when the transfer failed
     finished_recving: dict[str, int | None] = field(default_factory=dict)
+    # Speculation: request id -> the drafts accepted (before its sampled token), their logprobs
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -63,6 +68,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_kv_fallbacks = 0
+        self.proposer: Any = None  # speculation's proposer (told each verification's outcome)
+        self.spec_stats = SpecStats(config.speculative.num_speculative_tokens
+                                    if config.speculative else 0)
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -120,6 +128,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._drafts(request, num_new, budget, len(self.running) - i - 1)
             if not request.is_decoding:
                 num_new = min(num_new, prefill_budget)
                 if num_new == 0:  # the cap is spent: this prefill goes on next step
@@ -135,10 +144,10 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            self.block_manager.append_slots(request, num_new)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            self.block_manager.append_slots(request, num_new + len(drafts))
+            out.scheduled.append(ScheduledRequest(request, num_new + len(drafts), drafts))
             scheduled_ids.add(request.request_id)
-            budget -= num_new
+            budget -= num_new + len(drafts)
             i += 1
 
         while (self.waiting and budget > 0 and not out.preempted_ids
@@ -190,10 +199,26 @@ class Scheduler:
         out.tier_ops = self.block_manager.take_tier_ops()
         return out
 
+    def _drafts(self, request: Request, num_new: int, budget: int, others: int) -> list[int]:
+        """The proposed tokens a decoding request verifies this step (taken off it): what
+        the budget leaves after one token for each of the ``others`` running after it, and
+        only in free blocks those others cannot need (a draft never preempts anyone)."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or not request.is_decoding or num_new != 1:
+            return []
+        drafts = drafts[:max(0, budget - num_new - others)]
+        bm = self.block_manager
+        extra = bm.blocks_needed(request.num_computed_tokens + num_new + len(drafts)) \
+            - len(request.block_ids)
+        if drafts and extra > 0 and bm.num_free_blocks - extra < others + 1:
+            return []
+        return drafts
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
         request.prefill_locally = True  # recompute here: the remote KV will not come again
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -209,9 +234,22 @@ class Scheduler:
             request = item.request
             if request.is_finished:  # aborted between schedule and update
                 continue
-            request.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(request)
             token = result.sampled_token_ids.get(request.request_id)
+            if item.spec_token_ids and token is not None:
+                # KV of the last token and the accepted drafts is kept; the rejected drafts'
+                # slots go back (their blocks beyond the kept tokens).
+                accepted = result.accepted_token_ids.get(request.request_id, [])
+                self.spec_stats.record(len(item.spec_token_ids), len(accepted))
+                if self.proposer is not None:
+                    self.proposer.observe(request, len(item.spec_token_ids), len(accepted))
+                request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids) \
+                    + len(accepted)
+                request.output_token_ids.extend(accepted)
+                request.output_logprobs.extend(result.accepted_logprobs[request.request_id])
+                self.block_manager.trim(request)
+            else:
+                request.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
             if token is None:
                 continue
             request.output_token_ids.append(token)

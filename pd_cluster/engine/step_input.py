@@ -54,6 +54,8 @@ class StepPlan:
     """Rank 0's side of a step: which logits group samples which requests."""
     sample_group: int | None = None
     sample_requests: list[Request] = field(default_factory=list)
+    # Per sample request: the drafts this step verifies (its rows: one per draft, plus one).
+    sample_drafts: list[list[int]] = field(default_factory=list)
     prompt_chunks: list[PromptLogprobChunk] = field(default_factory=list)
 
 
@@ -73,11 +75,13 @@ def build_step(scheduled: list[ScheduledRequest], block_size: int,
     for i, item in enumerate(batch):
         req, start = item.request, item.request.num_computed_tokens
         end = start + item.num_new_tokens
-        tokens.extend(req.token_ids_range(start, end))
+        drafts = item.spec_token_ids  # after the request's last token, in lookahead slots
+        tokens.extend(req.token_ids_range(start, end - len(drafts)))
+        tokens.extend(drafts)
         positions.extend(range(start, end))
         query_start.append(query_start[-1] + item.num_new_tokens)
         seq_lens.append(end)
-        if end == req.num_tokens:
+        if end - len(drafts) == req.num_tokens:
             sampling.append(i)
     width = max(len(s.request.block_ids) for s in batch)
     tables = [list(s.request.block_ids) + [0] * (width - len(s.request.block_ids))
@@ -86,8 +90,10 @@ def build_step(scheduled: list[ScheduledRequest], block_size: int,
     _plan_prompt_logprobs(batch, query_start, groups, plan)
     if sampling:
         plan.sample_group = len(groups)
-        groups.append([(query_start[i + 1] - 1, query_start[i + 1]) for i in sampling])
+        groups.append([(query_start[i + 1] - 1 - len(batch[i].spec_token_ids),
+                        query_start[i + 1]) for i in sampling])
         plan.sample_requests = [batch[i].request for i in sampling]
+        plan.sample_drafts = [batch[i].spec_token_ids for i in sampling]
     num_decodes = sum(1 for s in batch if s.num_new_tokens == 1)
     prompt_lens = [s.request.num_prompt_tokens for s in batch]
     step = StepInput(tokens, positions, query_start, seq_lens, tables, num_decodes,

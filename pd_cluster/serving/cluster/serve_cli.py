@@ -104,6 +104,9 @@ FLAGS = (
     Flag("--structured-outputs-config", "engine.structured_outputs", "JSON object, e.g. "
          "'{\"backend\": \"xgrammar\", \"disable_any_whitespace\": true}'", _json_object,
          metavar="JSON"),
+    Flag("--speculative-config", "engine.speculative", "JSON object, e.g. '{\"method\": "
+         "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}'", _json_object,
+         metavar="JSON"),
     Flag("--chat-template", "proxy.chat_template", "a Jinja chat template, or a file holding "
          "one, used instead of the tokenizer's", metavar="TEMPLATE"),
     Flag("--enforce-eager", "engine.compile", "no torch.compile and no CUDA graphs",

@@ -19,7 +19,8 @@ class EngineSeries:
 
 # Stats exported under vLLM's names instead (vllm_metrics.VLLMEngineCollector).
 AS_VLLM = {"num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "num_preemptions",
-           "prefix_cache_queried_blocks", "prefix_cache_hit_blocks"}
+           "prefix_cache_queried_blocks", "prefix_cache_hit_blocks", "spec_num_drafts",
+           "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_pos"}
 # Stats that are not numbers to plot (the ranks' pids, the CPU kernels' state in words: for
 # `pd-cluster status`).
 NOT_SERIES = {"tp_pids", "cpu_kernels"}

@@ -54,6 +54,12 @@ class StatsLog:
         if queried > 0:
             hits = s.get("prefix_cache_hit_blocks", 0) - before.get("prefix_cache_hit_blocks", 0)
             parts.append(f"prefix hit {100.0 * hits / queried:.1f}%")
+        drafted = s.get("spec_num_draft_tokens", 0) - before.get("spec_num_draft_tokens", 0)
+        if drafted > 0:  # as vLLM's SpecDecoding line: acceptance rate and length
+            accepted = s["spec_num_accepted_tokens"] - before.get("spec_num_accepted_tokens", 0)
+            drafts = s["spec_num_drafts"] - before.get("spec_num_drafts", 0)
+            parts.append(f"spec acceptance {100.0 * accepted / drafted:.1f}% "
+                         f"(length {1 + accepted / max(drafts, 1):.2f})")
         for key, label, scale in _RATES:
             if key in s and key in before:
                 rate = (s[key] - before[key]) * scale / dt

@@ -93,9 +93,15 @@ class VLLMRequestMetrics:
             self.max_gen.observe(max_tokens)
 
 
+# Speculative decoding's counters: engine stat, vLLM's name (after vllm:spec_decode_), help.
+_SPEC = (("spec_num_drafts", "num_drafts", "Verifications of a request's proposed tokens"),
+         ("spec_num_draft_tokens", "num_draft_tokens", "Proposed tokens verified"),
+         ("spec_num_accepted_tokens", "num_accepted_tokens", "Proposed tokens accepted"))
+
+
 class VLLMEngineCollector(Collector):
-    """vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc, vllm:num_preemptions
-    and vllm:prefix_cache_queries / _hits per engine (in tokens, as vLLM counts them: the
+    """vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc, vllm:num_preemptions,
+    vllm:spec_decode_* (with speculation) and vllm:prefix_cache_queries / _hits per engine (in tokens, as vLLM counts them: the
     engines count whole blocks, so a prompt's partial last block is not in them)."""
 
     def __init__(self, snapshot: Callable[[], list[Any]], model_name: str,
@@ -118,8 +124,18 @@ class VLLMEngineCollector(Collector):
                                       "in the engine's prefix cache", labels=labels)
         hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the "
                                    "engine's prefix cache", labels=labels)
+        spec = {key: CounterMetricFamily(f"vllm:spec_decode_{name}", text, labels=labels)
+                for key, name, text in _SPEC}
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Drafts accepted at each position "
+            "(0: the first draft of a verification)", labels=labels + ["position"])
         for e in self._snapshot():
             s, lv = e.stats, [self._model, e.name]
+            for key, family in spec.items():
+                if key in s:
+                    family.add_metric(lv, float(s[key]))
+            for pos, n in enumerate(s.get("spec_accepted_per_pos") or ()):
+                per_pos.add_metric(lv + [str(pos)], float(n))
             if "num_running" in s:
                 running.add_metric(lv, float(s["num_running"]))
                 waiting.add_metric(lv, float(s.get("num_waiting", 0))
@@ -138,3 +154,5 @@ class VLLMEngineCollector(Collector):
         yield waiting
         yield usage
         yield preemptions
+        yield from spec.values()
+        yield per_pos

@@ -1,0 +1,199 @@
+"""Speculative decoding (engine.speculative, ngram): decode tokens/s and ITL with speculation off
+and on, side by side in one run, at batch 1, 4 and 16, on two workloads:
+
+  * grounded: the answer copies spans of the prompt. On a random-weight checkpoint no prompt
+    makes a model copy by itself, so the prompt is built from the model's own text: S, then G
+    (the greedy continuation of S), then S again; the answer to it goes on much like G, which
+    the prompt holds. The mean acceptance length printed says how grounded it really was.
+  * ungrounded: random token prompts; the model's continuation is not in them.
+
+Each is run offline (one engine, ``LLMEngine.step`` timed) and through 1P1D (an in-process
+producer/consumer pair on the KV connector: P prefills, D decodes and speculates on the
+requests whose KV it received). decode tok/s = output tokens after each request's first /
+the time from the batch's last first token to its end; ITL = a request's (last - first token
+time) / (tokens - 1), the mean over requests. Greedy; every speculative output is checked
+equal to the non-speculative one.
+
+Example: python scripts/bench_spec_decode.py --model /work/models/llama-58m
+The last line is ``spec_speedup_grounded_b1=X`` (offline, batch 1). ``--smoke``: a tiny model,
+batch 1 and 2, a few tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="/work/models/llama-58m")
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--prompt-len", type=int, default=48, help="S's length (grounded: 3 parts)")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--lookup-min", type=int, default=2)
+    p.add_argument("--lookup-max", type=int, default=5)
+    p.add_argument("--no-pd", action="store_true", help="offline only")
+    p.add_argument("--smoke", action="store_true")
+    return p.parse_args()
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(block_size=16, num_kv_blocks=1024, max_num_seqs=32,
+                max_model_len=min(2048, 4 * args.prompt_len + 3 * args.max_tokens))
+
+
+def spec_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {"method": "ngram", "num_speculative_tokens": args.k,
+            "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
+
+
+def workloads(base: Any, args: argparse.Namespace, n: int, vocab: int
+              ) -> dict[str, list[list[int]]]:
+    from pd_cluster import SamplingParams
+    rng = random.Random(7)
+    seeds = [[rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(n)]
+    cont = base.generate(seeds, SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                                               ignore_eos=True))
+    grounded = [s + list(o.outputs[0].token_ids) + s for s, o in zip(seeds, cont)]
+    ungrounded = [[rng.randrange(4, vocab) for _ in range(len(g))] for g in grounded]
+    return {"grounded": grounded, "ungrounded": ungrounded}
+
+
+def timed(step: Any, busy: Any, submit: Any, prompts: list[list[int]]
+          ) -> tuple[float, float, dict[str, list[int]]]:
+    """(decode tok/s, mean ITL ms, tokens per request) of one batch run to completion."""
+    rids = submit(prompts)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+    while busy():
+        outs = step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id not in rids:
+                continue
+            first.setdefault(o.request_id, now)
+            last[o.request_id] = now
+            tokens[o.request_id] = list(o.outputs[0].token_ids)
+    start, end = max(first.values()), max(last.values())
+    decoded = sum(len(t) - 1 for t in tokens.values())
+    itl = statistics.mean((last[r] - first[r]) / max(len(tokens[r]) - 1, 1) for r in rids)
+    return decoded / max(end - start, 1e-9), itl * 1e3, tokens
+
+
+class Offline:
+    def __init__(self, llm: Any, params: Any) -> None:
+        self.engine, self.params, self.n = llm.engine, params, 0
+
+    def run(self, prompts: list[list[int]]) -> tuple[float, float, list[list[int]]]:
+        def submit(ps: list[list[int]]) -> list[str]:
+            rids = []
+            for p in ps:
+                self.n += 1
+                rids.append(f"o{self.n}")
+                self.engine.add_request(rids[-1], p, self.params)
+            return rids
+        rate, itl, toks = timed(self.engine.step, self.engine.has_unfinished_requests, submit,
+                                prompts)
+        self.engine.check_no_leaks()
+        return rate, itl, [toks[k] for k in sorted(toks, key=lambda r: int(r[1:]))]
+
+
+class PDPair:
+    """An in-process 1P1D pair (tests/pd_helpers.py's): P's steps run inside the timed loop."""
+
+    def __init__(self, model: str, params: Any, args: argparse.Namespace, spec: bool) -> None:
+        from connectors.secret import has_secret, install, new_secret
+        from tests.pd_helpers import engine
+        if not has_secret():  # the pipe's handshake proof, as `pd-cluster launch` sets it
+            install(new_secret())
+        extra = {"speculative": spec_config(args)} if spec else {}
+        self.d = engine(model, "consumer", **engine_args(args), **extra)
+        self.p = engine(model, "producer", **engine_args(args))
+        self.p.connect_kv_peer(self.d.kv_endpoint())
+        self.params, self.n = params, 0
+
+    def run(self, prompts: list[list[int]]) -> tuple[float, float, list[list[int]]]:
+        from tests.pd_helpers import drain, submit_pair
+
+        def submit(ps: list[list[int]]) -> list[str]:
+            rids = []
+            for p in ps:
+                self.n += 1
+                rids.append(f"d{self.n}")
+                submit_pair(self.p, self.d, rids[-1], p, self.params, self.d.kv_endpoint())
+            return rids
+
+        def step() -> list[Any]:
+            self.p.step()
+            return self.d.step()
+        rate, itl, toks = timed(step, lambda: self.p.has_unfinished_requests()
+                                or self.d.has_unfinished_requests(), submit, prompts)
+        drain(self.p, self.d)
+        self.p.check_no_leaks(), self.d.check_no_leaks()
+        return rate, itl, [toks[k] for k in sorted(toks, key=lambda r: int(r[1:]))]
+
+    def close(self) -> None:
+        self.p.close(), self.d.close()
+
+
+def main() -> None:
+    args = parse_args()
+    from pd_cluster import LLM, SamplingParams
+    if args.smoke:
+        from pd_cluster.checkpoints.maker import PRESETS, make_model
+        args.model = str(make_model(os.path.join(tempfile.mkdtemp(), "m"),
+                                    **PRESETS["tiny-random-llama"]))
+        args.batches, args.prompt_len, args.max_tokens = "1,2", 12, 8
+    batches = [int(b) for b in args.batches.split(",")]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    base = LLM(model=args.model, **engine_args(args))
+    spec = LLM(model=args.model, **engine_args(args), speculative=spec_config(args))
+    loads = workloads(base, args, max(batches), base.engine.vocab_size)
+    sides = {"offline": (Offline(base, params), Offline(spec, params))}
+    if not args.no_pd:
+        sides["1P1D"] = (PDPair(args.model, params, args, False),
+                         PDPair(args.model, params, args, True))
+    print(f"model {args.model}, k={args.k}, lookup n {args.lookup_min}..{args.lookup_max}, "
+          f"{args.max_tokens} tokens per request, greedy")
+    print(f"{'where':8} {'workload':10} {'batch':>5} {'off tok/s':>10} {'on tok/s':>10} "
+          f"{'ratio':>6} {'off ITL ms':>10} {'on ITL ms':>10} {'accept len':>10} "
+          f"{'accept %':>8} equal")
+    ratios: dict[str, float] = {}
+    for where, (off, on) in sides.items():
+        engine = on.engine if where == "offline" else on.d
+        for name, prompts in loads.items():
+            for b in batches:
+                off.run(prompts[:1])  # warm-up (first steps, allocator)
+                r_off, itl_off, t_off = off.run(prompts[:b])
+                s0 = engine.stats()
+                r_on, itl_on, t_on = on.run(prompts[:b])
+                s1 = engine.stats()
+                drafts = s1["spec_num_drafts"] - s0["spec_num_drafts"]
+                drafted = s1["spec_num_draft_tokens"] - s0["spec_num_draft_tokens"]
+                acc = s1["spec_num_accepted_tokens"] - s0["spec_num_accepted_tokens"]
+                ratio = r_on / r_off
+                ratios[f"{where}_{name}_b{b}"] = ratio
+                print(f"{where:8} {name:10} {b:5d} {r_off:10.1f} {r_on:10.1f} {ratio:6.2f} "
+                      f"{itl_off:10.2f} {itl_on:10.2f} {1 + acc / max(drafts, 1):10.2f} "
+                      f"{100 * acc / max(drafted, 1):8.1f} {t_on == t_off}", flush=True)
+                if t_on != t_off:
+                    print(f"  outputs differ at {where} {name} batch {b}", file=sys.stderr)
+    for where, (off, on) in sides.items():
+        if where == "1P1D":
+            off.close(), on.close()
+    print(f"spec_speedup_ungrounded_b1={ratios['offline_ungrounded_b1']:.2f}")
+    print(f"spec_speedup_grounded_b1={ratios['offline_grounded_b1']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
