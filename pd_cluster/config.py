@@ -21,6 +21,8 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16"
 DEVICE_ENV = "PD_CLUSTER_DEVICE"
 # engine.cpu_gemm's values (the layouts are models/layers/cpu_gemm.py's).
 CPU_GEMM_MODES = ("auto", "torch", "transposed", "packed")
+# engine.kv_cache_dtype's values (vLLM's; the FP8 layout is kernels/kv_quant.py's).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 
 def _check_device(value: str) -> str:
@@ -98,6 +100,11 @@ class EngineArgs(BaseModel):
     device: str = "auto"  # auto (CUDA if present), cpu, cuda or cuda:N
     seed: int = 0  # seeds the engine's sampling RNG
     block_size: int = 16  # tokens per KV cache block (a power of two in [8, 128])
+    # KV cache element type (vLLM's name and values): auto = the model's dtype; fp8_e4m3 /
+    # fp8_e5m2 store K/V in FP8 with per-head scales in each block (the checkpoint's
+    # k_scale/v_scale where it has them, else computed per block as it is written): about
+    # half the bytes held and shipped of bf16 (a quarter of fp32), one scale row per block more.
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64  # requests in one step's batch at most
     max_num_batched_tokens: int = 2048  # tokens (prompt + decode) in one step at most
     # While any request decodes, at most this many prompt tokens per step (chunked prefill
@@ -196,6 +203,13 @@ class EngineArgs(BaseModel):
             raise ValueError(f"must be one of {list(CPU_GEMM_MODES)}, got {value!r}")
         return value
 
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv_cache_dtype(cls, value: str) -> str:
+        if value not in KV_CACHE_DTYPES:
+            raise ValueError(f"must be one of {list(KV_CACHE_DTYPES)}, got {value!r}")
+        return value
+
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, value: str) -> str:
@@ -247,6 +261,12 @@ class EngineConfig(EngineArgs):
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, _DTYPES[self.dtype])
+
+    @property
+    def kv_torch_dtype(self) -> "torch.dtype":
+        """The KV cache's element type: the model's (auto) or an FP8 one."""
+        from kernels.kv_quant import kv_cache_torch_dtype
+        return kv_cache_torch_dtype(self.kv_cache_dtype, self.torch_dtype)
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:

@@ -4,13 +4,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import block_size_of, dequant_blocks, is_fp8, write_fp8
 from pd_cluster.attention.base import AttentionBackend, register_backend
 from pd_cluster.attention.metadata import AttentionMetadata
 from pd_cluster.attention.options import AttentionOptions
 
 
 def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor,
+                   static_scales: tuple[float, float] | None = None) -> None:
+    if is_fp8(kv_cache.dtype):
+        write_fp8(key, value, kv_cache, slot_mapping, static_scales)
+        return
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
@@ -19,14 +24,23 @@ def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's first ``length`` K and V as dense [length, H, D] tensors."""
-    block_size = kv_cache.shape[2]
+    block_size = block_size_of(kv_cache)
     blocks = block_table[: -(-length // block_size)].long()
-    k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:length]
-    v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:length]
+    k = read_blocks(kv_cache, 0, blocks, dtype).flatten(0, 1)[:length]
+    v = read_blocks(kv_cache, 1, blocks, dtype).flatten(0, 1)[:length]
     return k, v
+
+
+def read_blocks(kv_cache: torch.Tensor, part: int, blocks: torch.Tensor,
+                dtype: torch.dtype | None) -> torch.Tensor:
+    """Blocks of one part [n, block_size, heads, width]: FP8 ones dequantised per block into
+    ``dtype`` (the query's), others as stored."""
+    if is_fp8(kv_cache.dtype):
+        return dequant_blocks(kv_cache, part, blocks, dtype or torch.float32)
+    return kv_cache[part].index_select(0, blocks)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -94,12 +108,12 @@ def torch_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
 def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, max_len: int, opts: AttentionOptions,
                   value_dim: int | None = None) -> torch.Tensor:
-    n, block_size = query.shape[0], kv_cache.shape[2]
+    n, block_size = query.shape[0], block_size_of(kv_cache)
     # index_select on the leading (block) dim copies whole blocks: several times faster on
     # CPU than advanced indexing, which gathers element-wise.
     flat = block_tables[:, : -(-max_len // block_size)].long().flatten()
-    k = kv_cache[0].index_select(0, flat).view(n, -1, *kv_cache.shape[-2:])  # [n, L, Hkv, D]
-    v = kv_cache[1].index_select(0, flat).view(n, -1, *kv_cache.shape[-2:])
+    k = read_blocks(kv_cache, 0, flat, query.dtype).view(n, -1, *kv_cache.shape[-2:])
+    v = read_blocks(kv_cache, 1, flat, query.dtype).view(n, -1, *kv_cache.shape[-2:])
     if value_dim is not None:
         v = v[..., :value_dim]
     k_pos = torch.arange(k.shape[1], device=query.device)[None, :]
@@ -135,7 +149,7 @@ def torch_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: A
     for i in range(start_req, meta.num_reqs):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len, q_len = meta.seq_lens_cpu[i], end - start
-        k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len)
+        k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len, query.dtype)
         q = query[start:end].transpose(0, 1)  # [Hq, q_len, D]
         if q_len == seq_len and opts.plain:
             o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1),
@@ -157,8 +171,9 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        write_kv_torch(key, value, kv_cache, meta.slot_mapping)
+                 meta: AttentionMetadata,
+                 static_scales: tuple[float, float] | None = None) -> None:
+        write_kv_torch(key, value, kv_cache, meta.slot_mapping, static_scales)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 opts: AttentionOptions) -> torch.Tensor:
