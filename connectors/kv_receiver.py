@@ -22,6 +22,7 @@ import torch
 
 from connectors.metadata import FinHeader, KVLayerHeader, OfferHeader, RecvSpec
 from connectors.block_io import scatter_blocks
+from kernels.kv_quant import as_bytes
 from connectors.kv_staging import Staging
 
 logger = logging.getLogger(__name__)
@@ -235,10 +236,10 @@ class KVReceiver:
         if both and heads == cache.shape[3]:
             scatter_blocks(tensor, cache, targets)
         else:  # a slice of this rank's heads (a producer of another TP size)
-            for i, part in enumerate(parts):
-                cache[part, :, :, h0:h0 + heads].index_copy_(
+            for i, part in enumerate(parts):  # (FP8 as bytes: no FP8 index_copy_ on CPU)
+                as_bytes(cache[part, :, :, h0:h0 + heads]).index_copy_(
                     0, targets.to(cache.device),
-                    (tensor[i] if both else tensor).to(cache.device, cache.dtype))
+                    as_bytes((tensor[i] if both else tensor).to(cache.device, cache.dtype)))
         for part in parts:
             state.written[header.layer, part, header.first_block:end, h0:h0 + heads] = True
         self.bytes_received += tensor.nbytes

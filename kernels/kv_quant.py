@@ -52,6 +52,12 @@ def split(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return kv_cache[:, :, :bs], scales
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as raw bytes (a view), for copies torch has no FP8 kernel for (e.g.
+    index_copy_ on CPU); any other tensor as it is."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
 def block_size_of(kv_cache: torch.Tensor) -> int:
     """Tokens per block of a layer cache, FP8 (one scale row more) or not."""
     return kv_cache.shape[2] - (1 if is_fp8(kv_cache.dtype) else 0)
