@@ -100,3 +100,39 @@ def test_the_handshake_refuses_another_kv_cache_dtype(tiny_model) -> None:
         p.check_no_leaks(), d.check_no_leaks()
     finally:
         p.close(), d.close()
+
+
+def test_stats_metrics_and_status_say_kv_bytes_per_token(tiny_model, monkeypatch,
+                                                         capsys) -> None:
+    import argparse
+    from types import SimpleNamespace
+
+    import httpx
+
+    from pd_cluster.serving.cluster.cli_cluster import run_status
+    from pd_cluster.serving.observability.metrics import ProxyMetrics
+    per_token = {}
+    for name, args in (("auto", {}), ("fp8_e4m3", FP8)):
+        e = engine(tiny_model(), None, block_size=BS, num_kv_blocks=8, **args)
+        try:
+            s = e.stats()
+            per_token[name] = s["kv_bytes_per_token"]
+            assert s["kv_cache_dtype"] == name
+            e.check_no_leaks()
+        finally:
+            e.close()
+    # tiny model: 2 layers x K,V x 2 heads x 16 dims; fp32 4 bytes, FP8 1 and a scale row / 8
+    assert per_token == {"auto": 512.0, "fp8_e4m3": 144.0}
+    stats = {"kv_cache_dtype": "fp8_e4m3", "kv_bytes_per_token": 144.0}
+    engines = [SimpleNamespace(name="decode-0", role="decode", healthy=True, inflight=0,
+                               stats=stats)]
+    text = ProxyMetrics(lambda: engines, "m").render().decode()
+    assert 'pd_engine_kv_bytes_per_token{engine="decode-0",role="decode"} 144.0' in text
+    body = {"mode": "disaggregated", "model": "tiny", "inflight": 0, "proxy": {},
+            "engines": [{"name": "decode-0", "role": "decode", "healthy": True, "inflight": 0,
+                         "restarts": 0, "pid": 7, "stats": stats}]}
+    monkeypatch.setattr(httpx, "get", lambda *a, **kw: SimpleNamespace(status_code=200,
+                                                                       json=lambda: body))
+    assert run_status(argparse.Namespace(url="http://proxy", namespace="t", config=None,
+                                         json=False)) == 0
+    assert "decode-0 KV cache: fp8_e4m3, 144 bytes/token" in capsys.readouterr().out
