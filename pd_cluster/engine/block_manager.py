@@ -189,6 +189,12 @@ class BlockManager:
         while len(table) < self.blocks_needed(total):
             table.append(self._pop_free())
 
+    def skip_caching(self, request: Request, num_blocks: int) -> None:
+        """Never register the request's first ``num_blocks`` blocks for prefix hits (some
+        layer's KV is missing from them: a decode engine got only a sliding window's)."""
+        rid = request.request_id
+        self.hashed[rid] = max(self.hashed[rid], num_blocks)
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register hashes of blocks whose KV is now fully computed, for later prefix hits."""
         if not self.enable_prefix_caching:
