@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(600)  # each benchmark script runs as a subproc
     ("bench_grammar_backends.py", "vocab"),  # xgrammar vs llguidance vs outlines-core
     ("bench_structured.py", "batch="),  # TPOT with and without a JSON schema
     ("bench_offload.py", "cached_share_host="),  # colocated: off, host, host+disk KV tiers
+    ("bench_kv_bytes.py", "gpt_oss_ship_ratio_"),  # window shipping and FP8 KV, tiny P/D pair
 ])
 def test_bench_smoke(script: str, last_line: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
