@@ -136,3 +136,36 @@ def test_stats_metrics_and_status_say_kv_bytes_per_token(tiny_model, monkeypatch
     assert run_status(argparse.Namespace(url="http://proxy", namespace="t", config=None,
                                          json=False)) == 0
     assert "decode-0 KV cache: fp8_e4m3, 144 bytes/token" in capsys.readouterr().out
+
+
+def test_host_tier_keeps_fp8_blocks_with_their_scales(tiny_model) -> None:
+    """History evicted from a small FP8 device pool comes back from the host tier as stored
+    (scales included): the tokens equal an FP8 engine that kept it on the device."""
+    from pd_cluster import LLM
+    from tests.conftest import random_prompt
+    model = tiny_model()
+    block_bytes = 2 * 2 * (BS + 1) * 2 * 16  # layers x K,V x rows x heads x dims, 1 byte
+    turn1 = random_prompt(40, seed=1)
+    fillers = [random_prompt(60, seed=s) for s in (2, 3, 4)]
+    outs = {}
+    for name, args in (("tiers", dict(num_kv_blocks=16, kv_offloading_size=64 * block_bytes
+                                      / 2**30)), ("device", dict(num_kv_blocks=64))):
+        llm = LLM(model=model, block_size=BS, **FP8, **args)
+        try:
+            gen = lambda p: llm.generate([p], [GREEDY])[0]  # noqa: E731
+            out1 = gen(turn1).outputs[0].token_ids
+            for f in fillers:
+                gen(f)
+            turn2 = turn1 + out1 + random_prompt(16, seed=5)
+            before = llm.engine.stats()
+            out2 = gen(turn2)
+            after = llm.engine.stats()
+            assert out2.num_cached_tokens == 5 * BS  # 40 + 7 computed tokens: 5 full blocks
+            if name == "tiers":
+                assert (after["kv_offload_hit_blocks_host"]
+                        - before["kv_offload_hit_blocks_host"]) == 5
+            outs[name] = out2.outputs[0].token_ids
+            llm.engine.check_no_leaks()
+        finally:
+            llm.close()
+    assert outs["tiers"] == outs["device"]
