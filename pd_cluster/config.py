@@ -175,6 +175,14 @@ class EngineArgs(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _fp8_graphs(self) -> "EngineArgs":
+        # An FP8 write grows block scales with host-side decisions: not capturable in a graph.
+        if self.cuda_graphs and self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype} does not run in CUDA "
+                             f"graphs yet; set cuda_graphs false or kv_cache_dtype auto")
+        return self
+
+    @model_validator(mode="after")
     def _offload_disk(self) -> "EngineArgs":
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size: the KV tiers hold prefix-cache blocks; "

@@ -117,3 +117,12 @@ def test_spec_bytes_include_the_scale_row() -> None:
     fp8 = FullAttentionSpec(4, 64, torch.float8_e4m3fn)
     assert fp8.cache_shape(10, 16) == (2, 10, 17, 4, 64)
     assert fp8.page_bytes(16) * 4 == fp32.page_bytes(16) * 17 // 16
+
+
+def test_config_names_the_field() -> None:
+    from pd_cluster.config import EngineArgs
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineArgs(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype: fp8_e5m2 does not run in CUDA graphs"):
+        EngineArgs(kv_cache_dtype="fp8_e5m2", cuda_graphs=True)
+    assert EngineArgs(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
