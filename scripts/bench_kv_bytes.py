@@ -204,6 +204,9 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of parts to skip: 2,3")
     args = ap.parse_args()
     skip = set(args.skip.split(",")) - {""}
+    from connectors.secret import has_secret, install, new_secret
+    if not has_secret():  # the P/D pairs below prove it to each other
+        install(new_secret())
     t0 = time.monotonic()
     ratios = part1([256] if args.smoke else [2048, 8192, 32768])
     if "2" not in skip:
