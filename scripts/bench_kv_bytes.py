@@ -171,7 +171,7 @@ def part3(model: str, label: str, n_prompts: int, n_tokens: int) -> dict[str, fl
             llm.close()
     same_seq = agree = total = 0
     kls = []
-    for a_toks, b_toks, a_lp, b_lp in zip(*runs["auto"], *runs["fp8_e4m3"]):
+    for a_toks, a_lp, b_toks, b_lp in zip(*runs["auto"], *runs["fp8_e4m3"]):
         n = next((i for i, (x, y) in enumerate(zip(a_toks, b_toks)) if x != y), len(a_toks))
         same_seq += n == len(a_toks)
         agree += sum(x == y for x, y in zip(a_toks, b_toks))
