@@ -122,3 +122,13 @@ def dequantize(kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The whole cache as [parts, blocks, block_size, heads, width] in ``dtype`` (tests)."""
     data, scales = split(kv_cache)
     return (data.float() * scales[:, :, None, :, None]).to(dtype)
+
+
+def cache_parts(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                 tuple[torch.Tensor, torch.Tensor] | None]:
+    """K and V [blocks, block_size, Hkv, D] of a layer cache, and an FP8 cache's K/V scales
+    [blocks, Hkv] (None for other caches): what the Triton kernels take."""
+    if not is_fp8(kv_cache.dtype):
+        return kv_cache[0], kv_cache[1], None
+    data, scales = split(kv_cache)
+    return data[0], data[1], (scales[0], scales[1])

@@ -20,7 +20,7 @@ import math
 import torch
 
 from kernels import interpreting, runs_triton, triton_available
-from kernels.kv_quant import is_fp8, split
+from kernels.kv_quant import cache_parts
 
 HAS_TRITON = triton_available()
 _INTERPRETED = interpreting()
@@ -179,16 +179,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
     want = math.ceil(4 * _num_sms(device) / programs)
     by_len = math.ceil(max(max_seq_len, 1) / MIN_PARTITION)
     return max(1, min(want, by_len, MAX_SPLITS))
-
-
-def cache_parts(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                 tuple[torch.Tensor, torch.Tensor] | None]:
-    """K and V [blocks, block_size, Hkv, D] of a layer cache, and an FP8 cache's K/V scales
-    [blocks, Hkv] (kv_quant.py's layout; None for other caches)."""
-    if not is_fp8(kv_cache.dtype):
-        return kv_cache[0], kv_cache[1], None
-    data, scales = split(kv_cache)
-    return data[0], data[1], (scales[0], scales[1])
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from kernels import interpreting, runs_triton, triton_available
-from kernels.paged_decode_attention import attention_probs_ref, cache_parts
+from kernels.kv_quant import cache_parts
+from kernels.paged_decode_attention import attention_probs_ref
 
 HAS_TRITON = triton_available()
 _INTERPRETED = interpreting()
