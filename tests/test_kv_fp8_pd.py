@@ -170,3 +170,37 @@ def test_host_tier_keeps_fp8_blocks_with_their_scales(tiny_model) -> None:
         finally:
             llm.close()
     assert outs["tiers"] == outs["device"]
+
+
+def test_checkpoint_kv_scales_are_the_static_scales(tiny_model, tmp_path) -> None:
+    """A checkpoint's k_scale/v_scale (vLLM's names; one kv_scale for both) become the
+    layer's static scales: every block an FP8 engine fills holds them."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from kernels.kv_quant import split
+    from pd_cluster import LLM
+    src = tiny_model()
+    model = tmp_path / "scaled"
+    shutil.copytree(src, model)
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.05),
+               "model.layers.0.self_attn.v_scale": torch.tensor(0.07),
+               "model.layers.1.self_attn.kv_scale": torch.tensor([0.03])},
+              str(model / "kv_scales.safetensors"))
+    llm = LLM(model=str(model), block_size=BS, num_kv_blocks=16, **FP8)
+    try:
+        layers = llm.engine.runner.model.model.layers
+        assert [layer.self_attn.kv_scales for layer in layers] == [
+            (pytest.approx(0.05), pytest.approx(0.07)), (pytest.approx(0.03),) * 2]
+        llm.generate([PROMPTS[2]], [GREEDY])
+        _, scales = split(llm.engine.runner.kv_caches[1])
+        used = scales[0].flatten()[scales[0].flatten() != 0]
+        assert used.numel() and torch.allclose(used, torch.tensor(0.03))
+        llm.engine.check_no_leaks()
+    finally:
+        llm.close()
+    with pytest.raises(ValueError, match="one positive number"):
+        save_file({"model.layers.0.self_attn.k_scale": torch.tensor(-1.0)},
+                  str(model / "kv_scales.safetensors"))
+        LLM(model=str(model), block_size=BS, num_kv_blocks=16, **FP8)
