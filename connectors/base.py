@@ -37,6 +37,11 @@ class KVConnectorBase_Scheduler(ABC):  # noqa: N801 (vLLM's name)
     def stats(self) -> dict[str, Any]:
         return {}
 
+    def unshipped_blocks(self, request: Any) -> int:
+        """Consumer: leading prompt blocks some layer's KV was not shipped for (they are not
+        to be registered for prefix hits); 0 unless a connector ships less than everything."""
+        return 0
+
 
 class FinishedTransfers(NamedTuple):
     """What get_finished() reports (a tuple: ``sent, received = ...`` reads it too)."""

@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 _COMPARED = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "kv_specs")
+# An engine_info without a KV cache dtype (a bare connector in tests and benchmarks): the
+# model's dtype.
+_DEFAULT_KV_DTYPE = "auto"
 
 
 def model_fingerprint(model_dir: str) -> str:
@@ -34,6 +37,7 @@ def make_hello(engine_info: dict[str, Any]) -> dict[str, Any]:
     hello["num_kv_heads"] = engine_info.get("total_kv_heads", engine_info["num_kv_heads"])
     hello["kv_specs"] = _layer_specs(engine_info)
     hello["tp_size"] = engine_info.get("tp_size", 1)
+    hello["kv_cache_dtype"] = engine_info.get("kv_cache_dtype", _DEFAULT_KV_DTYPE)
     return hello
 
 
@@ -49,6 +53,13 @@ def hello_mismatch(consumer: dict[str, Any], producer: dict[str, Any]) -> str | 
     """Why a producer cannot feed this consumer, or None. The reason goes back to the producer
     and into the consumer's log: it names the keys that differ and the producer's own values,
     never the consumer's (a peer learns nothing it did not send)."""
+    theirs = producer.get("kv_cache_dtype", _DEFAULT_KV_DTYPE)
+    if theirs != consumer.get("kv_cache_dtype", _DEFAULT_KV_DTYPE):
+        # Its own sentence: blocks of another element type (and scale layout) cannot be
+        # decoded on, and the fix is one config key on either side.
+        return (f"KV cache dtype mismatch: the prefill engine stores its KV cache as "
+                f"{theirs!r:.40} and this decode engine does not; set the same "
+                f"engine.kv_cache_dtype (--kv-cache-dtype) on both")
     diffs = [f"{k} (the prefill engine has {producer.get(k)!r:.200})" for k in _COMPARED
              if k != "kv_specs" and producer.get(k) != consumer[k]]
     if producer.get("kv_specs") != consumer["kv_specs"]:

@@ -22,6 +22,8 @@ import torch
 
 from connectors.metadata import FinHeader, KVLayerHeader, OfferHeader, RecvSpec
 from connectors.block_io import scatter_blocks
+from connectors.window_shipping import first_shipped_token
+from kernels.kv_quant import as_bytes
 from connectors.kv_staging import Staging
 
 logger = logging.getLogger(__name__)
@@ -43,8 +45,10 @@ class _Receiving:
 
 class KVReceiver:
     def __init__(self, num_layers: int, block_size: int, timeout: float, max_staging_bytes: int,
-                 record_timings: bool = False):
+                 record_timings: bool = False, windows: tuple[int | None, ...] = ()):
         self.num_layers, self.block_size = num_layers, block_size
+        # Sliding layers' windows: their blocks before it are not shipped (window_shipping.py)
+        self.windows = windows
         self.timeout, self.max_staging_bytes = timeout, max_staging_bytes
         self.kv_caches: list[torch.Tensor] = []
         self._lock = threading.Lock()
@@ -75,6 +79,9 @@ class KVReceiver:
         state = _Receiving(spec, torch.tensor(spec.block_ids[:blocks], dtype=torch.long),
                            time.monotonic() + self.timeout, self._unwritten(blocks))
         state.written[:, :, :spec.num_cached_tokens // self.block_size] = True
+        for layer, window in enumerate(self.windows):  # not shipped: nothing to wait for
+            first = first_shipped_token(spec.num_prompt_tokens, window, self.block_size)
+            state.written[layer, :, :first // self.block_size] = True
         with self._lock:
             if spec.request_id in self._active:
                 logger.warning("duplicate receive registration for %s dropped", spec.request_id)
@@ -241,10 +248,10 @@ class KVReceiver:
         if both and heads == cache.shape[3]:
             scatter_blocks(tensor, cache, targets)
         else:  # a slice of this rank's heads (a producer of another TP size)
-            for i, part in enumerate(parts):
-                cache[part, :, :, h0:h0 + heads].index_copy_(
+            for i, part in enumerate(parts):  # (FP8 as bytes: no FP8 index_copy_ on CPU)
+                as_bytes(cache[part, :, :, h0:h0 + heads]).index_copy_(
                     0, targets.to(cache.device),
-                    (tensor[i] if both else tensor).to(cache.device, cache.dtype))
+                    as_bytes((tensor[i] if both else tensor).to(cache.device, cache.dtype)))
         for part in parts:
             state.written[header.layer, part, header.first_block:end, h0:h0 + heads] = True
         self.bytes_received += tensor.nbytes

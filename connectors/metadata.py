@@ -16,6 +16,9 @@ class SendSpec:
     first_block: int  # index of block_ids[0] in the request's block table
     # Blocks before this token wait for the consumer's HOLD; None: all do (SendKV.expect_held)
     expect_held: int | None = 0
+    # The prompt's length: a sliding-window layer ships only the blocks the consumer's
+    # decodes can read (window_shipping.py); 0: unknown, every block goes.
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)

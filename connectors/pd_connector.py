@@ -30,7 +30,8 @@ from connectors.metadata import (AckHeader, FinHeader, FinishSpec, HoldHeader,
 from connectors.pd_producer import PDProducer
 from connectors.pd_roles import PDRoles
 from connectors.pd_scheduler import PDConnectorScheduler
-from connectors.hello import make_hello
+from connectors.hello import hello_mismatch, make_hello
+from connectors.window_shipping import layer_windows
 from connectors.send_leases import SendLeases
 from connectors.tp_topology import Route, routes_for, split_endpoint
 from connectors.pipes.base import PipeError, create_pipe
@@ -46,11 +47,13 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
         self.tp_rank, self.tp_size = engine_info.get("tp_rank", 0), engine_info.get("tp_size", 1)
         self.block_size = engine_info["block_size"]
         self.hello = make_hello(engine_info)
+        # Each layer's sliding window: those layers ship only what decodes read.
+        self.windows = layer_windows(self.hello["kv_specs"])
         self._routes: dict[str, list[tuple[str, Route]]] = {}  # consumer -> its ranks I feed
         self.pipe = create_pipe(config.pipe, config.pipe_config)
         self.receiver = KVReceiver(engine_info["num_layers"], engine_info["block_size"],
                                    config.kv_transfer_timeout, config.max_staging_bytes,
-                                   config.record_timings)
+                                   config.record_timings, self.windows)
         self._endpoint: str | None = None
         self._listening = False
         if config.is_consumer:
@@ -259,4 +262,6 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
 
 @register_connector("pd")
 def _make_pd(config: KVTransferConfig, engine_info: dict[str, Any]) -> ConnectorPair:
-    return PDConnectorScheduler(engine_info["block_size"]), PDConnectorWorker(config, engine_info)
+    windows = layer_windows(make_hello(engine_info)["kv_specs"])
+    return (PDConnectorScheduler(engine_info["block_size"], windows),
+            PDConnectorWorker(config, engine_info))

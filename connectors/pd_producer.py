@@ -25,6 +25,7 @@ import torch
 from connectors.metadata import FinHeader, OfferHeader, SendSpec, encode_header
 from connectors.pipes.base import PipeError
 from connectors.tp_topology import num_feeders, split_endpoint
+from connectors.window_shipping import first_shipped_token
 from pd_cluster import ttft_trace
 
 logger = logging.getLogger("connectors.pd_connector")
@@ -73,7 +74,10 @@ class PDProducer:
 
     def _send_unheld(self, spec: SendSpec, layer: int, kv_layer: torch.Tensor,
                      held: int) -> None:
-        """Send ``layer`` of the spec's blocks the consumer's cache does not hold."""
+        """Send ``layer`` of the spec's blocks the consumer's cache does not hold, and of a
+        sliding-window layer only those its decodes can read (window_shipping.py)."""
+        held = max(held, first_shipped_token(spec.num_prompt_tokens, self.windows[layer],
+                                             self.block_size))
         skip = max(0, held // self.block_size - spec.first_block)
         if skip >= len(spec.block_ids):
             return

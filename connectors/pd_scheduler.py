@@ -12,11 +12,13 @@ from typing import Any
 from connectors.base import KVConnectorBase_Scheduler
 from connectors.metadata import FinishSpec, KVConnectorMetadata, RecvSpec, SendSpec
 from connectors.transfer_params import RecvKV, SendKV
+from connectors.window_shipping import unshipped_blocks
 
 
 class PDConnectorScheduler(KVConnectorBase_Scheduler):
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, windows: tuple[int | None, ...] = ()):
         self.block_size = block_size
+        self.windows = windows  # each layer's sliding window (None: full attention)
         self._recvs: list[RecvSpec] = []
         self._finishes: list[FinishSpec] = []
         self._cancels: list[str] = []
@@ -52,10 +54,17 @@ class PDConnectorScheduler(KVConnectorBase_Scheduler):
             first, last = start // self.block_size, -(-end // self.block_size)
             sends.append(SendSpec(request.request_id, params.to,
                                   tuple(request.block_ids[first:last]), first,
-                                  params.expect_held))
+                                  params.expect_held, request.num_prompt_tokens))
         meta = KVConnectorMetadata(sends, self._finishes, self._recvs, self._cancels)
         self._finishes, self._recvs, self._cancels = [], [], []
         return meta
+
+    def unshipped_blocks(self, request: Any) -> int:
+        """Consumer: leading prompt blocks whose sliding layers were not shipped (never to be
+        registered for prefix hits here; window_shipping.py)."""
+        if not isinstance(request.kv_transfer_params, RecvKV):
+            return 0
+        return unshipped_blocks(request.num_prompt_tokens, self.windows, self.block_size)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         params = request.kv_transfer_params

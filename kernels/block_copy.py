@@ -14,6 +14,7 @@ from typing import Sequence, Union
 import torch
 
 from kernels import interpreting, runs_triton, triton_available
+from kernels.kv_quant import as_bytes
 
 HAS_TRITON = triton_available()
 _INTERPRETED = interpreting()
@@ -63,6 +64,7 @@ def _blocks_contiguous(t: torch.Tensor) -> bool:
 def _launch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather: bool) -> None:
     block_elems = src.shape[2] * src.shape[3] * src.shape[4]
     grid = (ids.numel(), src.shape[0], triton.cdiv(block_elems, _CHUNK))
+    src, dst = as_bytes(src), as_bytes(dst)  # FP8 blocks move as bytes
     _block_copy_kernel[grid](
         src, dst, ids, block_elems,
         src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
@@ -109,13 +111,16 @@ def gather_kv_blocks_torch(kv_cache: torch.Tensor, block_ids: BlockIds,
     """Fast torch path (any device, never Triton): K and V separately along their leading
     block dim, so whole blocks are memcpy'd (~4x faster on CPU than index_select on dim 1)."""
     ids = _as_ids(block_ids, kv_cache.device)
-    for kv in range(kv_cache.shape[0]):
-        torch.index_select(kv_cache[kv], 0, ids, out=out[kv])
+    src, dst = as_bytes(kv_cache), as_bytes(out)  # FP8: copied as bytes
+    for kv in range(src.shape[0]):
+        torch.index_select(src[kv], 0, ids, out=dst[kv])
     return out
 
 
 def scatter_kv_blocks_torch(buffer: torch.Tensor, kv_cache: torch.Tensor,
                             block_ids: BlockIds) -> None:
     ids = _as_ids(block_ids, kv_cache.device)
+    buffer = buffer.to(kv_cache.device, kv_cache.dtype)
+    kv_cache, buffer = as_bytes(kv_cache), as_bytes(buffer)  # FP8: copied as bytes
     for kv in range(kv_cache.shape[0]):
-        kv_cache[kv].index_copy_(0, ids, buffer[kv].to(kv_cache.device, kv_cache.dtype))
+        kv_cache[kv].index_copy_(0, ids, buffer[kv])

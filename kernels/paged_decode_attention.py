@@ -20,6 +20,7 @@ import math
 import torch
 
 from kernels import interpreting, runs_triton, triton_available
+from kernels.kv_quant import cache_parts
 
 HAS_TRITON = triton_available()
 _INTERPRETED = interpreting()
@@ -37,10 +38,12 @@ if HAS_TRITON:
         stride_qb, stride_qh, stride_ob, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_kd,  # V is a view of the same cache: same strides
         stride_btb,
+        ks_ptr, vs_ptr, stride_sb, stride_sh,  # FP8 blocks' K/V scales, read when SCALED
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
         DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
         SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
+        SCALED: tl.constexpr = False,
     ):
         # int64 program ids: every offset built from them is then 64-bit, so caches above 2^31
         # elements (e.g. 100k blocks * 16 * 8 * 128 * 2) address correctly.
@@ -78,6 +81,10 @@ if HAS_TRITON:
             kv_off = row_off[:, None] + offs_d[None, :] * stride_kd
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+            if SCALED:  # FP8 block: converted and scaled per (block, head) in registers
+                s_off = blk * stride_sb + kvh * stride_sh
+                k_sc = tl.load(ks_ptr + s_off, mask=n_mask, other=0.0)
+                k = (k.to(tl.float32) * k_sc[:, None]).to(q.dtype)
             s = _scores_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), scale, softcap,
                              SOFTCAP)
             s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -87,6 +94,9 @@ if HAS_TRITON:
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+            if SCALED:
+                v_sc = tl.load(vs_ptr + s_off, mask=n_mask, other=0.0)
+                v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
 
@@ -189,7 +199,8 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                                          sliding_window, softcap, sinks)
         return res if out is None else out.copy_(res)
     bsz, num_q_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    k_cache, v_cache, scales = cache_parts(kv_cache)
+    block_size, num_kv_heads, cache_head_dim = k_cache.shape[1:]
     if num_q_heads % num_kv_heads or cache_head_dim != head_dim:
         raise ValueError(f"query heads {num_q_heads} x {head_dim} do not fit kv_cache heads "
                          f"{num_kv_heads} x {cache_head_dim}")
@@ -223,19 +234,19 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         part_out = torch.empty(bsz, num_q_heads, num_splits, head_dim, **f32)
         part_m = torch.empty(bsz, num_q_heads, num_splits, **f32)
         part_l = torch.empty(bsz, num_q_heads, num_splits, **f32)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
     sinks_arg = seq_lens if sinks is None else sinks.to(torch.float32).contiguous()
+    ks, vs = scales if scales is not None else (seq_lens, seq_lens)  # unused placeholders
     _paged_decode_kernel[(bsz, num_kv_heads, num_splits)](
         out, part_out, part_m, part_l, query, k_cache, v_cache, block_tables, seq_lens,
         sinks_arg, scale, softcap or 1.0, sliding_window or 0, num_splits, partition,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
-        block_tables.stride(0),
+        block_tables.stride(0), ks, vs, ks.stride(0), ks.stride(-1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, TILE_N=tile_n,
         DIRECT=direct, DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         SOFTCAP=softcap is not None, WINDOW=sliding_window is not None,
-        SINKS=sinks is not None, num_warps=4,
+        SINKS=sinks is not None, SCALED=scales is not None, num_warps=4,
     )
     if not direct:
         _reduce_splits_kernel[(bsz, num_q_heads)](

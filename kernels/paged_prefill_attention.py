@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kernels import interpreting, runs_triton, triton_available
+from kernels.kv_quant import cache_parts
 from kernels.paged_decode_attention import attention_probs_ref
 
 HAS_TRITON = triton_available()
@@ -30,10 +31,12 @@ if HAS_TRITON:
         start_req, scale, softcap, window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_kd, stride_btb,
+        ks_ptr, vs_ptr, stride_sb, stride_sh,  # FP8 blocks' K/V scales, read when SCALED
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, DOT_PREC: tl.constexpr,
         SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
+        SCALED: tl.constexpr = False,
     ):
         # BLOCK_M = BLOCK_Q * BLOCK_G rows: row r is query token r // BLOCK_G, head r % BLOCK_G.
         req = (start_req + tl.program_id(0)).to(tl.int64)
@@ -77,6 +80,10 @@ if HAS_TRITON:
             kv_off = row_off[:, None] + offs_d[None, :] * stride_kd
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+            if SCALED:  # FP8 block: converted and scaled per (block, head) in registers
+                s_off = blk * stride_sb + kvh * stride_sh
+                k_sc = tl.load(ks_ptr + s_off, mask=n_mask, other=0.0)
+                k = (k.to(tl.float32) * k_sc[:, None]).to(q.dtype)
             s = _scores_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), scale, softcap,
                              SOFTCAP)
             visible = n_mask[None, :] & (kpos[None, :] <= q_pos[:, None])
@@ -91,6 +98,9 @@ if HAS_TRITON:
             p = tl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+            if SCALED:
+                v_sc = tl.load(vs_ptr + s_off, mask=n_mask, other=0.0)
+                v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
 
@@ -129,10 +139,11 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     if num_reqs <= 0 or max_query_len <= 0:
         return out
     num_q_heads, head_dim = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    if num_q_heads % num_kv_heads or kv_cache.shape[4] != head_dim:
+    k_cache, v_cache, scales = cache_parts(kv_cache)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_q_heads % num_kv_heads or k_cache.shape[3] != head_dim:
         raise ValueError(f"query heads {num_q_heads} x {head_dim} do not fit kv_cache heads "
-                         f"{num_kv_heads} x {kv_cache.shape[4]}")
+                         f"{num_kv_heads} x {k_cache.shape[3]}")
     if block_size & (block_size - 1):
         raise ValueError(f"kv_cache block size must be a power of two, got {block_size}")
     if query.stride(-1) != 1:
@@ -143,22 +154,23 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     block_g = triton.next_power_of_2(group)
     block_q = max(1, 64 // block_g)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_tables = block_tables.contiguous()
     grid = (num_reqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     seq_lens = seq_lens.to(torch.int32).contiguous()
     sinks_arg = seq_lens if sinks is None else sinks.to(torch.float32).contiguous()
+    ks, vs = scales if scales is not None else (seq_lens, seq_lens)  # unused placeholders
     _paged_prefill_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens,
         query_start_loc.to(torch.int32).contiguous(), sinks_arg, start_req, scale,
         softcap or 1.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
-        block_tables.stride(0),
+        block_tables.stride(0), ks, vs, ks.stride(0), ks.stride(-1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=block_g,
         BLOCK_Q=block_q, BLOCK_M=block_q * block_g, BLOCK_D=block_d, TILE_N=64 if block_d <= 128 else 32,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None,
-        WINDOW=sliding_window is not None, SINKS=sinks is not None, num_warps=4,
+        WINDOW=sliding_window is not None, SINKS=sinks is not None,
+        SCALED=scales is not None, num_warps=4,
         num_stages=2 if query.element_size() == 4 else 3,  # fp32 tiles: keep shared mem < 100KB
     )
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels import interpreting, runs_triton, triton_available
+from kernels.kv_quant import is_fp8, write_fp8
 
 HAS_TRITON = triton_available()
 _INTERPRETED = interpreting()
@@ -45,8 +46,15 @@ if HAS_TRITON:
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    """key/value [T, Hkv, D] -> kv_cache[2, num_blocks, block_size, Hkv, D] (in place)."""
+                      slot_mapping: torch.Tensor,
+                      static_scales: tuple[float, float] | None = None) -> None:
+    """key/value [T, Hkv, D] -> kv_cache[2, num_blocks, block_size, Hkv, D] (in place). An
+    FP8 cache (kv_quant.py) takes the quantising write, in torch on every device: its
+    per-block scales grow as a block fills, re-quantising the block, which this kernel's
+    one-token-per-program layout does not do."""
+    if is_fp8(kv_cache.dtype):
+        write_fp8(key, value, kv_cache, slot_mapping, static_scales)
+        return
     if not runs_triton(HAS_TRITON, _INTERPRETED, key, kv_cache):
         reshape_and_cache_ref(key, value, kv_cache, slot_mapping)
         return

@@ -21,6 +21,8 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16"
 DEVICE_ENV = "PD_CLUSTER_DEVICE"
 # engine.cpu_gemm's values (the layouts are models/layers/cpu_gemm.py's).
 CPU_GEMM_MODES = ("auto", "torch", "transposed", "packed")
+# engine.kv_cache_dtype's values (vLLM's; the FP8 layout is kernels/kv_quant.py's).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 
 def _check_device(value: str) -> str:
@@ -138,6 +140,11 @@ class EngineArgs(BaseModel):
     device: str = "auto"  # auto (CUDA if present), cpu, cuda or cuda:N
     seed: int = 0  # seeds the engine's sampling RNG
     block_size: int = 16  # tokens per KV cache block (a power of two in [8, 128])
+    # KV cache element type (vLLM's name and values): auto = the model's dtype; fp8_e4m3 /
+    # fp8_e5m2 store K/V in FP8 with per-head scales in each block (the checkpoint's
+    # k_scale/v_scale where it has them, else computed per block as it is written): about
+    # half the bytes held and shipped of bf16 (a quarter of fp32), one scale row per block more.
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64  # requests in one step's batch at most
     max_num_batched_tokens: int = 2048  # tokens (prompt + decode) in one step at most
     # While any request decodes, at most this many prompt tokens per step (chunked prefill
@@ -212,6 +219,14 @@ class EngineArgs(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _fp8_graphs(self) -> "EngineArgs":
+        # An FP8 write grows block scales with host-side decisions: not capturable in a graph.
+        if self.cuda_graphs and self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype} does not run in CUDA "
+                             f"graphs yet; set cuda_graphs false or kv_cache_dtype auto")
+        return self
+
+    @model_validator(mode="after")
     def _offload_disk(self) -> "EngineArgs":
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size: the KV tiers hold prefix-cache blocks; "
@@ -238,6 +253,13 @@ class EngineArgs(BaseModel):
     def _cpu_gemm(cls, value: str | None) -> str | None:
         if value is not None and value not in CPU_GEMM_MODES:
             raise ValueError(f"must be one of {list(CPU_GEMM_MODES)}, got {value!r}")
+        return value
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv_cache_dtype(cls, value: str) -> str:
+        if value not in KV_CACHE_DTYPES:
+            raise ValueError(f"must be one of {list(KV_CACHE_DTYPES)}, got {value!r}")
         return value
 
     @field_validator("dtype")
@@ -291,6 +313,12 @@ class EngineConfig(EngineArgs):
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, _DTYPES[self.dtype])
+
+    @property
+    def kv_torch_dtype(self) -> "torch.dtype":
+        """The KV cache's element type: the model's (auto) or an FP8 one."""
+        from kernels.kv_quant import kv_cache_torch_dtype
+        return kv_cache_torch_dtype(self.kv_cache_dtype, self.torch_dtype)
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:

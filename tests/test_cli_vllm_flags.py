@@ -25,6 +25,7 @@ def _config(*flags: str) -> Any:
     (["--enable-prefix-caching"], "engine.enable_prefix_caching", True),
     (["--no-enable-prefix-caching"], "engine.enable_prefix_caching", False),
     (["--dtype", "bfloat16"], "engine.dtype", "bfloat16"),
+    (["--kv-cache-dtype", "fp8_e4m3"], "engine.kv_cache_dtype", "fp8_e4m3"),
     (["--seed", "7"], "engine.seed", 7),
     (["--served-model-name", "a", "b"], "served_model_name", ["a", "b"]),
     (["--api-key", "k1"], "proxy.api_key", ["k1"]),

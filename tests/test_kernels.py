@@ -296,3 +296,50 @@ class TestKernelsCudaBf16:
                    self.dtype)
         buf = bc.gather_kv_blocks(cache, tables[0])
         assert torch.equal(buf, cache[:, tables[0].long()])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+def test_triton_backend_fp8_cache(kv_dtype):
+    """An FP8 cache (kernels/kv_quant.py): the decode and prefill kernels convert each block
+    and apply its per-head scales; they match attention over the dequantised values."""
+    from kernels.kv_quant import dequantize
+    from pd_cluster.attention.torch_backend import TorchAttentionBackend
+    from pd_cluster.attention.triton_backend import TritonAttentionBackend
+    from pd_cluster.engine.kv_spec import FullAttentionSpec
+
+    hq, hkv, d, bs = 4, 2, 64, 16
+    reqs = [(45, 1), (130, 1), (83, 30), (37, 37)]  # (seq_len, q_len): two decodes first
+    max_blocks = -(-max(s for s, _ in reqs) // bs)
+    num_blocks = len(reqs) * max_blocks + 2
+    cache = torch.zeros(FullAttentionSpec(hkv, d, kv_dtype).cache_shape(num_blocks, bs),
+                        dtype=kv_dtype, device=DEV)
+    tables = _tables(len(reqs), num_blocks, max_blocks, DEV)
+    locs = [0]
+    for i, (s, ql) in enumerate(reqs):
+        locs.append(locs[-1] + ql)
+        pos = torch.arange(s)
+        slots = (tables[i].cpu().long()[pos // bs] * bs + pos % bs).to(DEV)
+        kv = torch.randn(2, s, hkv, d, device=DEV)
+        TorchAttentionBackend().write_kv(kv[0], kv[1], cache, _write_meta(slots))
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((locs[-1],), -1, device=DEV), block_tables=tables,
+        query_start_loc=torch.tensor(locs, dtype=torch.int32, device=DEV),
+        seq_lens=torch.tensor([s for s, _ in reqs], dtype=torch.int32, device=DEV),
+        num_decodes=2, max_query_len=37, max_seq_len=130, block_size=bs,
+        query_start_loc_cpu=locs, seq_lens_cpu=[s for s, _ in reqs])
+    q = torch.randn(locs[-1], hq, d, device=DEV)
+    opts = AttentionOptions(d ** -0.5, sliding_window=50)
+    got = TritonAttentionBackend(num_splits=2).forward(q, cache, meta, opts)
+    want = TorchAttentionBackend().forward(q, dequantize(cache, torch.float32), meta, opts)
+    _close(got, want, torch.float32)
+
+
+def _write_meta(slots):
+    """Just enough metadata for a write_kv of ``slots``."""
+    n = slots.shape[0]
+    return AttentionMetadata(
+        slot_mapping=slots, block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32), num_decodes=0, max_query_len=n,
+        max_seq_len=n, block_size=16, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])

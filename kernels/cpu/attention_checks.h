@@ -59,6 +59,18 @@ inline void check_tensors(const at::Tensor& out, const at::Tensor& query, const 
               " rows for ", sl.size(0), " requests");
 }
 
+// An FP8 cache's scales: fp32 [blocks, kv heads] each, laid out alike, on the CPU.
+inline void check_scales(const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& kc) {
+  for (const at::Tensor* t : {&ks, &vs}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 &&
+                    t->size(0) == kc.size(0) && t->size(1) == kc.size(2),
+                "paged_attention: scales must be fp32 [blocks, kv heads] = [", kc.size(0),
+                ", ", kc.size(2), "] on the CPU, got ", t->sizes(), " ", t->scalar_type());
+    TORCH_CHECK(t->strides() == ks.strides(), "paged_attention: key and value scales are "
+                "laid out differently");
+  }
+}
+
 // The metadata's values: query ranges within the query, lengths within the block tables,
 // block ids within the cache.
 inline void check_metadata(const at::Tensor& query, const at::Tensor& kc, const at::Tensor& bt,

@@ -18,6 +18,9 @@ struct Ctx {
   const int32_t *lens, *qsl, *tables;
   int64_t table_stride;
   int64_t qs_t, qs_h, os_t, os_h, kb, ks, kh, vb, vs, vh;
+  // FP8 caches: per block and head scales of K and V (element strides sb, sh), else nullptr.
+  const float *kscale = nullptr, *vscale = nullptr;
+  int64_t sb = 0, sh = 0;
 };
 
 template <typename Q, typename C>

@@ -1,6 +1,6 @@
 // The portable path: plain C++ the compiler vectorises, for any head dim and any CPU. One work
 // item walks its visible blocks with an online softmax per block (fp32), converting half
-// precision blocks to fp32 buffers. The AVX-512 path
+// precision and FP8 blocks to fp32 buffers (FP8 times its block's per-head scale). The AVX-512 path
 // (attention_avx512.h) takes the shapes it supports; this one takes the rest.
 #pragma once
 
@@ -18,13 +18,14 @@ struct BlockView {
   const float* v = nullptr;
   int64_t k_stride = 0, v_stride = 0;
 
+  // ksc/vsc: the block's K/V scale for this head (FP8 caches; 1 otherwise).
   void load(const T* kp, const T* vp, int64_t ks, int64_t vs, int64_t n, int64_t d,
-            int64_t dv) {
+            int64_t dv, float ksc = 1.f, float vsc = 1.f) {
     kbuf.resize(n * d);
     vbuf.resize(n * dv);
     for (int64_t j = 0; j < n; ++j) {
-      for (int64_t x = 0; x < d; ++x) kbuf[j * d + x] = to_f(kp[j * ks + x]);
-      for (int64_t x = 0; x < dv; ++x) vbuf[j * dv + x] = to_f(vp[j * vs + x]);
+      for (int64_t x = 0; x < d; ++x) kbuf[j * d + x] = to_f(kp[j * ks + x]) * ksc;
+      for (int64_t x = 0; x < dv; ++x) vbuf[j * dv + x] = to_f(vp[j * vs + x]) * vsc;
     }
     k = kbuf.data();
     v = vbuf.data();
@@ -35,7 +36,7 @@ struct BlockView {
 
 template <>
 inline void BlockView<float>::load(const float* kp, const float* vp, int64_t ks, int64_t vs,
-                                   int64_t, int64_t, int64_t) {
+                                   int64_t, int64_t, int64_t, float, float) {
   k = kp;
   v = vp;
   k_stride = ks;
@@ -118,8 +119,9 @@ struct Worker {
     for (int64_t b = k_lo / bs; b * bs <= last_pos; ++b) {
       const int64_t base = b * bs, n = std::min(bs, last_pos + 1 - base);
       const int64_t phys = table[b];
+      const int64_t si = phys * c.sb + w.head * c.sh;
       blk.load(p.k + phys * c.kb + w.head * c.kh, p.v + phys * c.vb + w.head * c.vh, c.ks,
-               c.vs, n, d, dv);
+               c.vs, n, d, dv, c.kscale ? c.kscale[si] : 1.f, c.vscale ? c.vscale[si] : 1.f);
       // Raw scores of every row against the block's n keys: with many rows against the keys
       // transposed, four rows at a time; with few (decode), dot products.
       if (rows >= 4 && bs == 16) {

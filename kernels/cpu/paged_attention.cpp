@@ -20,10 +20,14 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention_avx512.h"
@@ -49,22 +53,39 @@ bool use_avx512(const Ctx& c) {
 #endif
 }
 
+template <typename C>
+constexpr bool kFp8 =
+    std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>;
+
+// An FP8 cache's K and V scales [blocks, kv heads] (fp32, the same strides), checked.
+struct Scales {
+  const at::Tensor* k = nullptr;
+  const at::Tensor* v = nullptr;
+};
+
 template <typename Q, typename C>
 void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
          const at::Tensor& value_cache, const at::Tensor& block_tables,
          const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-         double scale, int64_t window, double softcap, const float* sinks) {
+         double scale, int64_t window, double softcap, const float* sinks, Scales sc) {
   const int64_t hkv = key_cache.size(2);
-  const Ctx c{query.size(1), hkv, query.size(1) / hkv, query.size(2), value_cache.size(3),
+  Ctx c{query.size(1), hkv, query.size(1) / hkv, query.size(2), value_cache.size(3),
               key_cache.size(1), window, static_cast<float>(scale),
               static_cast<float>(softcap), sinks, seq_lens.data_ptr<int32_t>(),
               query_start_loc.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
               block_tables.stride(0), query.stride(0), query.stride(1), out.stride(0),
               out.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
               value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)};
+  if constexpr (kFp8<C>) {
+    c.kscale = sc.k->data_ptr<float>();
+    c.vscale = sc.v->data_ptr<float>();
+    c.sb = sc.k->stride(0);
+    c.sh = sc.k->stride(1);
+  }
   const pd_attn::Ptrs<Q, C> p{query.data_ptr<Q>(), out.data_ptr<Q>(), key_cache.data_ptr<C>(),
                               value_cache.data_ptr<C>()};
-  const bool fast = use_avx512(c);
+  // FP8 blocks take the portable path (converted, times their scale, block by block).
+  const bool fast = !kFp8<C> && use_avx512(c);
   const int64_t tile = fast ? std::max<int64_t>(1, TILE_ROWS / c.group) : TILE_Q;
   std::vector<Item> items;
   for (int64_t r = 0; r < seq_lens.size(0); ++r)
@@ -74,10 +95,12 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
 #if defined(__AVX512F__)
-    if (fast) {
-      pd_attn::avx512::Worker<Q, C> worker;
-      for (int64_t it = lo; it < hi; ++it) worker.run(c, p, items[it]);
-      return;
+    if constexpr (!kFp8<C>) {
+      if (fast) {
+        pd_attn::avx512::Worker<Q, C> worker;
+        for (int64_t it = lo; it < hi; ++it) worker.run(c, p, items[it]);
+        return;
+      }
     }
 #endif
     pd_attn::portable::Worker<Q, C> worker;
@@ -89,16 +112,22 @@ template <typename Q>
 void dispatch_cache(at::Tensor& out, const at::Tensor& query, const at::Tensor& kc,
                     const at::Tensor& vc, const at::Tensor& bt, const at::Tensor& sl,
                     const at::Tensor& qsl, double scale, int64_t window,
-                    double softcap, const float* sinks) {
+                    double softcap, const float* sinks, Scales sc) {
   switch (kc.scalar_type()) {
     case at::kFloat:
-      return run<Q, float>(out, query, kc, vc, bt, sl, qsl, scale, window, softcap, sinks);
+      return run<Q, float>(out, query, kc, vc, bt, sl, qsl, scale, window, softcap, sinks, sc);
     case at::kBFloat16:
       return run<Q, c10::BFloat16>(out, query, kc, vc, bt, sl, qsl, scale, window,
-                                   softcap, sinks);
+                                   softcap, sinks, sc);
     case at::kHalf:
       return run<Q, c10::Half>(out, query, kc, vc, bt, sl, qsl, scale, window, softcap,
-                               sinks);
+                               sinks, sc);
+    case at::kFloat8_e4m3fn:
+      return run<Q, c10::Float8_e4m3fn>(out, query, kc, vc, bt, sl, qsl, scale, window,
+                                        softcap, sinks, sc);
+    case at::kFloat8_e5m2:
+      return run<Q, c10::Float8_e5m2>(out, query, kc, vc, bt, sl, qsl, scale, window,
+                                      softcap, sinks, sc);
     default:
       TORCH_CHECK(false, "paged_attention: unsupported cache dtype ", kc.scalar_type());
   }
@@ -108,9 +137,21 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                      double scale, int64_t window, double softcap,
-                     const std::optional<at::Tensor>& sinks) {
+                     const std::optional<at::Tensor>& sinks,
+                     const std::optional<at::Tensor>& key_scales,
+                     const std::optional<at::Tensor>& value_scales) {
   pd_attn::check_tensors(out, query, key_cache, value_cache, block_tables, seq_lens,
                          query_start_loc);
+  const bool fp8 = key_cache.scalar_type() == at::kFloat8_e4m3fn ||
+                   key_cache.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(fp8 == (key_scales.has_value() && value_scales.has_value()),
+              "paged_attention: an FP8 cache needs key and value scales, no other cache takes "
+              "them");
+  Scales sc;
+  if (fp8) {
+    pd_attn::check_scales(*key_scales, *value_scales, key_cache);
+    sc = Scales{&*key_scales, &*value_scales};
+  }
   pd_attn::check_metadata(query, key_cache, block_tables, seq_lens, query_start_loc, window);
   const float* sink_ptr = nullptr;
   at::Tensor sinks_f;
@@ -123,15 +164,15 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   switch (query.scalar_type()) {
     case at::kFloat:
       return dispatch_cache<float>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                   query_start_loc, scale, window, softcap, sink_ptr);
+                                   query_start_loc, scale, window, softcap, sink_ptr, sc);
     case at::kBFloat16:
       return dispatch_cache<c10::BFloat16>(out, query, key_cache, value_cache, block_tables,
                                            seq_lens, query_start_loc, scale, window,
-                                           softcap, sink_ptr);
+                                           softcap, sink_ptr, sc);
     case at::kHalf:
       return dispatch_cache<c10::Half>(out, query, key_cache, value_cache, block_tables,
                                        seq_lens, query_start_loc, scale, window,
-                                       softcap, sink_ptr);
+                                       softcap, sink_ptr, sc);
     default:
       TORCH_CHECK(false, "paged_attention: unsupported query dtype ", query.scalar_type());
   }
@@ -156,7 +197,8 @@ TORCH_LIBRARY(pd_cluster_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "float scale, int window, float softcap, Tensor? sinks) -> ()");
+      "float scale, int window, float softcap, Tensor? sinks, Tensor? key_scales=None, "
+      "Tensor? value_scales=None) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
   m.def("compiled_isa() -> str", &compiled_isa);
 }

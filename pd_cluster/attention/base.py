@@ -23,8 +23,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        """key/value: [num_tokens, num_kv_heads, head_dim]; slots from ``meta.slot_mapping``."""
+                 meta: AttentionMetadata,
+                 static_scales: tuple[float, float] | None = None) -> None:
+        """key/value: [num_tokens, num_kv_heads, head_dim]; slots from ``meta.slot_mapping``.
+        An FP8 cache (kernels/kv_quant.py) stores them quantised, with the layer's checkpoint
+        ``static_scales`` (K, V) when it has them, else per-block scales."""
 
     @abstractmethod
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

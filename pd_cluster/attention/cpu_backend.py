@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_quant import is_fp8, split
 from pd_cluster.attention import cpu_prefill
 from pd_cluster.attention.base import AttentionBackend, register_backend
 from pd_cluster.attention.metadata import AttentionMetadata
@@ -21,11 +22,13 @@ from pd_cluster.attention.torch_backend import write_kv_torch
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, opts: AttentionOptions, reqs: range | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None,
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """query [T, Hq, D]; key_cache [blocks, block_size, Hkv, D]; value_cache
     [blocks, block_size, Hkv, Dv] (may be a view of the same memory, as latent attention's
     values are) -> out [T, Hq, Dv]. Computes the tokens of requests ``reqs`` (default: all);
-    other rows of ``out`` are left as they are."""
+    other rows of ``out`` are left as they are. ``scales``: an FP8 cache's K and V scales
+    [blocks, Hkv] (kernels/kv_quant.py), applied per block as it is converted."""
     if out is None:
         out = query.new_empty(*query.shape[:2], value_cache.shape[-1])
     r = range(meta.num_reqs) if reqs is None else reqs
@@ -33,7 +36,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         torch.ops.pd_cluster_cpu.paged_attention(
             out, query, key_cache, value_cache, meta.block_tables[r.start:r.stop],
             meta.seq_lens[r.start:r.stop], meta.query_start_loc[r.start:r.stop + 1],
-            opts.scale, opts.sliding_window or 0, opts.logit_softcap or 0.0, opts.sinks)
+            opts.scale, opts.sliding_window or 0, opts.logit_softcap or 0.0, opts.sinks,
+            *(scales or (None, None)))
     return out
 
 
@@ -67,16 +71,20 @@ class CpuAttentionBackend(AttentionBackend):
                                f"({load_error()}); use 'torch' or 'auto'")
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        write_kv_torch(key, value, kv_cache, meta.slot_mapping)
+                 meta: AttentionMetadata,
+                 static_scales: tuple[float, float] | None = None) -> None:
+        write_kv_torch(key, value, kv_cache, meta.slot_mapping, static_scales)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 opts: AttentionOptions) -> torch.Tensor:
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        if not cpu_prefill.applies(query, key_cache, value_cache, opts):
-            out = paged_attention(query, key_cache, value_cache, meta, opts)
+        if is_fp8(kv_cache.dtype):  # the kernel reads FP8 and applies each block's scales
+            data, scales = split(kv_cache)
+            out = paged_attention(query, data[0], data[1], meta, opts,
+                                  scales=(scales[0], scales[1]))
+        elif cpu_prefill.applies(query, kv_cache[0], kv_cache[1], opts):
+            out = _split_forward(query, kv_cache[0], kv_cache[1], meta, opts)
         else:
-            out = _split_forward(query, key_cache, value_cache, meta, opts)
+            out = paged_attention(query, kv_cache[0], kv_cache[1], meta, opts)
         n_real = meta.query_start_loc_cpu[-1]
         if query.shape[0] > n_real:  # padding tokens (e.g. a compiled step's): defined zeros
             out[n_real:].zero_()

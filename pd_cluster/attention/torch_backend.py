@@ -4,13 +4,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import block_size_of, dequant_blocks, is_fp8, write_fp8
 from pd_cluster.attention.base import AttentionBackend, register_backend
 from pd_cluster.attention.metadata import AttentionMetadata
 from pd_cluster.attention.options import AttentionOptions
 
 
 def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor,
+                   static_scales: tuple[float, float] | None = None) -> None:
+    if is_fp8(kv_cache.dtype):
+        write_fp8(key, value, kv_cache, slot_mapping, static_scales)
+        return
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
@@ -19,14 +24,26 @@ def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              dtype: torch.dtype | None = None, first_block: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's first ``length`` K and V as dense [length, H, D] tensors."""
-    block_size = kv_cache.shape[2]
-    blocks = block_table[: -(-length // block_size)].long()
-    k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:length]
-    v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:length]
+    """One request's K and V from block ``first_block`` to token ``length`` as dense
+    [tokens, H, D] tensors (blocks before it are not read at all)."""
+    block_size = block_size_of(kv_cache)
+    blocks = block_table[first_block: -(-length // block_size)].long()
+    n = length - first_block * block_size
+    k = read_blocks(kv_cache, 0, blocks, dtype).flatten(0, 1)[:n]
+    v = read_blocks(kv_cache, 1, blocks, dtype).flatten(0, 1)[:n]
     return k, v
+
+
+def read_blocks(kv_cache: torch.Tensor, part: int, blocks: torch.Tensor,
+                dtype: torch.dtype | None) -> torch.Tensor:
+    """Blocks of one part [n, block_size, heads, width]: FP8 ones dequantised per block into
+    ``dtype`` (the query's), others as stored."""
+    if is_fp8(kv_cache.dtype):
+        return dequant_blocks(kv_cache, part, blocks, dtype or torch.float32)
+    return kv_cache[part].index_select(0, blocks)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -94,15 +111,19 @@ def torch_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
 def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, max_len: int, opts: AttentionOptions,
                   value_dim: int | None = None) -> torch.Tensor:
-    n, block_size = query.shape[0], kv_cache.shape[2]
+    n, block_size = query.shape[0], block_size_of(kv_cache)
+    # A window's blocks only: those before the earliest query's window are never read (a
+    # decode engine may not even have received them, connectors/window_shipping.py).
+    first = 0 if opts.sliding_window is None else max(
+        0, int(seq_lens.min()) - opts.sliding_window) // block_size
     # index_select on the leading (block) dim copies whole blocks: several times faster on
     # CPU than advanced indexing, which gathers element-wise.
-    flat = block_tables[:, : -(-max_len // block_size)].long().flatten()
-    k = kv_cache[0].index_select(0, flat).view(n, -1, *kv_cache.shape[-2:])  # [n, L, Hkv, D]
-    v = kv_cache[1].index_select(0, flat).view(n, -1, *kv_cache.shape[-2:])
+    flat = block_tables[:, first: -(-max_len // block_size)].long().flatten()
+    k = read_blocks(kv_cache, 0, flat, query.dtype).view(n, -1, *kv_cache.shape[-2:])
+    v = read_blocks(kv_cache, 1, flat, query.dtype).view(n, -1, *kv_cache.shape[-2:])
     if value_dim is not None:
         v = v[..., :value_dim]
-    k_pos = torch.arange(k.shape[1], device=query.device)[None, :]
+    k_pos = first * block_size + torch.arange(k.shape[1], device=query.device)[None, :]
     lens = seq_lens[:, None].to(query.device)
     mask = k_pos < lens  # [n, L]
     if opts.sliding_window is not None:  # the query sits at position len - 1
@@ -135,19 +156,22 @@ def torch_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: A
     for i in range(start_req, meta.num_reqs):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len, q_len = meta.seq_lens_cpu[i], end - start
-        k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len)
         q = query[start:end].transpose(0, 1)  # [Hq, q_len, D]
         if q_len == seq_len and opts.plain:
+            k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len, query.dtype)
             o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1),
                                                is_causal=True, scale=opts.scale, enable_gqa=True)
         else:
             # Query i sits at position seq_len - q_len + i; keys before the first query's
-            # window are never visible, so they are not attended at all.
+            # window are never visible, so they are not read at all.
             first = 0 if opts.sliding_window is None else max(
                 0, seq_len - q_len - opts.sliding_window + 1)
+            bs = block_size_of(kv_cache)
+            k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len, query.dtype, first // bs)
+            skip = first - first // bs * bs
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             k_pos = torch.arange(first, seq_len, device=query.device)
-            o = attend(q, k[first:].transpose(0, 1), v[first:].transpose(0, 1),
+            o = attend(q, k[skip:].transpose(0, 1), v[skip:].transpose(0, 1),
                        window_mask(q_pos, k_pos, opts.sliding_window), opts)
         out[start:end] = o.transpose(0, 1)
 
@@ -157,8 +181,9 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        write_kv_torch(key, value, kv_cache, meta.slot_mapping)
+                 meta: AttentionMetadata,
+                 static_scales: tuple[float, float] | None = None) -> None:
+        write_kv_torch(key, value, kv_cache, meta.slot_mapping, static_scales)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 opts: AttentionOptions) -> torch.Tensor:

@@ -26,9 +26,10 @@ class TritonAttentionBackend(AttentionBackend):
         self.prefill_kernel = prefill_kernel
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
+                 meta: AttentionMetadata,
+                 static_scales: tuple[float, float] | None = None) -> None:
         from kernels.reshape_and_cache import reshape_and_cache
-        reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+        reshape_and_cache(key, value, kv_cache, meta.slot_mapping, static_scales)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 opts: AttentionOptions) -> torch.Tensor:

@@ -203,6 +203,12 @@ class BlockManager:
                 self.free_queue[block_id] = None
                 self.free_queue.move_to_end(block_id, last=False)
 
+    def skip_caching(self, request: Request, num_blocks: int) -> None:
+        """Never register the request's first ``num_blocks`` blocks for prefix hits (some
+        layer's KV is missing from them: a decode engine got only a sliding window's)."""
+        rid = request.request_id
+        self.hashed[rid] = max(self.hashed[rid], num_blocks)
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register hashes of blocks whose KV is now fully computed, for later prefix hits."""
         if not self.enable_prefix_caching:

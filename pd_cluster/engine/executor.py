@@ -61,6 +61,7 @@ def engine_info(config: EngineConfig, runner: ModelRunner, tp: Any = None) -> di
             "block_size": spec.block_size, "num_layers": spec.num_layers,
             "num_kv_heads": first.heads, "head_dim": first.width, "kv_specs": spec.describe(),
             "total_kv_heads": runner.model.args.total_kv_heads,
+            "kv_cache_dtype": config.kv_cache_dtype,
             "tp_rank": tp.rank if tp else 0, "tp_size": tp.size if tp else 1}
 
 

@@ -14,6 +14,8 @@ from typing import Any, Union
 
 import torch
 
+from kernels.kv_quant import is_fp8
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -28,12 +30,15 @@ class _Paged:
     dtype: torch.dtype
 
     def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (self.parts, num_blocks, block_size, self.heads, self.width)
+        # FP8: one row more per block holds its per-head scales (kernels/kv_quant.py)
+        rows = block_size + (1 if is_fp8(self.dtype) else 0)
+        return (self.parts, num_blocks, rows, self.heads, self.width)
 
     def page_bytes(self, block_size: int) -> int:
-        """Bytes one block of this layer occupies."""
+        """Bytes one block of this layer occupies (an FP8 block's scales included)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.parts * block_size * self.heads * self.width * elem
+        _, _, rows, heads, width = self.cache_shape(1, block_size)
+        return self.parts * rows * heads * width * elem
 
 
 @dataclass(frozen=True)
@@ -105,3 +110,18 @@ def attention_spec(num_kv_heads: int, head_dim: int, dtype: torch.dtype,
     if window is None:
         return FullAttentionSpec(num_kv_heads, head_dim, dtype)
     return SlidingWindowSpec(num_kv_heads, head_dim, dtype, window)
+
+
+def check_kv_dtype(spec: "Any", kv_cache_dtype: str) -> None:
+    """ValueError naming ``kv_cache_dtype`` where an FP8 cache cannot hold these layers
+    (``spec``: a KVCacheSpec): latent attention reads its cache in ways that have no FP8 path
+    yet, and a block's scales need head dims of at least 4."""
+    if kv_cache_dtype == "auto":
+        return
+    for i, layer in enumerate(spec.layers):
+        if layer.kind == "latent":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype}: layer {i} uses latent "
+                             f"attention, which has no FP8 KV cache here; use auto")
+        if layer.width < 4 or layer.width % 4:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype}: layer {i}'s head dim "
+                             f"{layer.width} is too small for FP8 blocks' scales; use auto")

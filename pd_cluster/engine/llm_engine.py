@@ -257,10 +257,18 @@ class LLMEngine:
                 "grammar_failures": self.num_grammar_failures,
                 "kv_fallbacks": self.scheduler.num_kv_fallbacks,
                 **self.scheduler.spec_stats.as_stats(),
+                **self._kv_bytes(),
                 **self._tier_stats(),
                 **kernel_stats(),  # C++ CPU kernels: ok / failed: why / off
                 **self.executor.rank_stats(),
                 **(self.executor.connector_stats() if self.runner.connector else {})}
+
+    def _kv_bytes(self) -> dict[str, Any]:
+        """What the engine's KV cache holds per token over all its ranks (an FP8 cache's
+        scale rows included), and its element type."""
+        spec = self.runner.kv_spec
+        per_token = spec.block_bytes * self.config.tensor_parallel_size / spec.block_size
+        return {"kv_cache_dtype": self.config.kv_cache_dtype, "kv_bytes_per_token": per_token}
 
     def _tier_stats(self) -> dict[str, Any]:
         """The KV tiers' counters (absent without tiers); cumulative."""

@@ -14,6 +14,7 @@ from pd_cluster.engine.cache_engine import (DeviceMemory, KVCacheSpec, allocate_
 from pd_cluster.engine.compiled_model import CompiledModel, compile_enabled
 from pd_cluster.engine.cuda_graphs import DecodeGraphs, pool_bound
 from pd_cluster.engine.input_buffers import InputBuffers
+from pd_cluster.engine.kv_spec import check_kv_dtype
 from pd_cluster.engine.step_input import StepInput
 from pd_cluster.models.context import ForwardContext
 from pd_cluster.models.layers.cpu_gemm import prepare_model
@@ -50,7 +51,9 @@ class ModelRunner:
         self.model = load_model(config.model, hf_config, self.dtype, self.device, tp=tp)
         self.weights_bytes = self._allocated() - before  # this engine's, not the process's
         prepare_model(self.model, self.dtype, self.device, config.cpu_gemm)  # CPU GEMM layout
-        self.kv_spec = KVCacheSpec(config.block_size, tuple(self.model.kv_cache_specs(self.dtype)))
+        self.kv_spec = KVCacheSpec(config.block_size,
+                                   tuple(self.model.kv_cache_specs(config.kv_torch_dtype)))
+        check_kv_dtype(self.kv_spec, config.kv_cache_dtype)
         self.backend = create_backend(config.attention_backend, self.device)
         # What runs a forward: the model, or the same through one compiled graph.
         self.forward_model: Any = (CompiledModel(self.model, self.device)

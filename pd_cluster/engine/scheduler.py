@@ -282,6 +282,8 @@ class Scheduler:
             return []
         ttft_trace.mark(request_id, "kv_ready")
         request.num_computed_tokens = request.num_prompt_tokens
+        # Blocks a sliding layer did not receive stay out of the prefix cache.
+        self.block_manager.skip_caching(request, self.connector.unshipped_blocks(request))
         self.block_manager.cache_full_blocks(request)
         request.output_token_ids.append(first_token)
         request.output_logprobs.append(None)

@@ -22,6 +22,7 @@ from torch import nn
 
 from pd_cluster.models.decoder import CausalLM
 from pd_cluster.models.families import spec_from_config
+from pd_cluster.models.kv_scales import attach_kv_scales, kv_scale_target
 from pd_cluster.models.layers import moe
 from pd_cluster.models.layers.tp import TPGroup
 from pd_cluster.models.quant import QuantFormat, quant_format
@@ -125,7 +126,12 @@ def load_weights(model: CausalLM, model_dir: str, device: torch.device,
     loaded: set[str] = set()
     unexpected: list[str] = []
     dtype = next(iter(params.values())).dtype
+    kv_scales: dict[tuple[int, str], torch.Tensor] = {}
     for name, tensor in iter_checkpoint(model_dir, device, fmt, dtype):
+        scale_of = kv_scale_target(name)
+        if scale_of is not None:  # a static KV cache scale, not a parameter
+            kv_scales[scale_of] = tensor
+            continue
         if (any(s in name for s in _IGNORED) or (tied and name == "lm_head.weight")
                 or name.startswith(model.spec.skipped_weights)):
             continue
@@ -155,6 +161,7 @@ def load_weights(model: CausalLM, model_dir: str, device: torch.device,
     if needed or unexpected:
         raise ValueError(f"checkpoint {model_dir!r} does not match {model.spec.architecture}: "
                          f"missing {sorted(needed)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    attach_kv_scales(model.model.layers, kv_scales)
 
 
 def load_model(model_dir: str, cfg: dict[str, Any], dtype: torch.dtype, device: torch.device,

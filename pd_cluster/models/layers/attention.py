@@ -56,10 +56,13 @@ def paged_layer(layer_idx: int, ctx: ForwardContext, write: Callable[[torch.Tens
 
 
 def run_paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        opts: AttentionOptions, ctx: ForwardContext) -> torch.Tensor:
-    """Standard attention through the step's backend (K and V in the cache)."""
+                        opts: AttentionOptions, ctx: ForwardContext,
+                        kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
+    """Standard attention through the step's backend (K and V in the cache; ``kv_scales``:
+    the checkpoint's static K/V scales, used by an FP8 cache)."""
     meta = ctx.attn_metadata
-    return paged_layer(layer_idx, ctx, lambda cache: ctx.backend.write_kv(k, v, cache, meta),
+    return paged_layer(layer_idx, ctx,
+                       lambda cache: ctx.backend.write_kv(k, v, cache, meta, kv_scales),
                        lambda cache: ctx.backend.forward(q, cache, meta, opts))
 
 
@@ -95,6 +98,8 @@ class Attention(nn.Module):
         self.scale, self.window, self.softcap = a.scale, a.sliding_window, a.logit_softcap
         self.total_kv_heads = a.num_kv_heads
         self.tp = tp
+        # The checkpoint's static K/V cache scales (models/kv_scales.py), if it has them.
+        self.kv_scales: tuple[float, float] | None = None
 
     def kv_cache_spec(self, dtype: torch.dtype) -> FullAttentionSpec:
         """This rank's KV heads in the cache's ``dtype`` (sliding layers keep the whole
@@ -125,7 +130,7 @@ class Attention(nn.Module):
     def paged_forward(self, inputs: Sequence[torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         """Outside a compiled graph (paged_call.py): (q, k, v) -> the attention output."""
         q, k, v = inputs
-        return run_paged_attention(self.layer_idx, q, k, v, self.options(), ctx)
+        return run_paged_attention(self.layer_idx, q, k, v, self.options(), ctx, self.kv_scales)
 
 
 register_attention("standard")(Attention)

@@ -242,6 +242,11 @@ def run_status(args: argparse.Namespace) -> int:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(cols))]
     for r in rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+    for e in body["engines"]:  # what each engine's KV cache holds per token
+        s = e.get("stats", {})
+        if "kv_bytes_per_token" in s:
+            print(f"{e['name']} KV cache: {s.get('kv_cache_dtype', 'auto')}, "
+                  f"{s['kv_bytes_per_token']:.0f} bytes/token")
     for e in body["engines"]:  # engines with KV tiers below the device pool
         line = tier_line(e.get("stats", {}))
         if line is not None:

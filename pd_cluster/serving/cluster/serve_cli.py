@@ -67,6 +67,8 @@ FLAGS = (
     Flag("--device", "engine.device", "auto, cpu, cuda or cuda:N"),
     Flag("--seed", "engine.seed", "seed of the engines' sampling RNG", int),
     Flag("--block-size", "engine.block_size", "tokens per KV cache block", int),
+    Flag("--kv-cache-dtype", "engine.kv_cache_dtype", "auto (the model's dtype), fp8_e4m3 or "
+         "fp8_e5m2 (FP8 KV with per-block scales)", choices=("auto", "fp8_e4m3", "fp8_e5m2")),
     Flag("--max-model-len", "engine.max_model_len", "longest prompt + output (default: the "
          "model's)", int),
     Flag("--max-num-seqs", "engine.max_num_seqs", "requests per engine step at most", int),

@@ -23,7 +23,7 @@ AS_VLLM = {"num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "nu
            "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_pos"}
 # Stats that are not numbers to plot (the ranks' pids, the CPU kernels' state in words: for
 # `pd-cluster status`).
-NOT_SERIES = {"tp_pids", "cpu_kernels"}
+NOT_SERIES = {"tp_pids", "cpu_kernels", "kv_cache_dtype"}
 
 ENGINE_SERIES: dict[str, EngineSeries] = {
     "num_waiting_for_remote_kv": EngineSeries(
@@ -33,6 +33,9 @@ ENGINE_SERIES: dict[str, EngineSeries] = {
                                "token"),
     "kv_blocks_total": EngineSeries("Blocks in the engine's KV cache (the share in use is "
                                     "vllm:kv_cache_usage_perc)"),
+    "kv_bytes_per_token": EngineSeries(
+        "Bytes of KV cache one token takes in the engine, all layers and ranks (an FP8 "
+        "cache's per-block scales included): what it holds and ships per prompt token"),
     "tensor_parallel_size": EngineSeries("Devices (tensor-parallel ranks) the engine runs on"),
     "cpu_kernels_loaded": EngineSeries(
         "1 if the engine runs the C++ CPU kernels (paged attention, packed GEMM op); 0 if they "
