@@ -22,19 +22,27 @@ import torch
 from connectors.base import FinishedTransfers, KVConnectorBase_Worker
 from connectors.config import KVTransferConfig
 from connectors.factory import ConnectorPair, register_connector
+from connectors.hello import make_hello
 from connectors.kv_receiver import KVReceiver
 from connectors.layer_sender import LayerSender
-from connectors.metadata import (AckHeader, FinHeader, FinishSpec, HoldHeader,
-                                 KVConnectorMetadata, RenewHeader, SendSpec,
-                                 decode_header, encode_header)
+from connectors.metadata import (
+    AckHeader,
+    FinHeader,
+    FinishSpec,
+    HoldHeader,
+    KVConnectorMetadata,
+    RenewHeader,
+    SendSpec,
+    decode_header,
+    encode_header,
+)
 from connectors.pd_producer import PDProducer
 from connectors.pd_roles import PDRoles
 from connectors.pd_scheduler import PDConnectorScheduler
-from connectors.hello import hello_mismatch, make_hello
-from connectors.window_shipping import layer_windows
+from connectors.pipes.base import PipeError, create_pipe
 from connectors.send_leases import SendLeases
 from connectors.tp_topology import Route, routes_for, split_endpoint
-from connectors.pipes.base import PipeError, create_pipe
+from connectors.window_shipping import layer_windows
 
 logger = logging.getLogger(__name__)
 _SKIP_ALL = 1 << 62  # "held" tokens after a NACK: the consumer wants nothing of the request

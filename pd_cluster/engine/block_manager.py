@@ -19,12 +19,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pd_cluster.engine.block_hash import block_hash
-from pd_cluster.engine.cache_events import (MAX_PENDING_EVENTS, CacheEventLog,
-                                             CacheEvents)
+from pd_cluster.engine.cache_events import (
+    MAX_PENDING_EVENTS,
+    CacheEventLog,
+    CacheEvents,
+)
 from pd_cluster.engine.kv_tiers.manager import TierManager
 from pd_cluster.engine.kv_tiers.ops import TierOps
 from pd_cluster.request import Request
-
 
 
 class BlockTableError(RuntimeError):
