@@ -234,6 +234,9 @@ class KVReceiver:
         parts = range(cache.shape[0]) if both else (header.part,)
         if both and heads == cache.shape[3]:
             scatter_blocks(tensor, cache, targets)
+        elif heads == cache.shape[3]:  # one part, every head: no head-sliced view (1.5x)
+            cache[header.part].index_copy_(0, targets.to(cache.device),
+                                           tensor.to(cache.device, cache.dtype))
         else:  # a slice of this rank's heads (a producer of another TP size)
             for i, part in enumerate(parts):
                 cache[part, :, :, h0:h0 + heads].index_copy_(
