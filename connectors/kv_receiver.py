@@ -247,6 +247,9 @@ class KVReceiver:
         parts = range(cache.shape[0]) if both else (header.part,)
         if both and heads == cache.shape[3]:
             scatter_blocks(tensor, cache, targets)
+        elif heads == cache.shape[3]:  # one part, every head: no head-sliced view (1.5x)
+            cache[header.part].index_copy_(0, targets.to(cache.device),
+                                           tensor.to(cache.device, cache.dtype))
         else:  # a slice of this rank's heads (a producer of another TP size)
             for i, part in enumerate(parts):  # (FP8 as bytes: no FP8 index_copy_ on CPU)
                 as_bytes(cache[part, :, :, h0:h0 + heads]).index_copy_(

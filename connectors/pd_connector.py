@@ -259,7 +259,11 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
                 "kv_auth_failures": pipe.get("auth_failures", 0),
                 "kv_integrity_failures": pipe.get("integrity_failures", 0),
                 "kv_prefix_hit_tokens": self.receiver.prefix_hit_tokens,
-                "kv_bytes_skipped": self.receiver.bytes_skipped}
+                "kv_bytes_skipped": self.receiver.bytes_skipped,
+                # Words, not series: the /metrics label pipe= of the kv_* series above, and
+                # `pd-cluster status`'s per-link column (every link of an engine uses its pipe).
+                "kv_pipe": self.config.pipe,
+                "kv_links": {peer: self.config.pipe for peer in self._peers}}
 
     def close(self) -> None:
         self._running = False

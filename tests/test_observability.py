@@ -22,7 +22,8 @@ def test_access_log_line_and_vllm_named_metrics(caplog) -> None:
                        kv_blocks_total=100, num_preemptions=2, kv_bytes_sent=5,
                        prefix_cache_hit_blocks=1, tp_pids="1,2", spec_num_drafts=4,
                        spec_num_draft_tokens=12, spec_num_accepted_tokens=7,
-                       spec_accepted_per_pos=[4, 2, 1])]
+                       spec_accepted_per_pos=[4, 2, 1], kv_pipe="zmq",
+                       kv_links={"tcp://p": "zmq"})]
     metrics = ProxyMetrics(lambda: engines, "my-model")
     state = SimpleNamespace(metrics=metrics, inflight=0, cfg=parse_config({}))
     with caplog.at_level(logging.INFO, logger="pd_cluster.access"):
@@ -44,7 +45,9 @@ def test_access_log_line_and_vllm_named_metrics(caplog) -> None:
                    'vllm:request_success_total{finished_reason="length",model_name="my-model"} '
                    '1.0',
                    'vllm:num_preemptions_total{engine="decode-0",model_name="my-model"} 2.0',
-                   'pd_engine_kv_bytes_sent_total{engine="decode-0",role="decode"} 5.0',
+                   # issue 42: the transfer series are counted per KV pipe
+                   'pd_engine_kv_bytes_sent_total{engine="decode-0",pipe="zmq",role="decode"} '
+                   '5.0',
                    'vllm:prefix_cache_hits_total{engine="decode-0",model_name="my-model"} 16.0',
                    'vllm:spec_decode_num_drafts_total{engine="decode-0",model_name="my-model"} 4.0',
                    'vllm:spec_decode_num_accepted_tokens_total{engine="decode-0",'
@@ -56,7 +59,7 @@ def test_access_log_line_and_vllm_named_metrics(caplog) -> None:
     for twin in ("pd_time_to_first_token", "pd_inter_token", "pd_e2e", "pd_prompt_tokens",
                  "pd_generation_tokens", "pd_engine_num_running", "pd_engine_num_waiting ",
                  "pd_engine_kv_blocks_used", "pd_engine_num_preemptions", "pd_cluster_",
-                 "pd_engine_tp_pids"):
+                 "pd_engine_tp_pids", "pd_engine_kv_pipe", "pd_engine_kv_links"):
         assert twin not in text, twin
     helps = [ln for ln in text.splitlines() if ln.startswith("# HELP")]
     assert helps and not [h for h in helps if "Engine stat" in h], helps
@@ -224,3 +227,25 @@ def test_stats_line_says_the_speculation_acceptance(caplog, monkeypatch) -> None
         log.maybe_log([e])
     assert caplog.records[-1].getMessage().endswith(
         "running 1, waiting 0, spec acceptance 75.0% (length 4.00)")
+
+
+def test_pd_cluster_status_lists_each_kv_link_and_its_pipe(monkeypatch, capsys) -> None:
+    """Issue 42: per prefill engine, each decode engine it is linked to and the pipe used."""
+    import argparse
+
+    import httpx
+
+    from pd_cluster.serving.cluster.cli_cluster import run_status
+    links = {"tcp://d1": "zmq", "tcp://d0": "zmq"}
+    body = {"mode": "disaggregated", "model": "tiny", "inflight": 0, "proxy": {},
+            "engines": [{"name": n, "role": n.split("-")[0], "healthy": True, "inflight": 0,
+                         "restarts": 0, "pid": 7, "kv_endpoint": ep, "stats": s}
+                        for n, ep, s in (("prefill-0", None, {"kv_links": links}),
+                                         ("decode-0", "tcp://d0", {}),
+                                         ("decode-1", "tcp://d1", {}))]}
+    reply = SimpleNamespace(status_code=200, json=lambda: body)
+    monkeypatch.setattr(httpx, "get", lambda *a, **kw: reply)
+    args = argparse.Namespace(url="http://proxy", namespace="t", config=None, json=False)
+    assert run_status(args) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "KV links" in ln]
+    assert lines == ["prefill-0 KV links: decode-0 via zmq, decode-1 via zmq"]

@@ -39,6 +39,8 @@ def test_pd_matches_colocated_with_chunked_prefill_and_seeds(model):
     assert d.stats()["kv_fallbacks"] == 0
     assert p.stats()["kv_bytes_sent"] == d.stats()["kv_bytes_received"] > 0
     assert p.stats()["kv_send_seconds"] > 0 and d.stats()["kv_recv_seconds"] > 0
+    # issue 42: the pipe of each link, for `pd-cluster status` and /metrics' pipe= label
+    assert p.stats()["kv_links"] == {d.kv_endpoint(): "zmq"} and d.stats()["kv_pipe"] == "zmq"
     p.check_no_leaks(), d.check_no_leaks()
     p.close(), d.close()
 

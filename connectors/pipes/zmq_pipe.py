@@ -98,7 +98,7 @@ class ZmqPipe(ZmqSends, ZmqPeers, KVPipe):
         with self._lock:
             self._n_connects += 1
             ident = f"{self._id_base}-{self._n_connects}".encode()
-        hello = {**hello, integrity.HELLO_KEY: self.config.integrity}  # compared there
+        hello = {**hello, integrity.HELLO_KEY: integrity.hello_value(self.config.integrity)}
         keys = (b"", b"")
         if self._secret is None:
             reply = self._hello_round(peer_addr, hello, ident)

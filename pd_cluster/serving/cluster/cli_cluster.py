@@ -186,6 +186,7 @@ def run_status(args: argparse.Namespace) -> int:
     import httpx
 
     from pd_cluster.serving.cluster.launch_record import ClusterState
+    from pd_cluster.serving.observability.engine_series import kv_link_line
     from pd_cluster.serving.observability.offload_series import tier_line
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no per-request INFO lines here
@@ -251,6 +252,10 @@ def run_status(args: argparse.Namespace) -> int:
         line = tier_line(e.get("stats", {}))
         if line is not None:
             print(f"{e['name']} KV tiers: {line}")
+    for e in body["engines"]:  # each KV link of a prefill engine and its pipe
+        line = kv_link_line(e, body["engines"])
+        if line is not None:
+            print(f"{e['name']} KV links: {line}")
     for e in body["engines"]:  # a CPU engine running without its C++ kernels: say why
         kernels = str(e.get("stats", {}).get("cpu_kernels", ""))
         if kernels.startswith("failed"):

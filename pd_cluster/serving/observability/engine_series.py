@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,14 @@ AS_VLLM = {"num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "nu
            "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_pos"}
 # Stats that are not numbers to plot (the ranks' pids, the CPU kernels' state in words: for
 # `pd-cluster status`).
-NOT_SERIES = {"tp_pids", "cpu_kernels", "kv_cache_dtype"}
+NOT_SERIES = {"tp_pids", "cpu_kernels", "kv_cache_dtype", "kv_pipe",
+              "kv_links"}
+# The connector's transfer stats (connectors/pd_connector.py): labelled with the KV pipe that
+# carried them too (pipe="zmq", "nixl", ...), so a cluster's series split per pipe.
+PIPE_SERIES = {"kv_bytes_sent", "kv_bytes_received", "kv_send_seconds", "kv_recv_seconds",
+               "kv_send_timeouts", "kv_dropped_messages", "kv_digest_failures",
+               "kv_refused_messages", "kv_auth_failures", "kv_integrity_failures",
+               "kv_prefix_hit_tokens", "kv_bytes_skipped"}
 
 ENGINE_SERIES: dict[str, EngineSeries] = {
     "num_waiting_for_remote_kv": EngineSeries(
@@ -127,3 +135,14 @@ def describe(stat: str) -> EngineSeries:
     """The stat's series; a stat not in the table yet is still exported, as a gauge."""
     return ENGINE_SERIES.get(stat) or EngineSeries(
         f"Engine stat {stat} (not described yet in serving/observability/engine_series.py)")
+
+
+def kv_link_line(engine: dict[str, Any], engines: list[dict[str, Any]]) -> str | None:
+    """`pd-cluster status`: a prefill engine's KV links and the pipe each uses
+    ("decode-0 via zmq, decode-1 via shm"); None for an engine with none."""
+    links = engine.get("stats", {}).get("kv_links") or {}
+    if not isinstance(links, dict) or not links:
+        return None
+    names = {e.get("kv_endpoint"): e["name"] for e in engines if e.get("kv_endpoint")}
+    return ", ".join(f"{names.get(ep, ep)} via {pipe}" for ep, pipe in sorted(
+        links.items(), key=lambda kv: names.get(kv[0], kv[0])))

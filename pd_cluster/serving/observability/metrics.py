@@ -16,8 +16,8 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pd_cluster.serving.observability.engine_series import (AS_VLLM, NOT_SERIES, describe,
-                                                            series_name)
+from pd_cluster.serving.observability.engine_series import (AS_VLLM, NOT_SERIES, PIPE_SERIES,
+                                                            describe, series_name)
 from pd_cluster.serving.observability.offload_series import PREFIX as OFFLOAD, OffloadCollector
 from pd_cluster.serving.observability.vllm_metrics import VLLMEngineCollector, VLLMRequestMetrics
 
@@ -126,12 +126,15 @@ class _EngineCollector(Collector):
                 if (key in AS_VLLM or key in NOT_SERIES or key.startswith(OFFLOAD)
                         or isinstance(value, bool) or not isinstance(value, (int, float))):
                     continue
+                by_pipe = key in PIPE_SERIES  # {engine, role, pipe}: counted per KV pipe
                 fam = families.get(key)
                 if fam is None:
                     series = describe(key)
                     kind = CounterMetricFamily if series.counter else GaugeMetricFamily
-                    fam = families[key] = kind(series_name(key), series.help, labels=labels)
-                fam.add_metric(lv, float(value))
+                    fam = families[key] = kind(series_name(key), series.help, labels=labels
+                                               + (["pipe"] if by_pipe else []))
+                fam.add_metric(lv + ([str(e.stats.get("kv_pipe", ""))] if by_pipe else []),
+                               float(value))
         yield healthy
         yield inflight
         yield from families.values()
