@@ -248,8 +248,8 @@ class KVReceiver:
         if both and heads == cache.shape[3]:
             scatter_blocks(tensor, cache, targets)
         elif heads == cache.shape[3]:  # one part, every head: no head-sliced view (1.5x)
-            cache[header.part].index_copy_(0, targets.to(cache.device),
-                                           tensor.to(cache.device, cache.dtype))
+            as_bytes(cache[header.part]).index_copy_(
+                0, targets.to(cache.device), as_bytes(tensor.to(cache.device, cache.dtype)))
         else:  # a slice of this rank's heads (a producer of another TP size)
             for i, part in enumerate(parts):  # (FP8 as bytes: no FP8 index_copy_ on CPU)
                 as_bytes(cache[part, :, :, h0:h0 + heads]).index_copy_(
