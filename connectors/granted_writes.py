@@ -25,13 +25,13 @@ from connectors.metadata import KVWrittenHeader, encode_header
 from connectors.pipes.nixl_layout import block_chunks
 
 Grant = tuple[int, tuple[int, ...]]  # (index of the first granted block, the block ids)
-Checker = Callable[[str, bytes, list, bytes], Optional[str]]  # (peer, head, chunks, tag)
+Checker = Callable[[str, bytes, list, bytes, bytes], Optional[str]]  # peer head chunks tag nonce
 
 
 def written_head(header: KVWrittenHeader) -> bytes:
-    """The bytes a write's code covers besides the KV: the header without its tag (both ends
-    build them with this function, so they agree byte for byte)."""
-    return msgpack.packb(encode_header(msgspec.structs.replace(header, tag=b"")),
+    """The bytes a write's code covers besides the KV: the header without its tag and nonce
+    (both ends build them with this function, so they agree byte for byte)."""
+    return msgpack.packb(encode_header(msgspec.structs.replace(header, tag=b"", nonce=b"")),
                          use_bin_type=True)
 
 
@@ -89,7 +89,7 @@ def check_written(header: KVWrittenHeader, caches: Sequence[torch.Tensor],
     targets = granted_targets((held_blocks, tuple(block_ids[held_blocks:])),
                               header.first_block, header.num_blocks)
     chunks = block_chunks(caches[header.layer], list(targets))
-    bad = checker(peer, written_head(header), chunks, header.tag)
+    bad = checker(peer, written_head(header), chunks, header.tag, header.nonce)
     if bad is not None:
         raise ValueError(f"the written blocks fail their check ({bad})")
     return sum(c.nbytes for c in chunks)

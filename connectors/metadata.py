@@ -105,12 +105,14 @@ class HoldHeader(msgspec.Struct, frozen=True, tag="hold", tag_field="kind"):
 class KVWrittenHeader(msgspec.Struct, frozen=True, tag="kvw", tag_field="kind"):
     """Producer -> consumer, a NIXL notification (no payload): every part of ``layer`` of the
     request's blocks first_block .. first_block + num_blocks - 1 is in the granted blocks;
-    ``tag`` is the MAC of those bytes (nixl_pipe.py), checked by the consumer before use."""
+    ``tag`` is the MAC of those bytes under a key derived from ``nonce`` (nixl_worker.py),
+    checked by the consumer before use."""
     request_id: str
     layer: _Count
     first_block: _Count
     num_blocks: Annotated[int, msgspec.Meta(ge=1)]
     tag: bytes = b""
+    nonce: bytes = b""
 
 
 Header = (KVLayerHeader | FinHeader | AckHeader | RenewHeader | OfferHeader | HoldHeader

@@ -177,19 +177,21 @@ class NixlPipe(ZmqPipe):
         header with the tag); recv_tensor hands it to the connector like any other."""
         peer = self._producers.get(agent)
         try:
-            head, tag = msgpack.unpackb(msg, raw=False)
+            head, nonce, tag = msgpack.unpackb(msg, raw=False)
             body = msgpack.unpackb(head, raw=False)
-            if peer is None or not isinstance(body, dict) or not isinstance(tag, bytes):
+            if (peer is None or not isinstance(body, dict)
+                    or not isinstance(tag, bytes) or not isinstance(nonce, bytes)):
                 raise ValueError("unknown agent" if peer is None else "malformed")
         except Exception as e:
             self._n["nixl_unknown_notifications"] += 1
             self._limited.warn("nixl notifications", "nixl pipe: dropped a notification "
                                "from %r: %s", str(agent)[:120], e)
             return
-        self._rq.put((peer, {**body, "tag": tag}, None, (_NOT_CHECKED, b"", None)), len(msg))
+        self._rq.put((peer, {**body, "tag": tag, "nonce": nonce}, None,
+                      (_NOT_CHECKED, b"", None)), len(msg))
 
-    def check_written(self, peer: str, head: bytes, chunks: list[Any], tag: bytes
-                      ) -> Optional[str]:
+    def check_written(self, peer: str, head: bytes, chunks: list[Any], tag: bytes,
+                      nonce: bytes) -> Optional[str]:
         """Why the bytes a producer's notification vouches for are not what it wrote (None:
         they are). Called by the connector with the bytes in our granted blocks."""
         if self.config.integrity == "none":
@@ -198,7 +200,8 @@ class NixlPipe(ZmqPipe):
         if conn is None:
             return "no connection with the producer"
         key = conn.channel.side_keys(_NOTIF_LABEL)[1]
-        if not hmac.compare_digest(written_tag(self.config.integrity, key, head, chunks), tag):
+        want = written_tag(self.config.integrity, key, nonce, head, chunks)
+        if not hmac.compare_digest(want, tag):
             return f"{self.config.integrity} mismatch"
         return None
 
