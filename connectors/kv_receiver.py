@@ -20,15 +20,17 @@ import msgspec
 import numpy as np
 import torch
 
-from connectors.metadata import FinHeader, KVLayerHeader, OfferHeader, RecvSpec
+from connectors.metadata import FinHeader, KVLayerHeader, KVWrittenHeader, OfferHeader, RecvSpec
 from connectors.block_io import scatter_blocks
 from connectors.window_shipping import first_shipped_token
 from kernels.kv_quant import as_bytes
+from connectors.granted_writes import Checker, check_written
 from connectors.kv_staging import Staging
 
 logger = logging.getLogger(__name__)
 Ack = tuple[str, str, bool]  # (producer peer, request id, ok)
-Hold = tuple[str, str, int]  # (producer peer, request id, prompt tokens held here)
+# (producer peer, request id, prompt tokens held here, the blocks granted after them)
+Hold = tuple[str, str, int, tuple[int, ...]]
 
 
 @dataclass
@@ -45,10 +47,16 @@ class _Receiving:
 
 class KVReceiver:
     def __init__(self, num_layers: int, block_size: int, timeout: float, max_staging_bytes: int,
-                 record_timings: bool = False, windows: tuple[int | None, ...] = ()):
+                 record_timings: bool = False, windows: tuple[int | None, ...] = (),
+                 fin_grace: float = 0.0):
         self.num_layers, self.block_size = num_layers, block_size
         # Sliding layers' windows: their blocks before it are not shipped (window_shipping.py)
         self.windows = windows
+        # Pipes that write in place (nixl): each write's notification checked by the pipe
+        # (granted_writes.check_written), and layers still missing at the FIN are waited for
+        # ``fin_grace`` seconds (notifications and FINs travel apart); else 0: failed at once.
+        self.check_written: Checker | None = None
+        self.fin_grace = fin_grace
         self.timeout, self.max_staging_bytes = timeout, max_staging_bytes
         self.kv_caches: list[torch.Tensor] = []
         self._lock = threading.Lock()
@@ -195,7 +203,9 @@ class KVReceiver:
         rid = state.spec.request_id
         state.peers.add(peer)
         if isinstance(header, OfferHeader):
-            self._holds.append((peer, rid, state.spec.num_cached_tokens))
+            held = state.spec.num_cached_tokens // self.block_size
+            self._holds.append((peer, rid, state.spec.num_cached_tokens,
+                                state.spec.block_ids[held:len(state.block_index)]))
             return []
         state.first_arrival = state.first_arrival or time.monotonic()
         if isinstance(header, FinHeader):
@@ -205,6 +215,11 @@ class KVReceiver:
                 self._done[rid] = None
                 self._cancelled[rid] = time.monotonic()  # the other feeders' FINs: NACKed
                 return [(p, rid, False) for p in sorted(state.peers - {peer})]
+        elif isinstance(header, KVWrittenHeader):
+            try:
+                self._mark_written(state, header, peer)
+            except ValueError as e:
+                return self._fail_closed(state, f"layer {header.layer}: {e}", peer, {peer})
         else:
             try:
                 header, tensor = self._skip_held(state, header, tensor)
@@ -213,6 +228,9 @@ class KVReceiver:
             except ValueError as e:  # e.g. blocks the request does not own
                 return self._fail_closed(state, f"layer {header.layer}: {e}", peer, {peer})
         if state.fins and len(state.fins) >= state.fins[0].num_fins and not state.written.all():
+            if self.fin_grace > 0:  # written in place: their notifications may still come
+                state.deadline = min(state.deadline, time.monotonic() + self.fin_grace)
+                return []
             return self._fail_closed(state, "layers missing at the FIN", peer, {peer})
         if (state.fins and len(state.fins) >= state.fins[0].num_fins
                 and state.written.all()):
@@ -263,6 +281,14 @@ class KVReceiver:
             self.first_layer_times[state.spec.request_id] = state.first_layer_time
             if len(self.first_layer_times) > 4096:
                 self.first_layer_times.popitem(last=False)
+
+    def _mark_written(self, state: _Receiving, header: KVWrittenHeader, peer: str) -> None:
+        nbytes = check_written(header, self.kv_caches, state.spec.block_ids[
+            :len(state.block_index)], state.spec.num_cached_tokens // self.block_size, peer,
+            self.check_written)
+        end = header.first_block + header.num_blocks
+        state.written[header.layer, :, header.first_block:end] = True  # every part and head
+        self.bytes_received += nbytes
 
     def _skip_held(self, state: _Receiving, header: KVLayerHeader, tensor: torch.Tensor | None
                    ) -> tuple[KVLayerHeader | None, torch.Tensor | None]:

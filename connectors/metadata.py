@@ -99,9 +99,27 @@ class HoldHeader(msgspec.Struct, frozen=True, tag="hold", tag_field="kind"):
     prefix cache; send only the blocks after them."""
     request_id: str
     num_tokens: _Count
+    # Pipes that write into the consumer's cache (nixl): the blocks granted for this request,
+    # the request's prompt blocks after the held ones (table index num_tokens // block_size
+    # onwards). Empty for the pipes that carry messages.
+    block_ids: tuple[_Count, ...] = ()
 
 
-Header = KVLayerHeader | FinHeader | AckHeader | RenewHeader | OfferHeader | HoldHeader
+class KVWrittenHeader(msgspec.Struct, frozen=True, tag="kvw", tag_field="kind"):
+    """Producer -> consumer, a NIXL notification (no payload): every part of ``layer`` of the
+    request's blocks first_block .. first_block + num_blocks - 1 is in the granted blocks;
+    ``tag`` is the MAC of those bytes under a key derived from ``nonce`` (nixl_worker.py),
+    checked by the consumer before use."""
+    request_id: str
+    layer: _Count
+    first_block: _Count
+    num_blocks: Annotated[int, msgspec.Meta(ge=1)]
+    tag: bytes = b""
+    nonce: bytes = b""
+
+
+Header = (KVLayerHeader | FinHeader | AckHeader | RenewHeader | OfferHeader | HoldHeader
+          | KVWrittenHeader)
 
 
 def encode_header(header: Header) -> dict[str, Any]:

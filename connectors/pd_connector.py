@@ -24,6 +24,7 @@ from connectors.config import KVTransferConfig
 from connectors.factory import ConnectorPair, register_connector
 from connectors.hello import make_hello
 from connectors.kv_receiver import KVReceiver
+from connectors.granted_writes import Grants
 from connectors.layer_sender import LayerSender
 from connectors.metadata import (
     AckHeader,
@@ -59,9 +60,15 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
         self.windows = layer_windows(self.hello["kv_specs"])
         self._routes: dict[str, list[tuple[str, Route]]] = {}  # consumer -> its ranks I feed
         self.pipe = create_pipe(config.pipe, config.pipe_config)
+        # Pipes that write into the consumer's blocks (nixl): granted_writes.py.
+        self._in_place = self.writes_in_place = getattr(self.pipe, "writes_in_place", False)
+        self.grants = Grants(config.kv_transfer_timeout / 2)
         self.receiver = KVReceiver(engine_info["num_layers"], engine_info["block_size"],
                                    config.kv_transfer_timeout, config.max_staging_bytes,
-                                   config.record_timings, self.windows)
+                                   config.record_timings, self.windows,
+                                   min(5.0, config.kv_transfer_timeout) if self._in_place else 0)
+        if self._in_place:
+            self.receiver.check_written = self.pipe.check_written
         self._endpoint: str | None = None
         self._listening = False
         if config.is_consumer:
@@ -100,6 +107,8 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
         self.receiver.kv_caches = kv_caches
+        if self._in_place:
+            self.pipe.register_kv_caches(kv_caches)
         if self.config.is_producer and kv_caches:
             self.sender.use_device(kv_caches[0].device)
 
@@ -209,6 +218,9 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
                     self._record_hold(header.request_id, _SKIP_ALL)
                 self.leases.release(header.request_id, header.ok)
             elif isinstance(header, HoldHeader):
+                if self._in_place:  # before the hold: the engine thread writes once it sees it
+                    self.grants.record(peer, header.request_id,
+                                       header.num_tokens // self.block_size, header.block_ids)
                 self._record_hold(header.request_id, header.num_tokens)
             elif isinstance(header, RenewHeader):
                 self.leases.renew(list(header.request_ids))
@@ -220,9 +232,10 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
 
     def _send_holds(self) -> None:
         """Consumer: answer producers' offers with the prompt tokens held here."""
-        for peer, rid, num_tokens in self.receiver.take_holds():
+        for peer, rid, num_tokens, granted in self.receiver.take_holds():
+            hold = HoldHeader(rid, num_tokens, granted if self._in_place else ())
             try:
-                self.pipe.send_tensor(peer, encode_header(HoldHeader(rid, num_tokens)), None)
+                self.pipe.send_tensor(peer, encode_header(hold), None)
             except PipeError as e:
                 logger.warning("HOLD for %s not sent: %s", rid, e)
 
@@ -274,6 +287,7 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
 
 @register_connector("pd")
 def _make_pd(config: KVTransferConfig, engine_info: dict[str, Any]) -> ConnectorPair:
+    worker = PDConnectorWorker(config, engine_info)
     windows = layer_windows(make_hello(engine_info)["kv_specs"])
-    return (PDConnectorScheduler(engine_info["block_size"], windows),
-            PDConnectorWorker(config, engine_info))
+    return (PDConnectorScheduler(engine_info["block_size"], windows, worker.writes_in_place),
+            worker)

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from connectors.metadata import FinHeader, OfferHeader, SendSpec, encode_header
+from connectors.granted_writes import granted_targets, route_is_whole, written_head
+from connectors.metadata import FinHeader, KVWrittenHeader, OfferHeader, SendSpec, encode_header
 from connectors.pipes.base import PipeError
 from connectors.tp_topology import num_feeders, split_endpoint
 from connectors.window_shipping import first_shipped_token
@@ -48,7 +49,8 @@ class PDProducer:
                 self._failed_sends.add(spec.request_id)
                 continue
             held = self._held_tokens(spec.request_id)
-            if held is None and spec.expect_held is not None:
+            # Written in place: nothing goes before the consumer's HOLD granted its blocks.
+            if held is None and spec.expect_held is not None and not self._in_place:
                 # No answer yet: blocks past what the consumer is expected to hold go now.
                 cut = min(max(spec.expect_held // self.block_size - spec.first_block, 0),
                           len(spec.block_ids))
@@ -85,10 +87,41 @@ class PDProducer:
             spec = dataclasses.replace(spec, block_ids=spec.block_ids[skip:],
                                        first_block=spec.first_block + skip)
         for endpoint, r in self._routes.get(spec.peer, []):
-            if not self._send_layer(spec, layer, endpoint,
-                                    self.sender.layer_messages(spec, layer, kv_layer,
-                                                               (r.src, r.count, r.dst))):
+            if self._in_place:
+                if not self._write_layer(spec, layer, endpoint, r, kv_layer):
+                    break
+            elif not self._send_layer(spec, layer, endpoint,
+                                      self.sender.layer_messages(spec, layer, kv_layer,
+                                                                 (r.src, r.count, r.dst))):
                 break
+
+    def _write_layer(self, spec: SendSpec, layer: int, endpoint: str, route: Any,
+                     kv_layer: torch.Tensor) -> bool:
+        """Pipes that write in place: the layer's blocks into the ones the consumer granted
+        (granted_writes.py); no grant (or past its cutoff) fails the request: recomputed."""
+        rid = spec.request_id
+        try:
+            if not route_is_whole(route, kv_layer):
+                raise ValueError("a write carries whole blocks: both engines need the same KV "
+                                 "heads per rank (TP size)")
+            grant = self.grants.get(endpoint, rid)
+            if grant is None:
+                raise ValueError("no grant from the consumer (or its cutoff passed)")
+            header = KVWrittenHeader(rid, layer, spec.first_block, len(spec.block_ids))
+            future = self.pipe.write_blocks(endpoint, layer, kv_layer, spec.block_ids,
+                                            granted_targets(grant, spec.first_block,
+                                                            len(spec.block_ids)),
+                                            written_head(header))
+        except (ValueError, PipeError) as e:
+            logger.error("write of %s layer %d failed: %s", rid, layer, e)
+            self._failed_sends.add(rid)
+            if isinstance(e, PipeError):
+                self._broken.add(spec.peer)
+            return False
+        self._step_futures.append((rid, spec.peer, future))
+        self.leases.sending(rid)
+        self.bytes_sent += kv_layer[:, 0].nbytes * len(spec.block_ids)
+        return True
 
     # ---- producer: what the consumer holds (decode-side prefix reuse) --------------------
     def _offer(self, spec: SendSpec) -> None:
@@ -189,6 +222,7 @@ class PDProducer:
         ttft_trace.mark(fin.request_id, "fin")
         self._failed_sends.discard(fin.request_id)
         self._offered.pop(fin.request_id, None)
+        self.grants.drop(fin.request_id)
         with self._holds_lock:
             self._holds.pop(fin.request_id, None)
         routes = self._routes.get(fin.peer, []) if self._usable(fin.peer) else []

@@ -16,9 +16,14 @@ from connectors.window_shipping import unshipped_blocks
 
 
 class PDConnectorScheduler(KVConnectorBase_Scheduler):
-    def __init__(self, block_size: int, windows: tuple[int | None, ...] = ()):
+    def __init__(self, block_size: int, windows: tuple[int | None, ...] = (),
+                 whole_blocks: bool = False):
         self.block_size = block_size
         self.windows = windows  # each layer's sliding window (None: full attention)
+        # Pipes that write into the consumer's blocks (nixl) ship each block once, whole: a
+        # chunk ending mid-block leaves that block to the next chunk (a second write of it
+        # could land before the consumer checked the first one's code).
+        self.whole_blocks = whole_blocks
         self._recvs: list[RecvSpec] = []
         self._finishes: list[FinishSpec] = []
         self._cancels: list[str] = []
@@ -48,6 +53,8 @@ class PDConnectorScheduler(KVConnectorBase_Scheduler):
             # From what was already planned (prefix-cache hits included) to this step's end.
             start = self._sent_upto.get(request.request_id, 0)
             end = min(request.num_computed_tokens + item.num_new_tokens, request.num_prompt_tokens)
+            if self.whole_blocks and end < request.num_prompt_tokens:
+                end -= end % self.block_size
             if end <= start:
                 continue
             self._sent_upto[request.request_id] = end

@@ -79,6 +79,12 @@ class Channel:
         self._last_seq = 0
         self._lock = threading.Lock()  # seal may be called from a test thread too
 
+    def side_keys(self, label: bytes) -> tuple[bytes, bytes]:
+        """(send, receive) keys of a side channel of this connection labelled ``label`` (the
+        nixl pipe's notifications): derived from the frame keys, never equal to them."""
+        return (hmac.new(self._send_key, label, hashlib.sha256).digest(),
+                hmac.new(self._recv_key, label, hashlib.sha256).digest())
+
     def seal(self, head: bytes, payload: Iterable[Any]) -> Optional[bytes]:
         """The tag frame of the next message (None in mode none): its number and MAC/CRC."""
         if self.mode == "none":

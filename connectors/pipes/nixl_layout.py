@@ -1,0 +1,110 @@
+"""Where each KV block lives in a cache registered with NIXL: the one place that turns block
+ids into addresses for a WRITE's descriptors, with the bounds checked here.
+
+A layer's cache is one contiguous tensor [parts, num_blocks, block_size, heads, head_dim]
+(parts: K and V, or one latent), so block b of part p starts at
+addr + (p * num_blocks + b) * block_bytes. Both ends describe their caches this way at the
+handshake; a producer writes whole blocks of every part of a layer, never anything else.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import msgspec
+import numpy as np
+import torch
+
+
+class LayerLayout(msgspec.Struct, frozen=True, array_like=True):
+    addr: int
+    parts: int
+    num_blocks: int
+    block_bytes: int
+    device: int  # CUDA device index (VRAM), 0 for host memory
+
+
+class CacheLayout(msgspec.Struct, frozen=True):
+    mem: str  # NIXL's memory type: "DRAM" (host) or "VRAM" (CUDA)
+    layers: list[LayerLayout]
+
+    @classmethod
+    def of(cls, caches: Sequence[torch.Tensor]) -> "CacheLayout":
+        """The layout of an engine's per-layer caches (all on one device kind)."""
+        if not caches:
+            raise ValueError("no KV caches to register")
+        kinds = {c.device.type for c in caches}
+        if kinds - {"cpu", "cuda"} or len(kinds) > 1:
+            raise ValueError(f"nixl pipe: KV caches on {sorted(kinds)}; expected all on cpu "
+                             f"or all on cuda")
+        layers = []
+        for i, c in enumerate(caches):
+            if c.dim() != 5 or not c.is_contiguous():
+                raise ValueError(f"nixl pipe: layer {i}'s cache is not a contiguous "
+                                 f"[parts, blocks, block_size, heads, head_dim] tensor")
+            layers.append(LayerLayout(c.data_ptr(), c.shape[0], c.shape[1], c[0, 0].nbytes,
+                                      c.device.index or 0))
+        return cls("VRAM" if kinds == {"cuda"} else "DRAM", layers)
+
+    def regions(self) -> list[tuple[int, int, int, str]]:
+        """What to register: (addr, bytes, device, "") per layer."""
+        return [(lay.addr, lay.parts * lay.num_blocks * lay.block_bytes, lay.device, "")
+                for lay in self.layers]
+
+    def mismatch(self, other: "CacheLayout") -> str | None:
+        """Why blocks of ``self`` cannot be written into ``other``'s, or None."""
+        if len(self.layers) != len(other.layers):
+            return f"{len(other.layers)} layers against {len(self.layers)}"
+        for i, (a, b) in enumerate(zip(self.layers, other.layers)):
+            if (a.parts, a.block_bytes) != (b.parts, b.block_bytes):
+                return (f"layer {i} has {b.parts} parts of {b.block_bytes} bytes per block "
+                        f"against {a.parts} of {a.block_bytes}")
+        return None
+
+    def descs(self, layer: int, block_ids: Sequence[int]) -> np.ndarray:
+        """Nx3 (address, bytes, device) of every part of ``block_ids`` of ``layer``, part
+        by part, blocks in the order given. ValueError for a layer or block out of range."""
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"layer {layer} out of range")
+        lay = self.layers[layer]
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.size == 0 or ids.min() < 0 or ids.max() >= lay.num_blocks:
+            raise ValueError(f"block ids out of range 0..{lay.num_blocks - 1}")
+        rows = (np.arange(lay.parts, dtype=np.int64)[:, None] * lay.num_blocks + ids).ravel()
+        out = np.empty((rows.size, 3), dtype=np.uint64)
+        out[:, 0] = lay.addr + rows.astype(np.uint64) * lay.block_bytes
+        out[:, 1] = lay.block_bytes
+        out[:, 2] = lay.device
+        return out
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, raw: Any) -> "CacheLayout":
+        """ValueError on anything malformed (it comes from a peer)."""
+        try:
+            layout = msgspec.msgpack.decode(bytes(raw), type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as e:
+            raise ValueError(f"malformed cache layout: {e}") from None
+        if layout.mem not in ("DRAM", "VRAM"):
+            raise ValueError(f"unknown memory type {layout.mem!r:.20}")
+        return layout
+
+
+def block_chunks(kv_layer: torch.Tensor, block_ids: Sequence[int]) -> list[memoryview]:
+    """The bytes of every part of ``block_ids`` in the order ``descs`` lists them, as few
+    buffers as ascending runs allow (what the MAC of a write is computed over). CUDA caches
+    are copied to host memory first (marked cuda: untested here)."""
+    out = []
+    for part in range(kv_layer.shape[0]):
+        i = 0
+        while i < len(block_ids):
+            j = i + 1
+            while j < len(block_ids) and block_ids[j] == block_ids[j - 1] + 1:
+                j += 1
+            run = kv_layer[part, block_ids[i]:block_ids[i] + (j - i)]
+            if run.device.type != "cpu":
+                run = run.cpu()
+            out.append(memoryview(run.contiguous().view(-1).view(torch.uint8).numpy()))
+            i = j
+    return out

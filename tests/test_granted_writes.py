@@ -1,0 +1,92 @@
+"""The nixl pipe's bounds, without NIXL (they run everywhere): block ids become addresses only
+inside the registered cache, a producer's writes stay inside the consumer's grant and stop
+at its cutoff, both ends cover the same header bytes, a chunk ending mid-block leaves that
+block to the next write, and a write's code catches one flipped bit."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from connectors.granted_writes import Grants, granted_targets, written_head
+from connectors.metadata import KVWrittenHeader, decode_header, encode_header
+from connectors.pd_scheduler import PDConnectorScheduler
+from connectors.pipes.nixl_layout import CacheLayout, block_chunks
+from connectors.pipes.nixl_worker import written_tag
+from connectors.transfer_params import SendKV
+
+
+def _caches(parts: int = 2, blocks: int = 6) -> list[torch.Tensor]:
+    return [torch.randn(parts, blocks, 4, 2, 8) for _ in range(3)]
+
+
+def test_descriptors_cover_whole_blocks_inside_the_cache_only() -> None:
+    caches = _caches()
+    layout = CacheLayout.decode(CacheLayout.of(caches).encode())  # as a peer receives it
+    descs = layout.descs(1, [4, 0])
+    block = caches[1][0, 0].nbytes
+    base = caches[1].data_ptr()
+    assert descs[:, 0].tolist() == [base + 4 * block, base, base + 10 * block, base + 6 * block]
+    assert set(descs[:, 1].tolist()) == {block}
+    for layer, ids in ((1, [6]), (1, [-1]), (3, [0]), (1, [])):
+        with pytest.raises(ValueError):
+            layout.descs(layer, ids)
+    with pytest.raises(ValueError, match="not a contiguous"):
+        CacheLayout.of([caches[0][:, ::2]])
+    assert layout.mismatch(CacheLayout.of(_caches(parts=1))) is not None
+    with pytest.raises(ValueError, match="malformed"):
+        CacheLayout.decode(b"\x00junk")
+
+
+def test_writes_stay_inside_the_grant_until_its_cutoff(monkeypatch) -> None:
+    grant = (2, (40, 41, 17))  # table entries 2, 3, 4 (0 and 1 are the consumer's own)
+    assert granted_targets(grant, 3, 2) == (41, 17)
+    for first, count in ((1, 1), (4, 2), (2, 0)):
+        with pytest.raises(ValueError, match="outside the grant"):
+            granted_targets(grant, first, count)
+    now = [100.0]
+    monkeypatch.setattr("connectors.granted_writes.time.monotonic", lambda: now[0])
+    grants = Grants(cutoff=5.0)
+    grants.record("d0", "r", *grant)
+    assert grants.get("d0", "r") == grant and grants.get("d1", "r") is None
+    now[0] = 106.0
+    assert grants.get("d0", "r") is None  # past the cutoff: no write starts
+    grants.record("d0", "r", *grant)
+    grants.drop("r")
+    assert grants.get("d0", "r") is None
+
+
+def test_both_ends_cover_the_same_bytes_and_one_bit_fails_the_code() -> None:
+    sent = KVWrittenHeader("r", 1, 2, 3)
+    received = decode_header({**encode_header(sent), "tag": b"t", "nonce": b"n"})
+    assert written_head(received) == written_head(sent)
+    kv = _caches()[0]
+    chunks = block_chunks(kv, [3, 4, 1])
+    assert [c.nbytes for c in chunks] == [2 * kv[0, 0].nbytes, kv[0, 0].nbytes] * 2
+    key, nonce = b"k" * 32, b"n" * 16
+    for mode in ("mac", "crc32"):
+        tag = written_tag(mode, key, nonce, written_head(sent), chunks)
+        assert tag == written_tag(mode, key, nonce, written_head(received),
+                                  block_chunks(kv, [3, 4, 1]))
+        kv[1, 1].view(-1).view(torch.uint8)[5] ^= 1
+        assert tag != written_tag(mode, key, nonce, written_head(sent),
+                                  block_chunks(kv, [3, 4, 1]))
+        kv[1, 1].view(-1).view(torch.uint8)[5] ^= 1
+    assert written_tag("mac", key, b"m" * 16, written_head(sent), chunks) != \
+        written_tag("mac", key, nonce, written_head(sent), chunks)  # a one-time key per write
+
+
+def test_whole_blocks_leave_a_partial_block_to_the_next_chunk() -> None:
+    def plan(sched: PDConnectorScheduler, computed: int, new: int) -> tuple:
+        req = SimpleNamespace(request_id="r", kv_transfer_params=SendKV(to="d"),
+                              num_computed_tokens=computed, num_prompt_tokens=20,
+                              block_ids=[7, 8, 9])
+        meta = sched.build_connector_meta(SimpleNamespace(scheduled=[
+            SimpleNamespace(request=req, num_new_tokens=new)]))
+        return tuple((s.first_block, s.block_ids) for s in meta.sends)
+    whole, partial = PDConnectorScheduler(8, whole_blocks=True), PDConnectorScheduler(8)
+    assert plan(whole, 0, 12) == ((0, (7,)),)  # block 1 is half computed: it waits
+    assert plan(whole, 12, 8) == ((1, (8, 9)),)  # the prompt's end: the last block goes
+    assert plan(partial, 0, 12) == ((0, (7, 8)),)
+    assert plan(partial, 12, 8) == ((1, (8, 9)),)  # block 1 again
