@@ -131,7 +131,7 @@ def bench(profile: Profile, slo: Slo, slots: int, args: argparse.Namespace) -> f
     overall = score(ctl, slo, 0, end).goodput / max(score(whole[best_n], slo, 0, end).goodput,
                                                     1e-9)
     vs_plan = score(ctl, slo, 0, end).goodput / max(score(planned, slo, 0, end).goodput, 1e-9)
-    print(f"controller / best fixed per phase: " + ", ".join(f"{r:.2f}" for r in ratios)
+    print("controller / best fixed per phase: " + ", ".join(f"{r:.2f}" for r in ratios)
           + " (target >= 0.9 each)")
     print(f"controller / best single fixed over the run: {overall:.2f} (target >= 1.3); "
           f"controller / plan from phase 1: {vs_plan:.2f}")

@@ -117,7 +117,7 @@ def part_nixl(sizes: list[int], repeats: int, pair: Callable, throughput: Callab
         return None
     producer, here, proc, peer = pair(max(sizes), "tcp", {"pipe": "nixl"})
     ratios = []
-    print(f"nixl pipe (UCX, CPU memory, integrity mac) against NIXL's raw WRITE:")
+    print("nixl pipe (UCX, CPU memory, integrity mac) against NIXL's raw WRITE:")
     print("(raw: one contiguous WRITE per layer; raw-blocks: the same bytes as one descriptor "
           "per KV block into shuffled blocks, the connector's pattern)")
     print(f"{'tokens':>7} {'KV MiB':>8} {'ours GB/s':>10} {'raw GB/s':>9} {'ratio':>6} "

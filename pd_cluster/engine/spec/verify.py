@@ -10,7 +10,6 @@ d1..dj, and a draft the mask bans has probability 0, so acceptance ends there.""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
