@@ -234,6 +234,7 @@ class LLMEngine:
                 "kv_fallbacks": self.scheduler.num_kv_fallbacks,
                 **self._tier_stats(),
                 **kernel_stats(),  # C++ CPU kernels: ok / failed: why / off
+                **self.runner.compile_stats(),
                 **self.executor.rank_stats(),
                 **(self.executor.connector_stats() if self.runner.connector else {})}
 
