@@ -5,6 +5,7 @@ all-compiled run (greedy). A compile that fails leaves the engine eager; a stop 
 compiles ends the compile (its process included) within a bound."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -59,6 +60,7 @@ def tokens(outputs: list[Any]) -> list[list[int]]:
 
 def test_the_switch_is_exact_under_load(tiny_model, monkeypatch: pytest.MonkeyPatch,
                                         caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="pd_cluster.engine.compiled_model")
     model_dir = tiny_model(arch="llama", num_layers=1)
     prompts = [random_prompt(n, seed=n) for n in (5, 9, 14, 20)]
     eager = LLM(model=model_dir, compile=False, block_size=8)
