@@ -123,6 +123,19 @@ def load_cpu_kernels() -> bool:
         return bool(_state["ok"])
 
 
+def kernels_ready() -> bool:
+    """Whether ``load_cpu_kernels()`` answers without building: tried in this process,
+    disabled, or this machine's build already in the cache (else it runs the compiler: tens
+    of seconds, which an engine starting in the background does not wait for)."""
+    if "ok" in _state or disabled_by_env():
+        return True
+    try:
+        name = build_name()
+        return (cache_dir() / name / f"{name}.so").is_file()
+    except Exception:  # noqa: BLE001 - a bad setting or toolchain: load_cpu_kernels says it
+        return True
+
+
 def load_error() -> str:
     """Why the kernels are unavailable in this process ('' if they loaded or were not tried)."""
     return str(_state.get("error", ""))

@@ -23,6 +23,7 @@ DEVICE_ENV = "PD_CLUSTER_DEVICE"
 CPU_GEMM_MODES = ("auto", "torch", "transposed", "packed")
 # engine.kv_cache_dtype's values (vLLM's; the FP8 layout is kernels/kv_quant.py's).
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+COMPILE_MODES = ("background", "blocking")
 
 
 def _check_device(value: str) -> str:
@@ -167,6 +168,11 @@ class EngineArgs(BaseModel):
     # per model and kept on disk for the next start. None: $PD_CLUSTER_COMPILE decides
     # (neither: on for CPUs, off on GPUs until measured there); true/false decide here.
     compile: bool | None = None
+    # When the compiled step is made: background (serve eagerly from the moment the weights
+    # are loaded; a child process compiles, and each engine switches to the compiled step
+    # between two steps once it is ready: engine/background_compile.py) or blocking (compile
+    # before serving the first request). None: $PD_CLUSTER_COMPILE_MODE, else background.
+    compile_mode: str | None = None
     # CPU linear weights' layout after loading (models/layers/cpu_gemm.py): auto (per dtype,
     # as measured: fp32 transposed, bf16 oneDNN-packed, fp16 as loaded) | torch (as loaded) |
     # transposed | packed. None: $PD_CLUSTER_CPU_GEMM decides (default auto). CUDA: as loaded.
@@ -246,6 +252,13 @@ class EngineArgs(BaseModel):
     def _fraction(cls, value: float) -> float:
         if not 0 < value <= 1:
             raise ValueError(f"must be in (0, 1], got {value}")
+        return value
+
+    @field_validator("compile_mode")
+    @classmethod
+    def _compile_mode(cls, value: str | None) -> str | None:
+        if value is not None and value not in COMPILE_MODES:
+            raise ValueError(f"must be one of {list(COMPILE_MODES)}, got {value!r}")
         return value
 
     @field_validator("cpu_gemm")

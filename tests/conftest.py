@@ -24,6 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Eager by default (compiling every engine would blow the suite's time budget); the compile
 # tests opt in with compile=True, and PD_CLUSTER_COMPILE=1 runs the whole suite compiled.
 os.environ.setdefault("PD_CLUSTER_COMPILE", "0")
+# Compiled engines compile before serving (every step compiled: what those tests check); the
+# background compile's tests (test_background_compile.py) ask for it.
+os.environ.setdefault("PD_CLUSTER_COMPILE_MODE", "blocking")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The cluster secret the KV handshakes and proxy sessions prove (connectors/secret.py; a

@@ -30,6 +30,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from pd_cluster.config import COMPILE_MODES
 from pd_cluster.engine import artifact_store
 from pd_cluster.engine.compile_cache import (artifact_dir, artifact_key, inductor_cache_dir,
                                              remember_isa_probe, skip_known_isa_probe)
@@ -40,6 +41,7 @@ from pd_cluster.private_files import UnsafePath
 logger = logging.getLogger(__name__)
 
 COMPILE_ENV = "PD_CLUSTER_COMPILE"
+COMPILE_MODE_ENV = "PD_CLUSTER_COMPILE_MODE"
 _LOCK_WAIT_S = 600.0  # another process compiling the same artifact (the launcher's own bound)
 _EXAMPLE_TOKENS = 8
 
@@ -55,25 +57,56 @@ def compile_enabled(setting: bool | None, device: torch.device | str = "cpu") ->
     return torch.device(device).type == "cpu"
 
 
+def compile_mode(setting: str | None) -> str:
+    """``engine.compile_mode`` when set, else ``$PD_CLUSTER_COMPILE_MODE``, else background."""
+    mode = setting or os.environ.get(COMPILE_MODE_ENV, "").strip().lower() or "background"
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode: must be one of {list(COMPILE_MODES)}, got {mode!r} "
+                         f"(from ${COMPILE_MODE_ENV})")
+    return mode
+
+
 class CompiledModel:
     """Calls like the model (``(input_ids, positions, ctx) -> hidden``) through one compiled
-    graph (the logits stay eager: one matmul on the rows that sample)."""
+    graph (the logits stay eager: one matmul on the rows that sample).
 
-    def __init__(self, model: Any, device: torch.device) -> None:
+    ``background`` (an EngineConfig, the engine's): the graph is made off the step loop
+    (background_compile.py) and every call runs eagerly until it is ready; the call after
+    that switches (a whole step runs one or the other). Else it is loaded or compiled here,
+    before the first call. ``expect_path``: the compile child's check that its key is its
+    engine's (nothing is compiled otherwise)."""
+
+    def __init__(self, model: Any, device: torch.device, background: Any = None,
+                 expect_path: Path | None = None) -> None:
         self.model, self.decoder = model, model.model
         self._layers = [layer.self_attn for layer in self.decoder.layers]
         for rotary in self.decoder.rotary.values():
             rotary.frequencies(device)  # computed before tracing: inputs, not a guard
         self.compiled_steps = self.eager_steps = 0
+        self._fn: Any = None  # what the steps call (None: eager)
+        self._next: Any = None  # the background compile's result, taken by the next call
+        self.state = "compiling"  # -> compiled | failed (serving eagerly)
+        self.compile_seconds: float | None = None
+        self._background: Any = None
+        self._guard_warned = False
         limits = artifact_store.limits_from_env()  # a bad setting fails before a compile
-        key = artifact_key(self.decoder, model.spec, model.tp.rank, model.tp.size, device)
         try:
             folder: Path | None = artifact_dir()
         except UnsafePath as e:  # another user's or a shared folder: nothing read or kept
             artifact_store.warn_unsafe(e)
             folder = None
-        name = f"{key}{artifact_store.SUFFIX}"
-        self.path = (folder or inductor_cache_dir() / "pd_cluster") / name
+        self.path: Path | None = None  # the artifact (named by its key: see locate)
+        if background is not None and folder is not None:  # else no artifact to hand over
+            from pd_cluster.engine.background_compile import BackgroundCompile
+            self._background = BackgroundCompile(self, background, device)
+            return
+        self.locate(device, folder)
+        if expect_path is not None and self.path != expect_path:
+            logger.error("the compile child's key (%s) is not its engine's (%s): not compiled",
+                         self.path.name, expect_path.name)
+            self.state = "failed"
+            return
+        start = time.monotonic()
         skip_known_isa_probe()
         with torch.inference_mode():  # the engine's steps run in it: so do the guards' checks
             try:
@@ -81,22 +114,54 @@ class CompiledModel:
                             else self._compile(device, save=False))
             except Exception:  # a graph break in a new model, an inductor error
                 logger.exception("compiling the model failed: it runs eagerly")
-                self._fn = None
+        self.state = "compiled" if self._fn is not None else "failed"
+        self.compile_seconds = time.monotonic() - start
         remember_isa_probe()
         if folder is not None:  # after this engine's artifact was used: it is the newest
             artifact_store.prune_once(folder, limits)
 
+    def locate(self, device: torch.device, folder: Path | None) -> Path:
+        """Sets ``path``: the artifact named by this model's key (a second or two: inductor's
+        settings are part of it)."""
+        key = artifact_key(self.decoder, self.model.spec, self.model.tp.rank,
+                           self.model.tp.size, device)
+        name = f"{key}{artifact_store.SUFFIX}"
+        self.path = (folder or inductor_cache_dir() / "pd_cluster") / name
+        return self.path
+
+    @property
+    def ready(self) -> bool:
+        """Whether the steps run (or the next one will run) the compiled graph."""
+        return self._fn is not None or self._next is not None
+
+    def offer(self, fn: Any, seconds: float) -> None:
+        """The background compile's result: the next call switches to it."""
+        self.compile_seconds = seconds
+        self._next = fn
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ends a background compile still running (its process included), within ``timeout``."""
+        if self._background is not None:
+            self._background.stop(timeout)
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor:
         args = (self.decoder, input_ids, positions, ctx)
+        fn = self._fn
+        if fn is None and self._next is not None:  # the switch: between two steps
+            fn = self._fn = self._next
+            self.state = "compiled"
+            logger.info("switched to the compiled step after %d eager steps (compiled in %.1f s "
+                        "off the step loop)", self.eager_steps, self.compile_seconds or 0.0)
         with step_scope(ctx, self._layers, self.model.tp):
-            if self._fn is not None and self._fn.guard_check(*args):
+            if fn is not None and fn.guard_check(*args):
                 self.compiled_steps += 1
-                return self._fn(*args)
-            if self._fn is not None and not self.eager_steps:
+                return fn(*args)
+            if fn is not None and not self._guard_warned:
+                self._guard_warned = True
                 logger.warning("a step did not match the compiled graph's guards (%s); it runs "
-                               "eagerly", self._fn._artifacts.guard_manager.check_verbose(
-                                   self._fn.prepare_f_locals(*args)))
+                               "eagerly", fn._artifacts.guard_manager.check_verbose(
+                                   fn.prepare_f_locals(*args)))
             self.eager_steps += 1
             return self.decoder(input_ids, positions, ctx)
 

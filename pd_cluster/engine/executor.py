@@ -100,6 +100,8 @@ class Executor:
             if self.workers is not None:
                 self.workers.start()
         except BaseException:
+            if getattr(self, "runner", None) is not None:
+                self.runner.close()  # a background compile
             # The workers may be anywhere in their start-up (not listening for a Shutdown).
             if self.workers is not None:
                 self.workers.kill()
@@ -191,7 +193,9 @@ class Executor:
                 "tp_pids": ",".join(map(str, pids))}
 
     def close(self) -> None:
-        if getattr(self, "runner", None) is not None and self.runner.connector is not None:
-            self.runner.connector.close()
+        if getattr(self, "runner", None) is not None:
+            self.runner.close()
+            if self.runner.connector is not None:
+                self.runner.connector.close()
         if self.workers is not None:
             self.workers.close()

@@ -260,6 +260,7 @@ class LLMEngine:
                 **self._kv_bytes(),
                 **self._tier_stats(),
                 **kernel_stats(),  # C++ CPU kernels: ok / failed: why / off
+                **self.runner.compile_stats(),
                 **self.executor.rank_stats(),
                 **(self.executor.connector_stats() if self.runner.connector else {})}
 

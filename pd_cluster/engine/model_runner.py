@@ -8,10 +8,11 @@ from typing import Any
 import torch
 
 from pd_cluster.attention import AttentionMetadata, create_backend
+from pd_cluster.attention.background_kernels import BackgroundKernels, needs_build
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.cache_engine import (DeviceMemory, KVCacheSpec, allocate_kv_caches,
                                             determine_num_blocks)
-from pd_cluster.engine.compiled_model import CompiledModel, compile_enabled
+from pd_cluster.engine.compiled_model import CompiledModel, compile_enabled, compile_mode
 from pd_cluster.engine.cuda_graphs import DecodeGraphs, pool_bound
 from pd_cluster.engine.input_buffers import InputBuffers
 from pd_cluster.engine.kv_spec import check_kv_dtype
@@ -54,10 +55,22 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(config.block_size,
                                    tuple(self.model.kv_cache_specs(config.kv_torch_dtype)))
         check_kv_dtype(self.kv_spec, config.kv_cache_dtype)
-        self.backend = create_backend(config.attention_backend, self.device)
-        # What runs a forward: the model, or the same through one compiled graph.
-        self.forward_model: Any = (CompiledModel(self.model, self.device)
-                                   if compile_enabled(config.compile, self.device) else self.model)
+        # What runs a forward: the model, or the same through one compiled graph (made before
+        # serving, or in the background while the steps run eagerly: compile_mode). CUDA graphs
+        # capture the forward once, at start: they get the compiled one, made before serving.
+        # In the background too: the CPU attention kernels' first build (torch attention
+        # until then).
+        background = (compile_mode(config.compile_mode) == "background"
+                      and not (self.device.type == "cuda" and config.cuda_graphs))
+        self._kernels = (BackgroundKernels(self.device)
+                         if background and needs_build(config.attention_backend, self.device)
+                         else None)
+        self.backend = (self._kernels.backend if self._kernels is not None
+                        else create_backend(config.attention_backend, self.device))
+        self.forward_model: Any = self.model
+        if compile_enabled(config.compile, self.device):
+            self.forward_model = CompiledModel(self.model, self.device,
+                                               config if background else None)
         self.kv_caches: list[torch.Tensor] = []
         self.inputs = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                    -(-self.max_model_len // config.block_size),
@@ -135,6 +148,19 @@ class ModelRunner:
         self.model.compute_logits(hidden[:rows])
         del caches, hidden
 
+    def close(self) -> None:
+        """Ends a background compile still running (bounded)."""
+        if isinstance(self.forward_model, CompiledModel):
+            self.forward_model.close()
+
+    def compile_stats(self) -> dict[str, Any]:
+        """Whether the steps run compiled (1/0) and the compile's state in words (off,
+        compiling, compiled, failed: eager)."""
+        model = self.forward_model
+        if not isinstance(model, CompiledModel):
+            return {"compiled": 0, "compile_state": "off"}
+        return {"compiled": int(model.ready), "compile_state": model.state}
+
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def run_step(self, step: StepInput) -> list[torch.Tensor]:
@@ -171,6 +197,8 @@ class ModelRunner:
         return set(sending), dict(recving)
 
     def _forward(self, step: StepInput) -> list[torch.Tensor]:
+        if self._kernels is not None:
+            self.backend = self._kernels.current()
         t = self.inputs.prepare(step)
         ctx = ForwardContext(t.meta, self.kv_caches, self.backend, self.connector,
                              rope_lens=t.rope_lens)

@@ -80,6 +80,7 @@ def run_worker(config: EngineConfig, rank: int, port: int) -> None:
             if runner.connector is not None:
                 channel.gather_transfers(rank_transfers(runner))
     finally:
+        runner.close()
         if runner.connector is not None:
             runner.connector.close()
 

@@ -25,7 +25,7 @@ AS_VLLM = {"num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "nu
 # Stats that are not numbers to plot (the ranks' pids, the CPU kernels' state in words: for
 # `pd-cluster status`).
 NOT_SERIES = {"tp_pids", "cpu_kernels", "kv_cache_dtype", "kv_pipe",
-              "kv_links"}
+              "kv_links", "compile_state"}
 # The connector's transfer stats (connectors/pd_connector.py): labelled with the KV pipe that
 # carried them too (pipe="zmq", "nixl", ...), so a cluster's series split per pipe.
 PIPE_SERIES = {"kv_bytes_sent", "kv_bytes_received", "kv_send_seconds", "kv_recv_seconds",
@@ -49,6 +49,10 @@ ENGINE_SERIES: dict[str, EngineSeries] = {
         "1 if the engine runs the C++ CPU kernels (paged attention, packed GEMM op); 0 if they "
         "are off (a GPU engine, PD_CLUSTER_CPU_KERNELS=0) or failed to build: then its "
         "attention is the slower torch reference (`pd-cluster status` says why)"),
+    "compiled": EngineSeries(
+        "1 once the engine's steps run the compiled model (engine.compile; in the background "
+        "the engine serves eagerly until then), 0 while it compiles, if its compile failed or "
+        "if compile is off (`pd-cluster status` says which)"),
     "kv_fallbacks": EngineSeries(
         "Requests a decode engine prefilled itself because their KV did not arrive within "
         "kv_transfer.kv_transfer_timeout", counter=True),
