@@ -139,3 +139,49 @@ def test_a_stop_during_the_compile_ends_it(tiny_model, monkeypatch: pytest.Monke
     with pytest.raises(ProcessLookupError):
         os.kill(job.proc.pid, 0)
     assert compiled(llm).state == "compiling" and not compiled(llm).ready  # never switched
+
+
+def test_the_kernel_build_switch_is_exact_under_load(tiny_model, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """attention_backend auto, C++ kernels not built yet: torch attention first, the C++ kernels
+    from the step after their build; requests crossing the switch get the tokens of a run on
+    the C++ kernels alone (and of one on torch attention alone)."""
+    from kernels import cpu_build
+    from pd_cluster.attention.cpu_backend import CpuAttentionBackend
+    from pd_cluster.attention.torch_backend import TorchAttentionBackend
+    caplog.set_level(logging.INFO, logger="pd_cluster.attention.background_kernels")
+    model_dir = tiny_model(arch="llama", num_layers=2)
+    prompts = [random_prompt(n, seed=n) for n in (5, 9, 14, 20)]
+    runs = []
+    for backend in ("cpu", "torch"):
+        with LLM(model=model_dir, compile=False, block_size=8, attention_backend=backend) as one:
+            runs.append(tokens(one.generate(prompts, GREEDY)))
+    assert runs[0] == runs[1]
+    # As on a fresh cache: the build runs in the background, held until requests are running.
+    release = threading.Event()
+    build = cpu_build.load_cpu_kernels
+    monkeypatch.setattr(cpu_build, "kernels_ready", lambda: False)
+    monkeypatch.setattr(cpu_build, "load_cpu_kernels", lambda: release.wait(WAIT_S) and build())
+    llm = LLM(model=model_dir, compile=False, compile_mode="background", block_size=8)
+    engine = llm.engine
+    assert isinstance(engine.runner.backend, TorchAttentionBackend)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    outputs: dict[str, Any] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    for _ in range(4):  # prefills and first decodes on torch attention
+        step()
+    release.set()
+    wait_for(lambda: engine.runner._kernels._next is not None, "the kernel build")
+    assert not outputs  # every request crosses the switch
+    while engine.has_unfinished_requests():
+        step()
+    assert isinstance(engine.runner.backend, CpuAttentionBackend)
+    assert "switched to the C++ CPU attention kernels" in caplog.text
+    assert tokens([outputs[f"r{i}"] for i in range(len(prompts))]) == runs[0]
+    engine.check_no_leaks()
+    llm.close()
