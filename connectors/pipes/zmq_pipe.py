@@ -265,7 +265,12 @@ class ZmqPipe(ZmqSends, ZmqPeers, KVPipe):
                         pass
                 self._drain_cmds()
                 for m in [m for m in events if m in self._monitors]:
-                    self._on_disconnects(m)  # before any read: a gone peer is no peer
+                    if self._monitors[m] is None:
+                        # The ROUTER's: what a producer sent before it left (its FIN saying
+                        # the transfer failed) is read while its connection is still known;
+                        # each frame is checked against that connection's keys as ever.
+                        self._read(self._router)
+                    self._on_disconnects(m)  # before any further read: a gone peer is no peer
                 for s in events:
                     if s in self._outq:
                         self._read(s)
