@@ -74,7 +74,9 @@ def offline_generation(check: Checks, cache: Path) -> None:
     from pd_cluster import LLM, SamplingParams
     from pd_cluster.engine.compiled_model import CompiledModel
     t0 = time.monotonic()
-    llm = LLM(None, attention_backend="cpu")  # raises if the kernels do not build
+    # compile_mode blocking: every step compiled, so the check below proves the compiled
+    # path of the installed wheel (served eagerly meanwhile is the default, tested in tests/).
+    llm = LLM(None, attention_backend="cpu", compile_mode="blocking")  # raises if no kernels
     check(load_cpu_kernels() and not load_error(), "C++ kernels built and loaded")
     check(list((cache / "kernels").glob("*/*.so")), f"kernels built in the fresh cache {cache}")
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
