@@ -3,7 +3,7 @@
 #pragma once
 
 #include <algorithm>
-#include <bit>
+#include <cstring>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -62,7 +62,10 @@ inline void exp_inplace(float* x, int64_t n) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    x[i] = p * std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);  // std::bit_cast is C++20; torch 2.11 builds C++17
+    x[i] = p * scale;
   }
 }
 
