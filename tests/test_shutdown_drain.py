@@ -1,23 +1,17 @@
-"""A shutdown that finishes what it started: the drain's parts on their own (no cluster), then
-SIGINT to `pd-cluster serve` during 8 streams: each stream finishes or ends with "server
+"""A shutdown that finishes what it started: the drain's parts on their own (no cluster).
+SIGINT to `pd-cluster serve` during 8 streams (each stream finishes or ends with "server
 shutting down", a new request meanwhile gets 503 with Retry-After, nothing logs a 500, and no
-process or Ray session folder of the launcher is left."""
+process or Ray session folder of the launcher is left) runs on the one `serve` of
+tests/test_cli_serve.py."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
-import threading
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import httpx
-import pytest
 
 from pd_cluster.serving.api.errors import APIError
 from pd_cluster.serving.api.shutdown import Drain, DrainGate, until_shutdown
-from pd_cluster.serving.cluster.testing import wait_until
 
 
 async def _ticks(n: int, gate: asyncio.Event | None = None) -> AsyncIterator[int]:
@@ -92,83 +86,3 @@ def test_engine_failure_while_shutting_down_is_the_shutdown_error() -> None:
             return e.message
         return ""
     assert asyncio.run(go()) == "server shutting down"
-
-
-# ---- the whole thing, as a user runs it ------------------------------------------------------
-pytestmark_cluster = pytest.mark.timeout(900)
-
-
-def _stream(url: str, out: dict[int, Any], i: int, started: threading.Event,
-            counter: list[int], lock: threading.Lock) -> None:
-    body = {"model": "tiny-llama", "prompt": f"Story {i}:", "max_tokens": 1500,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    events: list[Any] = []
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-            out[i] = {"status": r.status_code, "events": events}
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                events.append(data if data == "[DONE]" else json.loads(data))
-                if len(events) == 1:
-                    with lock:
-                        counter[0] += 1
-                        if counter[0] == 8:
-                            started.set()
-    except httpx.HTTPError as e:
-        out[i] = {"status": None, "events": events, "error": repr(e)}
-
-
-@pytestmark_cluster
-def test_sigint_during_8_streams_drains_then_leaves_nothing(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.launch_helpers import Launcher, _env
-    from tests.test_cli_serve import _session_pids
-    before = set(Path("/tmp").glob("pd-cluster-ray-*"))
-    env = _env(tmp_path, monkeypatch)
-    launcher = Launcher(["serve", "tiny-llama", "--port", "0", "--namespace",
-                         f"test-drain-{os.getpid()}", "--num-kv-blocks", "1024",
-                         "--shutdown-timeout", "2", "--no-progress"], env)
-    sid = launcher.proc.pid
-    out: dict[int, Any] = {}
-    started, lock, counter = threading.Event(), threading.Lock(), [0]
-    try:
-        url = launcher.wait_for_url()
-        threads = [threading.Thread(target=_stream, args=(url, out, i, started, counter, lock),
-                                    daemon=True) for i in range(8)]
-        for t in threads:
-            t.start()
-        assert started.wait(120), out
-        os.killpg(launcher.proc.pid, signal.SIGINT)  # Ctrl-C in its terminal
-        refused = None
-        for _ in range(200):  # a new request while the 8 drain: refused, not served
-            try:
-                r = httpx.post(f"{url}/v1/completions", timeout=10, json={
-                    "model": "tiny-llama", "prompt": "x", "max_tokens": 1})
-            except httpx.HTTPError:
-                break
-            if r.status_code == 503:
-                refused = r
-                break
-        for t in threads:
-            t.join(60)
-        assert launcher.proc.wait(timeout=120) == 0, "".join(launcher.output)
-    finally:
-        launcher.kill()
-    assert refused is not None and refused.headers.get("retry-after"), "no 503 while draining"
-    assert refused.json()["error"]["code"] == "server_shutting_down"
-    for i, res in out.items():
-        assert res["status"] == 200, res
-        last = [e for e in res["events"] if e != "[DONE]"][-1]
-        finished = last.get("choices") and last["choices"][0].get("finish_reason") == "length"
-        ended = last.get("error", {}).get("message") == "server shutting down"
-        assert finished or ended, (i, last)
-        assert res["events"][-1] == "[DONE]", (i, res["events"][-3:])
-    text = "".join(launcher.output)
-    assert " 500 " not in text and "no healthy engine" not in text, text
-    assert "request(s) in flight finished" in text, text  # the launcher drained first
-    assert "Token authentication" not in text, text  # no Ray auth warning at start
-    wait_until(lambda: not _session_pids(sid), 30, "every process serve started to exit")
-    assert set(Path("/tmp").glob("pd-cluster-ray-*")) == before, "a Ray temp dir was left"
-    assert not list(Path("/tmp/ray").glob(f"session_*_{sid}")), "a /tmp/ray session was made"
