@@ -40,7 +40,7 @@ import random  # noqa: E402
 import threading  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable, Sequence  # noqa: E402
+from typing import Any, Callable, Iterator, Sequence  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -97,6 +97,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(
             "these tests start a Ray cluster but carry no @pytest.mark.timeout (a cluster's "
             "start-up can pass the default bound; see pyproject.toml): " + ", ".join(unmarked))
+
+
+# ---------------------------------------------------------------------------- compiled code
+
+@pytest.fixture(scope="module")
+def fresh_inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A fresh compiled-code cache (inductor's and our artifacts beside it) for one module's
+    engines and the processes they start: its compiles run cold, and no other module's
+    artifacts are loaded. Modules opt in: ``pytestmark = pytest.mark.usefixtures(...)``."""
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+    yield
+    if old is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
 # ---------------------------------------------------------------------------- tiny models

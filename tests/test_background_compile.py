@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -20,21 +20,10 @@ from pd_cluster.llm import LLM
 from pd_cluster.sampling_params import SamplingParams
 from tests.conftest import random_prompt
 
-pytestmark = pytest.mark.timeout(900)  # one real compile: minutes on a shared 2-core machine
+# one real compile (minutes on a shared 2-core machine), cold: a fresh compiled-code cache
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("fresh_inductor_cache")]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 WAIT_S = 600.0  # bound on a compile (a cold one, on a loaded machine)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A fresh compiled-code cache: the engine's child compiles for real (cold)."""
-    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
-    yield
-    if old is None:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    else:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
 def background(model_dir: str) -> LLM:

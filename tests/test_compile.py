@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -28,22 +27,11 @@ from tests.test_families import check_greedy, family_model  # noqa: F401 (fixtur
 from tests.test_mla import mla_model  # noqa: F401 (fixture)
 from tests.test_moe_families import moe_model  # noqa: F401 (fixture)
 
-# A cold compile takes tens of seconds of CPU; on a shared 2-core machine, minutes.
-pytestmark = pytest.mark.timeout(900)
+# A cold compile takes tens of seconds of CPU; on a shared 2-core machine, minutes. This
+# module's engines (and their worker processes) compile into a fresh compiled-code cache.
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("fresh_inductor_cache")]
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A fresh compiled-code cache for this module's engines (and their worker processes)."""
-    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
-    yield
-    if old is None:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    else:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
 def compiled(llm: LLM) -> CompiledModel:
