@@ -5,8 +5,9 @@ new request meanwhile gets 503 with Retry-After, nothing logs a 500) and stops e
 started: no process of its session or Ray session folder is left, the port is closed, and its
 (piped) output holds no terminal colour codes.
 
-One launch serves both halves (a `serve` starts its own Ray instance and cluster: the most
-expensive set-up of the suite); the drain's parts without a cluster: tests/test_shutdown_drain.py."""
+One launch serves both halves (a `serve` starts its own Ray instance and cluster: one of the
+suite's most expensive set-ups); the drain's parts without a cluster: tests/test_shutdown_drain.py.
+Ctrl-C with nothing in flight: tests/test_cluster_launch.py."""
 from __future__ import annotations
 
 import json
