@@ -38,7 +38,22 @@ def make_hello(engine_info: dict[str, Any]) -> dict[str, Any]:
     hello["kv_specs"] = _layer_specs(engine_info)
     hello["tp_size"] = engine_info.get("tp_size", 1)
     hello["kv_cache_dtype"] = engine_info.get("kv_cache_dtype", _DEFAULT_KV_DTYPE)
+    hello["spec_state"] = engine_info.get("spec_state")
     return hello
+
+
+def _spec_mismatch(consumer: dict[str, Any], producer: dict[str, Any]) -> str | None:
+    """A producer whose speculative proposer state (a draft model's KV: executor.spec_state)
+    is not this consumer's. vLLM #54926 lost the draft KV silently on such a pair. Today the
+    decode engine runs the draft's prefill itself, so nothing is lost yet; the check keeps the
+    pair honest for when P ships the draft's KV. ngram or off on both: no state, no check."""
+    theirs = producer.get("spec_state")
+    if theirs == consumer.get("spec_state"):
+        return None
+    what = (f"drafts with {theirs.get('method')!r:.40} model {theirs.get('model_id')!r:.40}"
+            if isinstance(theirs, dict) else "has no draft model")
+    return (f"speculative config mismatch: the prefill engine {what}, unlike this decode "
+            f"engine; set the same engine.speculative (method and model) on both")
 
 
 def _spec_diffs(consumer: list[dict[str, Any]], producer: Any) -> list[str]:
@@ -60,6 +75,9 @@ def hello_mismatch(consumer: dict[str, Any], producer: dict[str, Any]) -> str | 
         return (f"KV cache dtype mismatch: the prefill engine stores its KV cache as "
                 f"{theirs!r:.40} and this decode engine does not; set the same "
                 f"engine.kv_cache_dtype (--kv-cache-dtype) on both")
+    spec = _spec_mismatch(consumer, producer)
+    if spec is not None:
+        return spec
     diffs = [f"{k} (the prefill engine has {producer.get(k)!r:.200})" for k in _COMPARED
              if k != "kv_specs" and producer.get(k) != consumer[k]]
     if producer.get("kv_specs") != consumer["kv_specs"]:

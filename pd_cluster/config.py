@@ -68,7 +68,7 @@ class StructuredOutputsConfig(BaseModel):
         return value
 
 
-SPEC_METHODS = ("ngram",)  # draft_model and mtp: not built yet (issue 41)
+SPEC_METHODS = ("ngram", "draft_model")  # mtp: not built yet (issue 41)
 
 
 class SpeculativeConfig(BaseModel):
@@ -77,18 +77,21 @@ class SpeculativeConfig(BaseModel):
     keep the longest accepted prefix plus one token (engine/spec/)."""
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    method: str = "ngram"  # ngram (prompt lookup, no model)
+    method: str = "ngram"  # ngram (prompt lookup, no model) | draft_model (a small model)
     num_speculative_tokens: int = 4  # drafts per request per step at most
     prompt_lookup_min: int = 2  # shortest n-gram of the recent tokens looked up
     prompt_lookup_max: int = 5  # longest (tried first)
-    model: str | None = None  # draft_model's checkpoint (not built yet)
+    # draft_model's checkpoint (a directory or a preset name): same tokenizer and vocabulary
+    # as the served model, e.g. the same weights with fewer layers (pd-cluster make-model
+    # (pd_cluster/checkpoints/truncate.py)
+    model: str | None = None
 
     @field_validator("method")
     @classmethod
     def _method(cls, value: str) -> str:
         if value not in SPEC_METHODS:
-            raise ValueError(f"must be one of {list(SPEC_METHODS)} (draft_model and mtp are "
-                             f"not available yet), got {value!r}")
+            raise ValueError(f"must be one of {list(SPEC_METHODS)} (mtp is not available "
+                             f"yet), got {value!r}")
         return value
 
     @field_validator("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
@@ -105,6 +108,9 @@ class SpeculativeConfig(BaseModel):
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.model is not None and self.method == "ngram":
             raise ValueError("model: ngram proposes from the prompt and needs no model")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("model: draft_model needs the draft's checkpoint (a directory or "
+                             "a preset name)")
         return self
 
 
@@ -190,8 +196,8 @@ class EngineArgs(BaseModel):
     # tensor_parallel_size 1. In a cluster each engine uses <path>/<engine name> (its own
     # LRU and size; a restarted engine finds its files). None: no disk tier.
     kv_offloading_disk: KVOffloadingDiskConfig | None = None
-    # Speculative decoding ({method: ngram, num_speculative_tokens, prompt_lookup_min,
-    # prompt_lookup_max}, vLLM's --speculative-config keys); None: off. Lossless: greedy output
+    # Speculative decoding ({method: ngram | draft_model, num_speculative_tokens,
+    # prompt_lookup_min, prompt_lookup_max, model}, vLLM's --speculative-config keys); None: off. Lossless: greedy output
     # is the same, sampled output has the same distribution (engine/spec/).
     speculative: SpeculativeConfig | None = None
 

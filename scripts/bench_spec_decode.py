@@ -1,11 +1,15 @@
-"""Speculative decoding (engine.speculative, ngram): decode tokens/s and ITL with speculation off
-and on, side by side in one run, at batch 1, 4 and 16, on two workloads:
+"""Speculative decoding (engine.speculative: ngram and draft_model): decode tokens/s and ITL with
+speculation off and on, side by side in one run, at batch 1, 4 and 16. ngram runs two workloads:
 
   * grounded: the answer copies spans of the prompt. On a random-weight checkpoint no prompt
     makes a model copy by itself, so the prompt is built from the model's own text: S, then G
     (the greedy continuation of S), then S again; the answer to it goes on much like G, which
     the prompt holds. The mean acceptance length printed says how grounded it really was.
   * ungrounded: random token prompts; the model's continuation is not in them.
+
+draft_model runs the ungrounded one (a draft needs no grounding): the draft is the served model
+truncated to its first ``--draft-layers`` layers (pd_cluster/checkpoints/truncate.py), its KV
+on the engine, its prefill on D in 1P1D (P carries the same config: the handshake compares it).
 
 Each is run offline (one engine, ``LLMEngine.step`` timed) and through 1P1D (an in-process
 producer/consumer pair on the KV connector: P prefills, D decodes and speculates on the
@@ -15,8 +19,8 @@ time) / (tokens - 1), the mean over requests. Greedy; every speculative output i
 equal to the non-speculative one.
 
 Example: python scripts/bench_spec_decode.py --model /work/models/llama-58m
-The last line is ``spec_speedup_grounded_b1=X`` (offline, batch 1). ``--smoke``: a tiny model,
-batch 1 and 2, a few tokens.
+The last lines are ``spec_speedup_draft_b1=X`` and ``spec_speedup_grounded_b1=X`` (offline,
+batch 1). ``--smoke``: a tiny model, batch 1 and 2, a few tokens.
 """
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--lookup-min", type=int, default=2)
     p.add_argument("--lookup-max", type=int, default=5)
+    p.add_argument("--draft-layers", type=int, default=3, help="draft_model: layers kept")
+    p.add_argument("--methods", default="ngram,draft_model")
     p.add_argument("--no-pd", action="store_true", help="offline only")
     p.add_argument("--smoke", action="store_true")
     return p.parse_args()
@@ -51,7 +57,9 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
                 max_model_len=min(2048, 4 * args.prompt_len + 3 * args.max_tokens))
 
 
-def spec_config(args: argparse.Namespace) -> dict[str, Any]:
+def spec_config(args: argparse.Namespace, method: str = "ngram") -> dict[str, Any]:
+    if method == "draft_model":
+        return {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
     return {"method": "ngram", "num_speculative_tokens": args.k,
             "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
 
@@ -111,14 +119,17 @@ class Offline:
 class PDPair:
     """An in-process 1P1D pair (tests/pd_helpers.py's): P's steps run inside the timed loop."""
 
-    def __init__(self, model: str, params: Any, args: argparse.Namespace, spec: bool) -> None:
+    def __init__(self, model: str, params: Any, args: argparse.Namespace,
+                 method: str | None) -> None:
         from connectors.secret import has_secret, install, new_secret
         from tests.pd_helpers import engine
         if not has_secret():  # the pipe's handshake proof, as `pd-cluster launch` sets it
             install(new_secret())
-        extra = {"speculative": spec_config(args)} if spec else {}
+        extra = {"speculative": spec_config(args, method)} if method else {}
         self.d = engine(model, "consumer", **engine_args(args), **extra)
-        self.p = engine(model, "producer", **engine_args(args))
+        # A draft model's config must match on P (the handshake refuses another); ngram: none.
+        self.p = engine(model, "producer", **engine_args(args),
+                        **(extra if method == "draft_model" else {}))
         self.p.connect_kv_peer(self.d.kv_endpoint())
         self.params, self.n = params, 0
 
@@ -153,46 +164,63 @@ def main() -> None:
         from pd_cluster.checkpoints.maker import PRESETS, make_model
         args.model = str(make_model(os.path.join(tempfile.mkdtemp(), "m"),
                                     **PRESETS["tiny-random-llama"]))
-        args.batches, args.prompt_len, args.max_tokens = "1,2", 12, 8
+        args.batches, args.prompt_len, args.max_tokens, args.draft_layers = "1,2", 12, 8, 1
+    methods = args.methods.split(",")
+    if "draft_model" in methods:
+        from pd_cluster.checkpoints.truncate import truncate_layers
+        args.draft = str(truncate_layers(args.model, os.path.join(tempfile.mkdtemp(), "draft"),
+                                         args.draft_layers))
     batches = [int(b) for b in args.batches.split(",")]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     base = LLM(model=args.model, **engine_args(args))
-    spec = LLM(model=args.model, **engine_args(args), speculative=spec_config(args))
     loads = workloads(base, args, max(batches), base.engine.vocab_size)
-    sides = {"offline": (Offline(base, params), Offline(spec, params))}
+    offs = {"offline": Offline(base, params)}
     if not args.no_pd:
-        sides["1P1D"] = (PDPair(args.model, params, args, False),
-                         PDPair(args.model, params, args, True))
+        offs["1P1D"] = PDPair(args.model, params, args, None)
     print(f"model {args.model}, k={args.k}, lookup n {args.lookup_min}..{args.lookup_max}, "
-          f"{args.max_tokens} tokens per request, greedy")
-    print(f"{'where':8} {'workload':10} {'batch':>5} {'off tok/s':>10} {'on tok/s':>10} "
-          f"{'ratio':>6} {'off ITL ms':>10} {'on ITL ms':>10} {'accept len':>10} "
-          f"{'accept %':>8} equal")
+          f"draft: its first {args.draft_layers} layers, {args.max_tokens} tokens per request, "
+          f"greedy")
+    print(f"{'method':11} {'where':8} {'workload':10} {'batch':>5} {'off tok/s':>10} "
+          f"{'on tok/s':>10} {'ratio':>6} {'off ITL ms':>10} {'on ITL ms':>10} "
+          f"{'accept len':>10} {'accept %':>8} equal")
     ratios: dict[str, float] = {}
-    for where, (off, on) in sides.items():
-        engine = on.engine if where == "offline" else on.d
-        for name, prompts in loads.items():
-            for b in batches:
-                off.run(prompts[:1])  # warm-up (first steps, allocator)
-                r_off, itl_off, t_off = off.run(prompts[:b])
-                s0 = engine.stats()
-                r_on, itl_on, t_on = on.run(prompts[:b])
-                s1 = engine.stats()
-                drafts = s1["spec_num_drafts"] - s0["spec_num_drafts"]
-                drafted = s1["spec_num_draft_tokens"] - s0["spec_num_draft_tokens"]
-                acc = s1["spec_num_accepted_tokens"] - s0["spec_num_accepted_tokens"]
-                ratio = r_on / r_off
-                ratios[f"{where}_{name}_b{b}"] = ratio
-                print(f"{where:8} {name:10} {b:5d} {r_off:10.1f} {r_on:10.1f} {ratio:6.2f} "
-                      f"{itl_off:10.2f} {itl_on:10.2f} {1 + acc / max(drafts, 1):10.2f} "
-                      f"{100 * acc / max(drafted, 1):8.1f} {t_on == t_off}", flush=True)
-                if t_on != t_off:
-                    print(f"  outputs differ at {where} {name} batch {b}", file=sys.stderr)
-    for where, (off, on) in sides.items():
-        if where == "1P1D":
-            off.close(), on.close()
-    print(f"spec_speedup_ungrounded_b1={ratios['offline_ungrounded_b1']:.2f}")
-    print(f"spec_speedup_grounded_b1={ratios['offline_grounded_b1']:.2f}")
+    for method in methods:
+        ons = {"offline": Offline(LLM(model=args.model, **engine_args(args),
+                                      speculative=spec_config(args, method)), params)}
+        if not args.no_pd:
+            ons["1P1D"] = PDPair(args.model, params, args, method)
+        names = ["grounded", "ungrounded"] if method == "ngram" else ["ungrounded"]
+        for where, on in ons.items():
+            off, engine = offs[where], on.engine if where == "offline" else on.d
+            for name in names:
+                for b in batches:
+                    prompts = loads[name]
+                    off.run(prompts[:1])  # warm-up (first steps, allocator)
+                    r_off, itl_off, t_off = off.run(prompts[:b])
+                    s0 = engine.stats()
+                    r_on, itl_on, t_on = on.run(prompts[:b])
+                    s1 = engine.stats()
+                    drafts = s1["spec_num_drafts"] - s0["spec_num_drafts"]
+                    drafted = s1["spec_num_draft_tokens"] - s0["spec_num_draft_tokens"]
+                    acc = s1["spec_num_accepted_tokens"] - s0["spec_num_accepted_tokens"]
+                    ratio = r_on / r_off
+                    ratios[f"{method}_{where}_{name}_b{b}"] = ratio
+                    print(f"{method:11} {where:8} {name:10} {b:5d} {r_off:10.1f} {r_on:10.1f} "
+                          f"{ratio:6.2f} {itl_off:10.2f} {itl_on:10.2f} "
+                          f"{1 + acc / max(drafts, 1):10.2f} {100 * acc / max(drafted, 1):8.1f} "
+                          f"{t_on == t_off}", flush=True)
+                    if t_on != t_off:
+                        print(f"  outputs differ: {method} {where} {name} batch {b}",
+                              file=sys.stderr)
+        if "1P1D" in ons:
+            ons["1P1D"].close()
+    if "1P1D" in offs:
+        offs["1P1D"].close()
+    if "draft_model" in methods:
+        print(f"spec_speedup_draft_b1={ratios['draft_model_offline_ungrounded_b1']:.2f}")
+    if "ngram" in methods:
+        print(f"spec_speedup_ungrounded_b1={ratios['ngram_offline_ungrounded_b1']:.2f}")
+        print(f"spec_speedup_grounded_b1={ratios['ngram_offline_grounded_b1']:.2f}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,15 @@ class OracleProposer:
     def observe(self, request: Any, num_drafts: int, num_accepted: int) -> None:
         pass
 
+    def release(self, request_ids: list[str]) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def check_no_leaks(self) -> None:
+        pass
+
     def propose(self, requests: list[Any]) -> None:
         for r in requests:
             r.spec_token_ids = []

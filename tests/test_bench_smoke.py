@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(600)  # each benchmark script runs as a subproc
     ("bench_structured.py", "batch="),  # TPOT with and without a JSON schema
     ("bench_offload.py", "cached_share_host="),  # colocated: off, host, host+disk KV tiers
     ("bench_planner.py", "planner_goodput_vs_best_fixed="),  # simulator only, 8 slots
-    ("bench_spec_decode.py", "spec_speedup_grounded_b1="),  # ngram off/on, offline and 1P1D
+    ("bench_spec_decode.py", "spec_speedup_grounded_b1="),  # ngram, draft_model; offline, 1P1D
     ("bench_kv_bytes.py", "gpt_oss_ship_ratio_"),  # window shipping and FP8 KV, tiny P/D pair
 ])
 def test_bench_smoke(script: str, last_line: str) -> None:

@@ -62,7 +62,20 @@ def engine_info(config: EngineConfig, runner: ModelRunner, tp: Any = None) -> di
             "num_kv_heads": first.heads, "head_dim": first.width, "kv_specs": spec.describe(),
             "total_kv_heads": runner.model.args.total_kv_heads,
             "kv_cache_dtype": config.kv_cache_dtype,
-            "tp_rank": tp.rank if tp else 0, "tp_size": tp.size if tp else 1}
+            "tp_rank": tp.rank if tp else 0, "tp_size": tp.size if tp else 1,
+            "spec_state": spec_state(config)}
+
+
+def spec_state(config: EngineConfig) -> dict[str, Any] | None:
+    """The speculative proposer's state a request carries (compared at handshake, issue 41):
+    None without one (speculation off, or ngram: drafts are a function of the tokens); for
+    draft_model, which draft (its checkpoint's fingerprint), whose KV P and D must agree on."""
+    spec = config.speculative
+    if spec is None or spec.method == "ngram":
+        return None
+    from connectors.hello import model_fingerprint
+    from pd_cluster.engine.spec.draft_runner import draft_model_dir
+    return {"method": spec.method, "model_id": model_fingerprint(draft_model_dir(spec))}
 
 
 def create_worker_connector(config: EngineConfig, runner: ModelRunner, tp: Any = None) -> Any:

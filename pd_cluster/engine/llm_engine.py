@@ -53,14 +53,29 @@ class LLMEngine:
                                           tiers=self._tier_manager())
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.executor.scheduler_connector)
-        self.proposer = (NgramProposer(config.speculative, self.max_model_len)
-                         if config.speculative is not None else None)
+        self.proposer = self._proposer(hf_config)
         self.scheduler.proposer = self.proposer
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.grammars = GrammarCompilerPool(config.structured_outputs, self.tokenizer,
                                             self.vocab_size, list(eos_ids(self.eos_token_id)))
         self.compiling = GrammarWaitlist()  # requests waiting for their grammar
         self.num_grammar_failures = 0  # requests ended: grammar did not compile, or broke
+
+    def _proposer(self, hf_config: dict[str, Any]) -> Any:
+        """The speculative proposer (None: speculation off)."""
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec, self.max_model_len)
+        from pd_cluster.engine.spec.draft_model import DraftModelProposer
+        from pd_cluster.engine.spec.draft_runner import DraftRunner
+        # As many tokens as the target's cache, plus each sequence's lookahead.
+        lookahead = -(-spec.num_speculative_tokens // self.config.block_size) + 1
+        blocks = self.executor.num_blocks + self.config.max_num_seqs * lookahead
+        runner = DraftRunner(self.config, hf_config, self.tokenizer, self.max_model_len, blocks,
+                             lambda: self.runner.backend)
+        return DraftModelProposer(spec, runner, self.max_model_len)
 
     def _tier_manager(self) -> TierManager | None:
         store = self.runner.tier_store
@@ -179,6 +194,8 @@ class LLMEngine:
             request.status = RequestStatus.FINISHED_ABORTED
             request.finish_reason = request.status.value
         aborted += self.scheduler.abort(list(request_ids))
+        if self.proposer is not None:
+            self.proposer.release(list(request_ids))  # its per-request state (draft KV)
         return [self.outputs.finished_output(r) for r in aborted]
 
     def has_unfinished_requests(self) -> bool:
@@ -257,6 +274,7 @@ class LLMEngine:
                 "grammar_failures": self.num_grammar_failures,
                 "kv_fallbacks": self.scheduler.num_kv_fallbacks,
                 **self.scheduler.spec_stats.as_stats(),
+                **(self.proposer.stats() if self.proposer is not None else {}),
                 **self._kv_bytes(),
                 **self._tier_stats(),
                 **kernel_stats(),  # C++ CPU kernels: ok / failed: why / off
@@ -283,6 +301,8 @@ class LLMEngine:
         """AssertionError unless no request is left, every KV block is free and no KV tier
         op is pending (no host slot pinned)."""
         self.scheduler.check_no_leaks()
+        if self.proposer is not None:
+            self.proposer.check_no_leaks()
         if self.compiling:
             raise AssertionError("requests left waiting for their grammar")
         if self.outputs.states:

@@ -11,6 +11,7 @@ then runs almost as without speculation."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -96,6 +97,15 @@ class NgramProposer:
                 continue
             request.spec_token_ids = find_drafts(self._tokens(request, state), self.min_n,
                                                  self.max_n, k)
+
+    def release(self, request_ids: list[str]) -> None:
+        """Nothing held outside the requests themselves."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def check_no_leaks(self) -> None:
+        pass
 
     @staticmethod
     def _state(request: Request) -> _State:

@@ -1,0 +1,124 @@
+"""The draft_model proposer (vLLM's ``draft_model``): a small model with the served model's
+tokenizer proposes each decoding request's next k tokens, greedily, one batched draft forward
+per draft position (draft_runner.py runs them on the draft's own cache).
+
+Per request the draft's cache holds the request's tokens up to ``computed``, then the drafts it
+was fed last step (d1..d(k-1) at positions base..). Before proposing again, the fed drafts that
+the request's tokens now confirm stay (their KV is the accepted tokens' KV); the rest is rolled
+back (``computed`` moves back; those slots are simply written again). Then one forward catches
+the draft up on whatever the request gained: the whole prompt and first token when it starts
+decoding here (its own prefill: also for requests whose target KV came from a prefill engine,
+which ships no draft KV), the accepted tokens and the target's token after them later.
+
+Lossless for sampling too, with the verifier's point-mass rule (rejection.py with q = None): the
+greedy draft d(j+1) is a function of the tokens before it, so at each position the proposal is
+a point mass; accepting d with probability p(d) and otherwise drawing from p without d, renormed,
+gives P(d) = p(d) and P(x) = (1 - p(d)) p(x) / (1 - p(d)) = p(x) for x != d: exactly p. (The
+draft's own probabilities would accept more often; the point-mass rule needs none of them.)
+
+A request that leaves the running set (finished, aborted, preempted) gives its draft blocks
+back at the next proposal or abort; a preempted request catches up again when it returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd_cluster.config import SpeculativeConfig
+from pd_cluster.engine.spec.draft_runner import Chunk, DraftRunner
+from pd_cluster.request import Request
+
+
+@dataclass
+class _State:
+    request: Request  # identity: a request id used again is another request
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # positions whose draft KV holds the request's own tokens
+    fed: list[int] = field(default_factory=list)  # drafts written at positions computed..
+
+
+class DraftModelProposer:
+    def __init__(self, config: SpeculativeConfig, runner: DraftRunner,
+                 max_model_len: int) -> None:
+        self.k = config.num_speculative_tokens
+        self.runner = runner
+        self.max_model_len = max_model_len
+        self.states: dict[str, _State] = {}
+
+    def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Nothing to learn: what was accepted shows in the request's tokens (propose)."""
+
+    def propose(self, requests: list[Request]) -> None:
+        """Set ``spec_token_ids`` of each decoding request for the next step."""
+        live = {r.request_id for r in requests}
+        self.release([rid for rid in self.states if rid not in live])
+        active: list[tuple[Request, _State, int]] = []
+        for request in requests:
+            request.spec_token_ids = []
+            k = self._room(request)
+            if k < 1:
+                continue
+            state = self._state(request)
+            n = request.num_tokens
+            confirmed = 0  # fed drafts the request's tokens now hold: their KV stays
+            for a, b in zip(state.fed, request.token_ids_range(state.computed, n)):
+                if a != b:
+                    break
+                confirmed += 1
+            state.computed = min(state.computed + confirmed, n - 1)  # the rest rolls back
+            state.fed = []
+            # Positions up to n + k - 2: the last draft is proposed, never fed.
+            if self.runner.grow(state.blocks, n + k - 1):
+                active.append((request, state, k))
+        if not active:
+            return
+        chunks: list[Chunk] = [(s.blocks, s.computed, r.token_ids_range(s.computed, r.num_tokens),
+                                r.num_prompt_tokens, True) for r, s, _ in active]
+        drafts = [[t] for t in self.runner.next_tokens(chunks)]
+        for r, s, _ in active:
+            s.computed = r.num_tokens
+        for j in range(1, max(k for _, _, k in active)):
+            more = [i for i, (_, _, k) in enumerate(active) if k > j]
+            chunks = [(active[i][1].blocks, active[i][0].num_tokens + j - 1, [drafts[i][-1]],
+                       active[i][0].num_prompt_tokens, True) for i in more]
+            for i, token in zip(more, self.runner.next_tokens(chunks)):
+                active[i][1].fed.append(drafts[i][-1])
+                drafts[i].append(token)
+        for (request, _, _), d in zip(active, drafts):
+            request.spec_token_ids = [int(t) for t in d]
+
+    def _room(self, request: Request) -> int:
+        """Drafts this request may take: k, fewer near max_tokens or max_model_len."""
+        if not request.is_decoding or request.is_finished:
+            return 0
+        room = self.max_model_len - request.num_tokens - 1
+        params = request.sampling_params
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - request.num_output_tokens - 1)
+        return min(self.k, room)
+
+    def _state(self, request: Request) -> _State:
+        state = self.states.get(request.request_id)
+        if state is not None and state.request is not request:
+            self.release([request.request_id])
+            state = None
+        if state is None:
+            state = self.states[request.request_id] = _State(request)
+        return state
+
+    def release(self, request_ids: list[str]) -> None:
+        """Give back the draft blocks of requests that left (finished, aborted, preempted)."""
+        for rid in request_ids:
+            state = self.states.pop(rid, None)
+            if state is not None:
+                self.runner.release(state.blocks)
+
+    def stats(self) -> dict[str, Any]:
+        return {"spec_draft_kv_blocks_total": self.runner.num_blocks,
+                "spec_draft_kv_blocks_free": self.runner.num_free_blocks}
+
+    def check_no_leaks(self) -> None:
+        """AssertionError unless no request holds draft blocks and all are free."""
+        if self.states or self.runner.num_free_blocks != self.runner.num_blocks:
+            raise AssertionError(f"draft KV blocks held: {sorted(self.states)[:10]}, "
+                                 f"{self.runner.num_blocks - self.runner.num_free_blocks} "
+                                 f"blocks not free")
