@@ -83,3 +83,42 @@ def test_an_engine_that_does_not_fit_asks_the_autoscaler(monkeypatch) -> None:
     with pytest.raises(ScaleError, match=r"^prefill: no room for 2 more engine\(s\) .*lacks "
                                          r"\{'CPU': 3.0\}.*autoscaler"):
         _starter({"CPU": 1.0}, autoscaler=False).make_room("prefill", 2)
+
+
+def test_the_autoscaler_is_asked_for_the_whole_cluster(monkeypatch) -> None:
+    """request_resources counts resources in use against the request: asking for the new
+    engines alone would be met by the nodes the running ones fill, and add nothing."""
+    import ray.autoscaler.sdk as sdk
+    asked: list = []
+    monkeypatch.setattr(sdk, "request_resources", lambda **kw: asked.append(kw))
+    _starter({"CPU": 1.0}, autoscaler=True).make_room("prefill", 1, {"prefill": 2,
+                                                                     "decode": 1})
+    assert asked == [{"bundles": [{"CPU": 2.0}, {"CPU": 2.0}, {"CPU": 1.0}, {"CPU": 2.0}]}]
+
+
+class _FakeStatus:
+    def __init__(self, version: str) -> None:
+        self.stats = type("Stats", (), {"autoscaler_version": version})()
+
+
+@pytest.mark.parametrize("v1, v2_enabled, version, found", [
+    (b"{}", False, None, True),  # v1: its monitor's status in the internal KV
+    (None, True, "7", True),  # v2: no KV status, a state version reported to the GCS
+    (None, True, "0", False),  # v2 enabled, but no autoscaler ever reported
+    (None, False, "7", False),  # no autoscaler at all
+])
+def test_an_autoscaler_is_found_at_either_version(monkeypatch, v1, v2_enabled, version,
+                                                  found) -> None:
+    import ray
+    import ray.autoscaler.v2.sdk as v2_sdk
+    import ray.autoscaler.v2.utils as v2_utils
+    import ray.experimental.internal_kv as kv
+
+    from pd_cluster.serving.cluster import engine_starter
+    monkeypatch.setattr(kv, "_internal_kv_get", lambda key: v1)
+    monkeypatch.setattr(v2_utils, "is_autoscaler_v2", lambda fetch_from_server: v2_enabled)
+    monkeypatch.setattr(v2_sdk, "get_cluster_status",
+                        lambda address, timeout: _FakeStatus(version))
+    monkeypatch.setattr(ray, "get_runtime_context",
+                        lambda: type("Ctx", (), {"gcs_address": "10.0.0.1:6379"})())
+    assert engine_starter.autoscaler_present() is found

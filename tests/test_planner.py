@@ -261,3 +261,39 @@ def test_window_rate_once_old_looks_are_dropped():
     for k in range(1, 31):
         fast.add(Observation(k * 10.0, [(100, 10)] * 10, []))
     assert len(fast.lengths(300.0)) == 40  # the newest looks holding 40 arrivals
+
+
+def test_status_shows_the_last_decision_and_the_cooldown():
+    """What `pd-cluster status` prints from a controller that just switched engines: the
+    roles now, the targets, the decision with its reason and age, and when the next change
+    may come (the cooldown's end)."""
+    from pd_cluster.planner.status import controller_status, status_lines
+    cfg = PlannerConfig(interval_s=10, cooldown_s=60, max_engines=8, max_prefill=7,
+                        max_decode=7)
+    act = _Applying(6, 2)
+    ctl = Controller(synthetic_profile(), SLO, cfg, act)
+    rng = np.random.default_rng(0)
+    k = 0
+    while ctl.last is None and k < 30:  # long answers at a rate 6:2 cannot take
+        k += 1
+        ctl.tick(Observation(k * 10.0, [(128, int(rng.integers(288, 481)))
+                                        for _ in range(rng.poisson(120))], []))
+    assert ctl.last is not None and ctl.last.action == "switch"
+    st = controller_status(ctl, k * 10.0 + 5)
+    assert st["engines"] == {"prefill": {"serving": 6 - ctl.last.count},
+                             "decode": {"serving": 2 + ctl.last.count}}
+    assert st["last"]["ago_s"] == 5 and st["last"]["reason"] == "decode_capacity"
+    assert st["next_action"] == "cooldown" and st["next_action_in_s"] == 55
+    json.dumps(st)  # it crosses HTTP
+    lines = status_lines(st)
+    assert lines[0].startswith("planner: on, every 10s, cooldown 60s")
+    assert f"{2 + ctl.last.count} decode" in lines[0]
+    assert "TTFT 2000 ms, TPOT 50 ms at p90" in lines[1]
+    assert lines[3].startswith(f"planner last decision (1 in all): switch {ctl.last.count} "
+                               f"decode (") and "decode_capacity, 5s ago" in lines[3]
+    assert lines[4] == "planner next action: earliest in 55s (cooldown)"
+    # an engine still switching: nothing before it serves
+    act.engines = lambda: [EngineView("e0", "prefill", "draining")]
+    st = controller_status(ctl, k * 10.0 + 70)
+    assert st["next_action"] == "after the change under way"
+    assert "(1 draining)" in status_lines(st)[0]

@@ -115,12 +115,14 @@ class Controller:
         self.last_action_at = -math.inf
         self.last: Decision | None = None
         self.pending: tuple[str, str] | None = None  # the change called for on the last look
+        self.looked_at: float | None = None  # the last look's time (`pd-cluster status`)
         self.state = ControllerState()
 
     # ---- one look ------------------------------------------------------------------------
     def tick(self, obs: Observation) -> Decision | None:
         """Take one observation; make (and return) at most one change."""
         self.window.add(obs)
+        self.looked_at = obs.now
         views = self.actuator.engines()
         if any(v.state != "serving" for v in views):
             self.pending = None  # a change is under way: judge only its result

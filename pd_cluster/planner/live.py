@@ -7,12 +7,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from pd_cluster.planner.actuator import Actuator, Observation, RequestSample
 from pd_cluster.planner.controller import Controller, Decision
 from pd_cluster.planner.perf_model import Slo
 from pd_cluster.planner.profile_table import Profile
+from pd_cluster.planner.status import controller_status
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,10 @@ class PlannerLoop:
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+
+    def status(self) -> dict[str, Any]:
+        """The plan in force (planner/status.py), for /cluster/status."""
+        return controller_status(self.controller, self.window.now())
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -312,7 +312,8 @@ def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]],
                 "queued": state.admission.queued,
                 # prefix-cache reports read (cache_aware routing is being fed while it grows)
                 "proxy": {"node_ip": state.node_ip, "cache_reports": state.pool.cache_feed.reports},
-                "engines": [s.to_dict() for s in state.pool.status()]}
+                "engines": [s.to_dict() for s in state.pool.status()],
+                "planner": state.planner_status()}  # the plan in force
         return Response(json.dumps(body), media_type="application/json")
 
     return app

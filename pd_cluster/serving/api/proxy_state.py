@@ -81,6 +81,13 @@ class ProxyState:
             self._planner_loop.stop()
             self._planner_loop, self.planner_window = None, None
 
+    def planner_status(self) -> dict[str, Any]:
+        """The plan in force for /cluster/status (`pd-cluster status`): {"enabled": false}
+        when the controller does not run."""
+        if self._planner_loop is None:
+            return {"enabled": False}
+        return self._planner_loop.status()
+
     def close(self) -> None:
         self.tokenizing.shutdown(wait=False, cancel_futures=True)
         self.grammar_check.close()

@@ -260,6 +260,9 @@ def run_status(args: argparse.Namespace) -> int:
         kernels = str(e.get("stats", {}).get("cpu_kernels", ""))
         if kernels.startswith("failed"):
             print(f"{e['name']} CPU kernels {kernels} (running the slower torch attention)")
+    from pd_cluster.planner.status import status_lines
+    for line in status_lines(body.get("planner")):  # the SLO controller's plan in force
+        print(line)
     return 0
 
 

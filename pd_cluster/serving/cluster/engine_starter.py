@@ -25,11 +25,30 @@ class ScaleError(RuntimeError):
 
 
 def autoscaler_present() -> bool:
-    """Is an autoscaler managing this Ray cluster (its monitor publishes its status)?"""
+    """Is an autoscaler managing this Ray cluster? Ray's v1 autoscaler publishes its status
+    in the GCS's internal KV; v2 (the default under `ray up` and on KubeRay since Ray 2.5x)
+    does not, it reports its state to the GCS instead: a state version above 0 once it ran."""
+    return _v1_autoscaler() or _v2_autoscaler()
+
+
+def _v1_autoscaler() -> bool:
     try:
         from ray.experimental.internal_kv import _internal_kv_get
         return _internal_kv_get(_AUTOSCALING_KEY) is not None
     except Exception:  # noqa: BLE001 - no GCS access: treat as none
+        return False
+
+
+def _v2_autoscaler() -> bool:
+    try:
+        import ray
+        from ray.autoscaler.v2.sdk import get_cluster_status
+        from ray.autoscaler.v2.utils import is_autoscaler_v2
+        if not is_autoscaler_v2(fetch_from_server=True):
+            return False
+        status = get_cluster_status(ray.get_runtime_context().gcs_address, timeout=10)
+        return (status.stats.autoscaler_version or "0") != "0"
+    except Exception:  # noqa: BLE001 - no GCS access, or a Ray without v2: treat as none
         return False
 
 
@@ -58,10 +77,11 @@ class EngineStarter:
         out.update({k: float(v) for k, v in opts.get("resources", {}).items()})
         return {k: v for k, v in out.items() if v > 0}
 
-    def make_room(self, role: str, count: int) -> float:
+    def make_room(self, role: str, count: int, keep: dict[str, int] | None = None) -> float:
         """Check that ``count`` engines of ``role`` fit now; if not, ask the autoscaler for
-        them. Returns how long to wait for them to start. ScaleError when nothing can host
-        them."""
+        them. ``keep``: the engines per role the cluster holds besides them (after this
+        scaling). Returns how long to wait for them to start. ScaleError when nothing can
+        host them."""
         one = self.demand(role)
         total = {k: v * count for k, v in one.items()}
         lack = missing(total, self.free_resources())
@@ -72,8 +92,13 @@ class EngineStarter:
                              f"the cluster lacks {lack}); add a node, or run Ray with an "
                              f"autoscaler")
         from ray.autoscaler.sdk import request_resources
-        logger.info("asking Ray's autoscaler for %d %s engine(s) (%s each)", count, role, one)
-        request_resources(bundles=[dict(one) for _ in range(count)])
+        # request_resources sizes the whole cluster: it counts resources in use against the
+        # request (Ray's docs), so it names every engine the cluster is to hold, not only
+        # the new ones (those alone would "fit" on the nodes the running engines fill).
+        held = [self.demand(r) for r, n in (keep or {}).items() for _ in range(n)]
+        logger.info("asking Ray's autoscaler for %d %s engine(s) (%s each; %d engine(s) "
+                    "held besides)", count, role, one, len(held))
+        request_resources(bundles=[b for b in held if b] + [dict(one) for _ in range(count)])
         return self.autoscale_timeout + self.ready_timeout
 
     def spec(self, role: str, name: str) -> EngineSpec:

@@ -113,10 +113,12 @@ class LiveActuator:
         async with self._lock:
             done: list[str] = []
             jobs = []
+            after = {r: counts.get(r, len(self._active(r))) for r in self.config.roles}
             for role, count in counts.items():
                 have = self._active(role)
                 if count > len(have):
-                    jobs.append(self._add(role, count - len(have), done))
+                    keep = {**after, role: len(have)}  # what the cluster holds besides the new
+                    jobs.append(self._add(role, count - len(have), done, keep))
                 elif count < len(have):
                     jobs += [self._remove(e, done) for e in self._victims(have, len(have) - count)]
             results = await asyncio.gather(*jobs, return_exceptions=True)
@@ -130,11 +132,11 @@ class LiveActuator:
         """The engines to remove: the least busy, the newest first among equals."""
         return sorted(have, key=lambda e: (e.inflight, -_index(e.name)))[:n]
 
-    async def _add(self, role: str, n: int, done: list[str]) -> None:
+    async def _add(self, role: str, n: int, done: list[str], keep: dict[str, int]) -> None:
         if self.starter is None:
             raise ScaleError(f"{role}: this proxy cannot start engines (it was not launched "
                              f"by `pd-cluster launch`)")
-        wait = await asyncio.to_thread(self.starter.make_room, role, n)
+        wait = await asyncio.to_thread(self.starter.make_room, role, n, keep)
         names = self._new_names(role, n)
         added = []
         try:
