@@ -13,7 +13,9 @@ Part 4 (issues 29, 38): the cost of each ``kv_transfer`` integrity mode (none, c
 default, curve + mac) on each pipe (zmq tcp, zmq ipc, gloo), part 1's transfer side by side in
 one run, and each tag alone. Part 5 (issue 42): the nixl pipe end to end against NIXL's own
 raw WRITE in the same run, per size (scripts/nixl_bench.py; skipped, saying why, without
-NIXL), printing `nixl_efficiency=X`. Prints `kv_transfer_efficiency=X` (ours / raw, median
+NIXL), printing `nixl_efficiency=X`. Part 6 (issue 42): the shm pipe end to end (integrity mac,
+then none) against a raw memcpy into another process's shared buffer in the same run, per size
+(scripts/shm_bench.py), printing `shm_efficiency=X`. Prints `kv_transfer_efficiency=X` (ours / raw, median
 over sizes) last. ``--smoke``: one small transfer, a 1P1D run of each part-3 model on a short prompt, and
 part 4's none and mac on zmq tcp and gloo, a few seconds (CI: interfaces still fit; no
 colocated runs, no TTFT ratios).
@@ -40,6 +42,7 @@ from connectors.pd_connector import PDConnectorWorker  # noqa: E402
 from connectors.transfer_params import RecvKV, SendKV  # noqa: E402
 from kv_integrity_modes import PIPES, SECURITY_MODES, part4  # noqa: E402
 from nixl_bench import part_nixl  # noqa: E402
+from shm_bench import part_shm  # noqa: E402
 
 SHAPE = {"num_layers": 12, "num_kv_heads": 4, "head_dim": 64, "block_size": 16}  # bench-50m
 
@@ -255,6 +258,7 @@ def main() -> None:
                         choices=SECURITY_MODES, help="part 4's modes (none is the baseline)")
     parser.add_argument("--skip-security", action="store_true", help="no part 4")
     parser.add_argument("--skip-nixl", action="store_true", help="no part 5 (the nixl pipe)")
+    parser.add_argument("--skip-shm", action="store_true", help="no part 6 (the shm pipe)")
     parser.add_argument("--smoke", action="store_true",
                         help="a few seconds (CI): 256 tokens once, then part 3's 1P1D runs on "
                              "a 64-token prompt (no part 2, no colocated runs, no ratios)")
@@ -280,6 +284,8 @@ def main() -> None:
               transfer_throughput, SHAPE["block_size"])
     if not args.skip_nixl:
         part_nixl(args.sizes, args.repeats, _pair, transfer_throughput, SHAPE["num_layers"])
+    if not args.skip_shm:
+        part_shm(args.sizes, args.repeats, _pair, transfer_throughput, SHAPE["num_layers"])
     print(f"kv_transfer_efficiency={statistics.median(ratios):.3f}")
 
 

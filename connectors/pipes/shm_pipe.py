@@ -30,7 +30,8 @@ import msgpack
 import torch
 
 from connectors.pipes import integrity
-from connectors.pipes.base import HandshakeError, PipeConfig, PipeError, register_pipe
+from connectors.pipes.base import (HandshakeError, PipeClosed, PipeConfig, PipeError,
+                                   register_pipe)
 from connectors.pipes.nixl_layout import CacheLayout, block_chunks
 from connectors.pipes.nixl_worker import written_tag as crc_or_none_tag
 from connectors.pipes.shm_arena import SharedCache, host_id, open_peer_cache
@@ -179,8 +180,11 @@ class ShmPipe(ZmqPipe):
             raise ValueError(f"block ids out of range 0..{dst.shape[1] - 1}")
         if min(src_ids) < 0 or max(src_ids) >= src.shape[1]:
             raise ValueError("source block ids out of range")
-        return self._pool.submit(self._write, peer, remote, src, dst, src_ids, dst_ids,
-                                 kv_layer, head)
+        try:
+            return self._pool.submit(self._write, peer, remote, src, dst, src_ids, dst_ids,
+                                     kv_layer, head)
+        except RuntimeError:  # shut down by close()
+            raise PipeClosed("pipe is closed") from None
 
     def _write(self, peer: str, remote: _Remote, src: torch.Tensor, dst: torch.Tensor,
                src_ids: list[int], dst_ids: list[int], kv_layer: torch.Tensor,
