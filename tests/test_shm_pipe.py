@@ -103,13 +103,13 @@ def test_a_corrupted_block_fails_closed(tiny) -> None:
         pipe, flipped = p.runner.connector.pipe, []
         real = pipe._notify
 
-        def notify(peer: str, header: dict) -> None:
+        def notify(peer: str, header: dict) -> Future:
             if not flipped:  # the first write: flip a bit of its first block, layer 0
                 rid = next(iter(d.runner.connector.receiver._active))
                 block = d.runner.connector.receiver._active[rid].spec.block_ids[0]
                 d.runner.connector.kv_caches[0][0, block].view(-1).view(torch.uint8)[3] ^= 1
                 flipped.append(rid)
-            real(peer, header)
+            return real(peer, header)
         pipe._notify = notify
         prompt, want = cases["flip"]
         assert _run(p, d, [prompt], "flip") == [want]
