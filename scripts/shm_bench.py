@@ -56,6 +56,7 @@ def raw_shm_copy(nbytes: int, layers: int, repeats: int, block: int = 0) -> floa
         if not here.poll(TIMEOUT_S) or here.recv() != "mapped":
             raise TimeoutError("raw shm target did not start")
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        src_np, dst_np = src.numpy(), dst.numpy()
         per = nbytes // layers
         n = per // block if block else 1
         best = 0.0
@@ -67,9 +68,9 @@ def raw_shm_copy(nbytes: int, layers: int, repeats: int, block: int = 0) -> floa
                 if not block:
                     dst[base:base + per].copy_(src[base:base + per])
                     continue
-                for j, k in enumerate(order):
-                    dst[base + k * block:base + (k + 1) * block].copy_(
-                        src[base + j * block:base + (j + 1) * block])
+                for j, k in enumerate(order):  # numpy slices, as the pipe copies blocks
+                    dst_np[base + k * block:base + (k + 1) * block] = \
+                        src_np[base + j * block:base + (j + 1) * block]
             here.send("done")
             if not here.poll(TIMEOUT_S):
                 raise TimeoutError("raw shm target did not answer")

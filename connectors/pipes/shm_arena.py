@@ -145,7 +145,10 @@ def open_peer_cache(base: str, name: str, size: int, layout: CacheLayout
         for i, lay in enumerate(layout.layers):
             if lay.addr < 0 or lay.addr + lay.parts * lay.num_blocks * lay.block_bytes > size:
                 raise ValueError(f"layer {i} lies outside the cache file")
-        mem = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
+        # MAP_POPULATE: the page tables are filled now, at the handshake, not by a fault
+        # per 4 KiB page inside the first transfers.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mem = torch.frombuffer(mmap.mmap(fd, size, flags=flags), dtype=torch.uint8)
     finally:
         os.close(fd)
     return [mem[lay.addr:lay.addr + lay.parts * lay.num_blocks * lay.block_bytes]
