@@ -5,7 +5,7 @@ paged cache, layer by layer -> ZMQ pipe -> scatter into the consumer's paged cac
 processes), timed from the first gather to the consumer's ACK; beside plain pyzmq PUSH/PULL
 loopback throughput with the same frame sizes, in the same run.
 Part 2: TTFT of a ~2k-token prompt through a producer engine streaming its KV to a consumer
-engine (1P1D, two processes) vs a colocated engine, same model.
+engine (1P1D, two processes) vs a colocated engine, same model, per pipe (zmq and shm).
 Part 3 (issue 20): the same for a DeepSeek-shaped latent-attention (MLA) model beside a GQA
 model of the same hidden size, layers and heads: KV bytes per prompt token measured from P's
 ``kv_bytes_sent`` (beside the value the configs give), and each model's TTFT 1P1D/colocated.
@@ -13,7 +13,9 @@ Part 4 (issues 29, 38): the cost of each ``kv_transfer`` integrity mode (none, c
 default, curve + mac) on each pipe (zmq tcp, zmq ipc, gloo), part 1's transfer side by side in
 one run, and each tag alone. Part 5 (issue 42): the nixl pipe end to end against NIXL's own
 raw WRITE in the same run, per size (scripts/nixl_bench.py; skipped, saying why, without
-NIXL), printing `nixl_efficiency=X`. Prints `kv_transfer_efficiency=X` (ours / raw, median
+NIXL), printing `nixl_efficiency=X`. Part 6 (issue 42): the shm pipe end to end (integrity mac,
+then none) against a raw memcpy into another process's shared buffer in the same run, per size
+(scripts/shm_bench.py), printing `shm_efficiency=X`. Prints `kv_transfer_efficiency=X` (ours / raw, median
 over sizes) last. ``--smoke``: one small transfer, a 1P1D run of each part-3 model on a short prompt, and
 part 4's none and mac on zmq tcp and gloo, a few seconds (CI: interfaces still fit; no
 colocated runs, no TTFT ratios).
@@ -40,6 +42,7 @@ from connectors.pd_connector import PDConnectorWorker  # noqa: E402
 from connectors.transfer_params import RecvKV, SendKV  # noqa: E402
 from kv_integrity_modes import PIPES, SECURITY_MODES, part4  # noqa: E402
 from nixl_bench import part_nixl  # noqa: E402
+from shm_bench import part_shm  # noqa: E402
 
 SHAPE = {"num_layers": 12, "num_kv_heads": 4, "head_dim": 64, "block_size": 16}  # bench-50m
 
@@ -140,7 +143,7 @@ def part1(sizes: list[int], transport: str, repeats: int) -> list[float]:
 
 
 def ttft_runs(model_name: str, prompt_tokens: int, repeats: int,
-              colocated: bool = True) -> dict[str, float]:
+              colocated: bool = True, pipe: str = "zmq") -> dict[str, float]:
     """Median TTFT colocated (nan when not run) and 1P1D, and the KV bytes P sent per prompt
     token (every run ships the whole prompt: neither engine reuses a cached prefix). The two
     setups run alternately, so a shared machine's load drifts over both alike."""
@@ -153,7 +156,7 @@ def ttft_runs(model_name: str, prompt_tokens: int, repeats: int,
     params = SamplingParams(temperature=0, max_tokens=1)
     engine = lambda role=None: EngineProcess(EngineConfig(  # noqa: E731
         model=model, enable_prefix_caching=False,
-        kv_transfer={"role": role, "kv_transfer_timeout": 60} if role else None))
+        kv_transfer={"role": role, "kv_transfer_timeout": 60, "pipe": pipe} if role else None))
     # (--smoke: the P/D pair alone, the same EngineProcess calls)
     colo, d, p = engine() if colocated else None, engine("consumer"), engine("producer")
     for e in (colo, p, d):
@@ -181,11 +184,16 @@ def ttft_runs(model_name: str, prompt_tokens: int, repeats: int,
             "kv_bytes_per_token": sent / ((repeats + 1) * prompt_tokens)}
 
 
-def part2(prompt_tokens: int, repeats: int, model_name: str = "bench-50m") -> None:
-    t = ttft_runs(model_name, prompt_tokens, repeats)
-    print(f"TTFT {prompt_tokens}-token prompt: colocated {t['colocated'] * 1e3:.1f} ms, "
-          f"1P1D {t['pd'] * 1e3:.1f} ms")
-    print(f"ttft_ratio_pd_over_colocated={t['pd'] / t['colocated']:.3f}")
+def part2(prompt_tokens: int, repeats: int, model_name: str = "bench-50m",
+          pipes: tuple[str, ...] = ("zmq",)) -> None:
+    """Per pipe, 1P1D against colocated (each pipe with its own interleaved colocated runs);
+    zmq's ratio keeps its old name."""
+    for pipe in pipes:
+        t = ttft_runs(model_name, prompt_tokens, repeats, pipe=pipe)
+        print(f"TTFT {prompt_tokens}-token prompt: colocated {t['colocated'] * 1e3:.1f} ms, "
+              f"1P1D over {pipe} {t['pd'] * 1e3:.1f} ms")
+        suffix = "" if pipe == "zmq" else f"_{pipe}"
+        print(f"ttft_ratio_pd_over_colocated{suffix}={t['pd'] / t['colocated']:.3f}")
 
 
 def kv_bytes_per_token(model_name: str) -> float:
@@ -243,6 +251,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ttft-prompt", type=int, default=2000)
     parser.add_argument("--skip-ttft", action="store_true")
+    parser.add_argument("--ttft-pipes", nargs="+", default=["zmq", "shm"],
+                        choices=["zmq", "shm", "nixl"], help="part 2's 1P1D pipes")
     parser.add_argument("--ttft-model", default="bench-50m", help="a built-in preset")
     parser.add_argument("--mla-model", default="tiny-deepseek-v3", help="part 3's MLA preset")
     parser.add_argument("--gqa-model", default="tiny-gqa-like-deepseek",
@@ -255,6 +265,7 @@ def main() -> None:
                         choices=SECURITY_MODES, help="part 4's modes (none is the baseline)")
     parser.add_argument("--skip-security", action="store_true", help="no part 4")
     parser.add_argument("--skip-nixl", action="store_true", help="no part 5 (the nixl pipe)")
+    parser.add_argument("--skip-shm", action="store_true", help="no part 6 (the shm pipe)")
     parser.add_argument("--smoke", action="store_true",
                         help="a few seconds (CI): 256 tokens once, then part 3's 1P1D runs on "
                              "a 64-token prompt (no part 2, no colocated runs, no ratios)")
@@ -270,7 +281,7 @@ def main() -> None:
     torch.set_num_threads(1)
     ratios = part1(args.sizes, args.transport, args.repeats)
     if not args.skip_ttft:
-        part2(args.ttft_prompt, args.repeats, args.ttft_model)
+        part2(args.ttft_prompt, args.repeats, args.ttft_model, tuple(args.ttft_pipes))
     if not args.skip_mla:
         part3(args.ttft_prompt, args.repeats, args.mla_model, args.gqa_model,
               colocated=not args.smoke)
@@ -280,6 +291,9 @@ def main() -> None:
               transfer_throughput, SHAPE["block_size"])
     if not args.skip_nixl:
         part_nixl(args.sizes, args.repeats, _pair, transfer_throughput, SHAPE["num_layers"])
+    if not args.skip_shm:
+        part_shm(args.sizes, args.repeats, _pair, transfer_throughput, SHAPE["num_layers"],
+                 ("mac",) if args.smoke else ("mac", "none"))
     print(f"kv_transfer_efficiency={statistics.median(ratios):.3f}")
 
 

@@ -41,6 +41,8 @@ def test_bench_smoke(script: str, last_line: str) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert proc.stdout.strip().splitlines()[-1].lstrip().startswith(last_line), out
+    if script == "bench_kv_transfer.py":  # its shm part (issue 42) ran too
+        assert "shm_efficiency=" in proc.stdout, out
 
 
 def test_every_benchmark_has_a_smoke_test() -> None:

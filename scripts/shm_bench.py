@@ -1,0 +1,127 @@
+"""The shm pipe against a raw memcpy between two processes' shared buffers, for
+bench_kv_transfer.py (issue 42).
+
+End to end: the producer connector copies every layer's blocks into the consumer process's
+granted (shuffled) blocks in its shared cache file, each layer with its notification and MAC
+(checked by the consumer), timed from the OFFER to the consumer's ACK
+(bench_kv_transfer.transfer_throughput). Raw: a buffer in a /dev/shm file mapped by a second
+process; this process copies the same bytes into it, one contiguous copy per layer (raw), or
+one copy per KV block into shuffled blocks (raw-blocks, the connector's pattern when the
+consumer's blocks are scattered), then tells the other process and waits for its answer (one
+round trip, as the ACK is): no grant, no MAC, no control messages. Both copy with torch on one
+thread (the bench sets one). Importable with scripts/ on sys.path.
+"""
+from __future__ import annotations
+
+import mmap
+import multiprocessing as mp
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+TIMEOUT_S = 120.0
+
+
+def _raw_target(conn: Any, path: str, nbytes: int) -> None:
+    """The other process: maps the buffer, answers each 'done' (it could read it now)."""
+    fd = os.open(path, os.O_RDWR)
+    buf = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+    os.close(fd)
+    conn.send("mapped")
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        conn.send(int(buf[-1]))  # touch it, as a consumer would
+
+
+def raw_shm_copy(nbytes: int, layers: int, repeats: int, block: int = 0) -> float:
+    """Best bytes/s of ``nbytes`` copied as ``layers`` copies (or, with ``block``, one per
+    block of that many bytes into shuffled blocks) into a buffer another process maps, plus
+    one round trip to it."""
+    from connectors.pipes.shm_arena import shm_folder
+    path = str(shm_folder("/dev/shm") / f"raw-bench-{os.getpid()}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = None
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        dst = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+        proc = ctx.Process(target=_raw_target, args=(there, path, nbytes), daemon=True)
+        proc.start()
+        if not here.poll(TIMEOUT_S) or here.recv() != "mapped":
+            raise TimeoutError("raw shm target did not start")
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        src_np, dst_np = src.numpy(), dst.numpy()
+        per = nbytes // layers
+        n = per // block if block else 1
+        best = 0.0
+        for _ in range(repeats + 1):  # the first round faults the pages in
+            order = torch.randperm(n).tolist()
+            t0 = time.perf_counter()
+            for i in range(layers):
+                base = i * per
+                if not block:
+                    dst[base:base + per].copy_(src[base:base + per])
+                    continue
+                for j, k in enumerate(order):  # numpy slices, as the pipe copies blocks
+                    dst_np[base + k * block:base + (k + 1) * block] = \
+                        src_np[base + j * block:base + (j + 1) * block]
+            here.send("done")
+            if not here.poll(TIMEOUT_S):
+                raise TimeoutError("raw shm target did not answer")
+            here.recv()
+            best = max(best, layers * per / (time.perf_counter() - t0))
+        return best
+    finally:
+        if proc is not None:
+            here.send(None)
+            proc.join(timeout=30)
+        os.close(fd)
+        os.unlink(path)
+
+
+def part_shm(sizes: list[int], repeats: int, pair: Callable, throughput: Callable,
+             num_layers: int, modes: tuple[str, ...] = ("mac", "none")) -> float:
+    """Each size end to end over the shm pipe (each integrity mode in ``modes``, mac first:
+    the default and the figure) and raw, side by side; prints and returns ``shm_efficiency``
+    (median of ours with mac / raw)."""
+    raws = {}
+    print("shm pipe (the consumer's cache in /dev/shm, one copy per run of blocks) against a "
+          "raw memcpy into another process's shared buffer:")
+    print("(raw: one contiguous copy per layer; raw-blocks: one copy per KV block into "
+          "shuffled blocks, the connector's pattern here)")
+    ratios: dict[str, list[float]] = {m: [] for m in modes}
+    same: list[float] = []
+    for mode in modes:
+        producer, here, proc, peer = pair(max(sizes), "ipc", {"pipe": "shm", "integrity": mode})
+        print(f"integrity {mode}:")
+        print(f"{'tokens':>7} {'KV MiB':>8} {'ours GB/s':>10} {'raw GB/s':>9} {'ratio':>6} "
+              f"{'raw-blocks GB/s':>15} {'ratio':>6}")
+        block = producer.kv_caches[0][0, 0].nbytes
+        try:
+            for n in sizes:
+                ours, nbytes = throughput(n, producer, here, peer, repeats)
+                if n not in raws:
+                    raws[n] = (raw_shm_copy(nbytes, num_layers, repeats),
+                               raw_shm_copy(nbytes, 2 * num_layers, repeats, block))
+                raw, raw_blocks = raws[n]
+                ratios[mode].append(ours / raw)
+                if mode == modes[0]:
+                    same.append(ours / raw_blocks)
+                print(f"{n:>7} {nbytes / 2**20:>8.1f} {ours / 1e9:>10.2f} {raw / 1e9:>9.2f} "
+                      f"{ours / raw:>6.2f} {raw_blocks / 1e9:>15.2f} {ours / raw_blocks:>6.2f}")
+        finally:
+            here.send(None)
+            proc.join(timeout=30)
+            producer.close()
+    for mode in modes[1:]:
+        print(f"shm_efficiency_integrity_{mode}={statistics.median(ratios[mode]):.3f}")
+    print(f"shm_efficiency_same_copies={statistics.median(same):.3f}")
+    efficiency = statistics.median(ratios[modes[0]])
+    print(f"shm_efficiency={efficiency:.3f}")
+    return efficiency

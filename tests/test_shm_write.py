@@ -1,0 +1,85 @@
+"""The shm pipe's copy and code without engines (fast): blocks land where the ids say, the code
+of the copied pieces equals the consumer's over its blocks however the bytes are split, one
+flipped bit or another key fails it; a producer maps only a private file of the announced size
+in its own folder, and a consumer's file it can lock (its owner gone) is swept."""
+from __future__ import annotations
+
+import fcntl
+import os
+
+import pytest
+import torch
+
+from connectors.pipes.nixl_layout import CacheLayout, block_chunks
+from connectors.pipes.shm_arena import SharedCache, open_peer_cache, shm_folder, sweep_stale
+from connectors.pipes.shm_pipe import Sealer, _runs, copy_and_seal, written_code
+from pd_cluster.private_files import UnsafePath
+
+KEY, NONCE, HEAD = b"k" * 32, b"n" * 16, b"head"
+
+
+def _cache(blocks: int = 9, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((2, blocks, 4, 2, 8), generator=g)  # [parts, blocks, size, heads, dim]
+
+
+@pytest.mark.parametrize("mode", ["mac", "crc32"])
+def test_copied_blocks_and_their_code_match_the_consumers_view(mode: str) -> None:
+    src, dst = _cache(seed=1), _cache(seed=2)
+    src_ids, dst_ids = [0, 1, 2, 5, 6], [3, 4, 8, 0, 1]
+    sealer = Sealer(mode, KEY, NONCE, HEAD)
+    as_bytes = lambda t: t.reshape(2, t.shape[1], -1).view(torch.uint8)  # noqa: E731
+    copy_and_seal(as_bytes(src), as_bytes(dst), src_ids, dst_ids, sealer)
+    tag = sealer.tag()
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(src[:, s], dst[:, d])
+    assert written_code(mode, KEY, NONCE, HEAD, block_chunks(dst, dst_ids)) == tag
+    assert written_code(mode, KEY, NONCE, HEAD, block_chunks(src, src_ids)) == tag
+    dst[1, 8].view(-1).view(torch.uint8)[5] ^= 1
+    assert written_code(mode, KEY, NONCE, HEAD, block_chunks(dst, dst_ids)) != tag
+    if mode == "mac":
+        assert written_code(mode, b"x" * 32, NONCE, HEAD, block_chunks(src, src_ids)) != tag
+
+
+def test_runs_join_blocks_adjacent_on_both_sides_only() -> None:
+    assert _runs([0, 1, 2, 5, 6], [3, 4, 8, 0, 1]) == [(0, 3, 2), (2, 8, 1), (5, 0, 2)]
+
+
+def test_the_shared_cache_keeps_the_tensors_and_a_producer_maps_it_checked(tmp_path) -> None:
+    caches = [_cache(seed=i) for i in range(3)]
+    before = [c.clone() for c in caches]
+    ident = [id(c) for c in caches]
+    shared = SharedCache(str(tmp_path), caches)
+    try:
+        assert [id(c) for c in caches] == ident and all(map(torch.equal, caches, before))
+        assert oct(os.stat(shared.path).st_mode & 0o777) == oct(0o600)
+        layers = open_peer_cache(str(tmp_path), shared.name, shared.size, shared.layout)
+        layers[2][1, 4].fill_(7)  # the producer's write is the consumer's tensor
+        assert bool((caches[2][1, 4].view(-1).view(torch.uint8) == 7).all())
+        assert CacheLayout.of(caches).mismatch(shared.layout) is None
+        with pytest.raises(ValueError, match="not a cache file name"):
+            open_peer_cache(str(tmp_path), "../" + shared.name, shared.size, shared.layout)
+        with pytest.raises(ValueError, match="bytes, the consumer said"):
+            open_peer_cache(str(tmp_path), shared.name, shared.size + 4096, shared.layout)
+        os.chmod(shared.path, 0o604)
+        with pytest.raises(UnsafePath, match="expected ours and 0600"):
+            open_peer_cache(str(tmp_path), shared.name, shared.size, shared.layout)
+        assert sweep_stale(shm_folder(str(tmp_path))) == 0  # we hold its lock
+    finally:
+        shared.close()
+    assert not shared.path.exists()
+
+
+def test_a_file_whose_owner_is_gone_is_swept(tmp_path) -> None:
+    folder = shm_folder(str(tmp_path))
+    stale, other = folder / f"kv-1-{'a' * 32}", folder / "unrelated"
+    stale.write_bytes(b"x"), other.write_bytes(b"y")
+    live = folder / f"kv-2-{'b' * 32}"
+    live.write_bytes(b"z")
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # a live consumer
+    try:
+        assert sweep_stale(folder) == 1
+        assert not stale.exists() and other.exists() and live.exists()
+    finally:
+        os.close(fd)
