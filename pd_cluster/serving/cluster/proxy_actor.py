@@ -180,8 +180,12 @@ def current_engines(launched: list[dict[str, str]], namespace: str
 
 def _restarted() -> bool:
     """Whether Ray is restarting this actor (its constructor runs again, with its args)."""
+    import warnings
+
     import ray
-    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    with warnings.catch_warnings():  # Ray 2.60 warns inside the property (its actor_id)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 def _load_serving_libraries() -> None:
