@@ -200,6 +200,15 @@ class EngineArgs(BaseModel):
     # prompt_lookup_min, prompt_lookup_max, model}, vLLM's --speculative-config keys); None: off. Lossless: greedy output
     # is the same, sampled output has the same distribution (engine/spec/).
     speculative: SpeculativeConfig | None = None
+    # Where requests' sampling defaults come from (vLLM's --generation-config): auto = the
+    # model's generation_config.json (temperature, top_p, top_k, repetition_penalty for
+    # requests that leave them unset; max_new_tokens the default and cap of max_tokens),
+    # vllm = none (this API's own defaults), else a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    # Sampling keys set over the generation config's, key by key (vLLM's
+    # --override-generation-config), e.g. {temperature: 0.5}; with generation_config vllm,
+    # only these.
+    override_generation_config: dict[str, int | float] | None = None
 
     @field_validator("block_size")
     @classmethod
@@ -252,6 +261,21 @@ class EngineArgs(BaseModel):
             raise ValueError("kv_offloading_disk: needs tensor_parallel_size 1 (got "
                              f"{self.tensor_parallel_size})")
         return self
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config(cls, value: str) -> str:
+        if not value:
+            raise ValueError("must be auto, vllm or a folder holding a generation_config.json")
+        return value
+
+    @field_validator("override_generation_config")
+    @classmethod
+    def _override_generation(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        from pd_cluster.generation_defaults import check_override
+        if value:
+            check_override(value)
+        return value
 
     @field_validator("gpu_memory_utilization")
     @classmethod

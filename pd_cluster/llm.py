@@ -3,14 +3,18 @@ and ``.chat(messages, sampling_params)``."""
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, Sequence
 
 from tqdm import tqdm
 
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import LLMEngine, PromptType
+from pd_cluster.generation_defaults import load_generation_defaults
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -19,8 +23,19 @@ class LLM:
         a Hugging Face repo id, from the hub cache or downloaded); None: the built-in model."""
         from pd_cluster.serving.cluster.model_source import check_model
         model = check_model("tiny-llama" if model is None else model)
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+        config = EngineConfig.from_kwargs(model, **engine_args)
+        # generation_config / override_generation_config: checked before the engine loads
+        self._defaults = load_generation_defaults(model, config.generation_config,
+                                                  config.override_generation_config)
+        if (summary := self._defaults.summary()) is not None:
+            logger.info("%s", summary)
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no SamplingParams: the generation
+        config's sampling keys over SamplingParams' defaults (vLLM's method)."""
+        return self._defaults.sampling_params()
 
     def close(self) -> None:
         """Stop the engine's KV connector and tensor-parallel workers (also on ``with`` exit)."""
@@ -40,7 +55,7 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

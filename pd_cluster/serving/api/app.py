@@ -206,7 +206,8 @@ def _plan(state: ProxyState, req: Any, chat: bool, rid: str, prompts: list[list[
     base_seed = random.getrandbits(31)  # P and D must sample the same first token
     per_prompt = []
     for ids in prompts:
-        params = req.sampling_params(state.max_tokens(requested, ids, param))
+        params = req.sampling_params(state.max_tokens(requested, ids, param),
+                                     state.generation_defaults)
         if not params.is_greedy and params.seed is None:
             params.seed = base_seed
         per_prompt.append((ids, params))

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from pd_cluster.chat import check_content_parts
+from pd_cluster.generation_defaults import GenerationDefaults
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.serving.api.errors import APIError, invalid_request
 from pd_cluster.serving.api.unknown_fields import UnknownFields
@@ -27,6 +28,8 @@ logger = logging.getLogger(__name__)
 _STRICT = ConfigDict(extra="forbid", strict=True)
 _LENIENT = ConfigDict(extra="allow", strict=True)  # unknown fields: ignored, logged once
 MAX_N = 64  # choices per prompt in one request
+# Sampling fields a request may leave unset (None): SamplingParams' own default then applies.
+_UNSET_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 
 class StreamOptions(BaseModel):
@@ -51,7 +54,7 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None  # unset: the generation config's, else 1.0
     top_k: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -87,7 +90,10 @@ class _SamplingFields(BaseModel):
         """What the output must match (a 400 naming the field if it cannot)."""
         return request_params(self.structured_outputs, self.response_format)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int,
+                        defaults: GenerationDefaults | None = None) -> SamplingParams:
+        """The request's SamplingParams; ``defaults`` (the generation config's) fill the
+        sampling fields it leaves unset."""
         for name, value in self.unsupported().items():
             raise invalid_request(f"{name}={value!r} is not supported by this server", name)
         if isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
@@ -98,12 +104,14 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias(),
-            logprobs=self.logprobs_k(), prompt_logprobs=self.prompt_logprobs_k(),
+            logit_bias=self._logit_bias(), logprobs=self.logprobs_k(),
+            prompt_logprobs=self.prompt_logprobs_k(),
             structured_outputs=self.structured_outputs_params())
-        for name in ("temperature", "top_p", "top_k"):
+        for name in _UNSET_DEFAULTS:
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
+        if defaults is not None:
+            kwargs = defaults.fill(kwargs)
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:  # "max_tokens must be >= 1 ..." -> 400, param max_tokens

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pd_cluster.generation_defaults import load_generation_defaults
 from pd_cluster.serving.api.errors import invalid_request
 from pd_cluster.serving.api.grammar_check import GrammarCheck
 from pd_cluster.serving.api.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -20,6 +22,7 @@ from pd_cluster.serving.routing.engine_pool import EnginePool
 from pd_cluster.serving.routing.token_channel import TokenChannel
 from pd_cluster.validation import InvalidRequest, check_max_tokens, check_prompt
 
+logger = logging.getLogger(__name__)
 MAX_CHOICES = 256  # prompts x n in one request
 
 
@@ -39,6 +42,12 @@ class ProxyState:
         self.vocab_size = int(hf["vocab_size"])
         self.max_model_len = int(cfg.engine.get("max_model_len")
                                  or hf.get("max_position_embeddings", 2048))
+        # Requests' sampling defaults (vLLM's --generation-config), named once at start.
+        self.generation_defaults = load_generation_defaults(
+            path, cfg.engine.get("generation_config", "auto"),
+            cfg.engine.get("override_generation_config"))
+        if (summary := self.generation_defaults.summary()) is not None:
+            logger.info("%s", summary)
         self.pool = EnginePool(engines, cfg.proxy)
         self.metrics = ProxyMetrics(lambda: self.pool.engines, cfg.model_name,
                                     int(cfg.engine.get("block_size", 16)))
@@ -134,10 +143,12 @@ class ProxyState:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def max_tokens(self, requested: int | None, ids: list[int], prompt_param: str) -> int:
-        """The request's max_tokens under the shared rules (pd_cluster.validation)."""
+        """The request's max_tokens under the shared rules (pd_cluster.validation), at most
+        the generation config's max_new_tokens (vLLM's server-wide limit)."""
         try:
             room = check_prompt(ids, self.vocab_size, self.max_model_len, prompt_param)
-            return check_max_tokens(requested, room, len(ids), self.max_model_len)
+            return self.generation_defaults.cap(
+                check_max_tokens(requested, room, len(ids), self.max_model_len))
         except InvalidRequest as e:
             raise invalid_request(str(e), e.param, e.code) from None
 

@@ -86,11 +86,18 @@ def preflight(cfg: "ClusterConfig", address: str | None) -> str | None:
     if busy:
         return (f"proxy.port {cfg.proxy.port} on {cfg.proxy.host} is not available ({busy}); "
                 f"free it, or pass --port (0: any free port)")
-    if address is None:  # engines on this machine: their model must be here
-        try:
-            check_model(cfg.model)
-        except ValueError as e:
-            return str(e)
+    from pd_cluster.generation_defaults import load_generation_defaults
+    try:
+        if address is None:  # engines on this machine: their model must be here
+            path = check_model(cfg.model)
+        elif cfg.engine.get("generation_config", "auto") not in ("auto", "vllm"):
+            path = ""  # the proxy (on this machine) reads the folder; the model may be elsewhere
+        else:
+            return None
+        load_generation_defaults(path, cfg.engine.get("generation_config", "auto"),
+                                 cfg.engine.get("override_generation_config"))
+    except ValueError as e:
+        return str(e)
     return None
 
 

@@ -153,17 +153,19 @@ def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = 
                 name=spec.name, namespace=ns, max_restarts=config.roles[spec.role].max_restarts,
                 max_task_retries=0, lifetime=lifetime, **placement.options(spec, index),
             ).remote(spec.to_dict(), secret)
-        infos = wait_ready(engines, ready_timeout, progress)
-        link_engines(engines, infos, config)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         here = ray.get_runtime_context().get_node_id()  # serve where the user launched
+        # Made now, beside the engines: its process and libraries load while they do (the
+        # first answer comes seconds sooner); it serves once they are ready and linked.
         proxy = proxy_actor_class().options(
             name=PROXY_NAME, namespace=ns, num_cpus=0, max_concurrency=4, lifetime=lifetime,
             max_restarts=config.proxy.max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         ).remote(config.to_dict(), [{"name": s.name, "role": s.role} for s in specs], ns,
-                 {"cluster": secret, "api_keys": api_keys}, detach)
-        url = ray.get(proxy.url.remote(), timeout=ready_timeout)
+                 {"cluster": secret, "api_keys": api_keys}, detach, True)
+        infos = wait_ready(engines, ready_timeout, progress)
+        link_engines(engines, infos, config)
+        url = ray.get(proxy.start.remote(), timeout=ready_timeout)
     except BaseException:
         kill_actors(proxy, engines.values())
         placement.release()
@@ -176,12 +178,15 @@ def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = 
     return cluster
 
 
-def engine_env(config: ClusterConfig) -> dict[str, str]:
+def engine_env(config: ClusterConfig, quiet: bool = False) -> dict[str, str]:
     """The preloads engines start with (tcmalloc, Intel OpenMP) where this node has them;
-    a missing one is said once here and the engines go on without it."""
+    a missing one is said once, by the launcher, and the engines go on without it
+    (``quiet``: the proxy's copy, for engines it adds, says nothing)."""
     if not config.cpu.preload_libraries:
         return {}
     env, missing = preload_env(os.environ.get("LD_PRELOAD"))
+    if quiet:
+        return env
     if missing:
         hints = ", ".join(f"{lib}: `{_INSTALL_HINT.get(lib, lib)}`" for lib in missing)
         logger.info("engines start without %s (not found on this node; %s)",

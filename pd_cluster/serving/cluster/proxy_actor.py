@@ -34,10 +34,33 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 class ProxyActor:
     def __init__(self, config: dict[str, Any], engines: list[dict[str, str]], namespace: str,
-                 secrets: dict[str, Any] | None = None, detached: bool = False):
+                 secrets: dict[str, Any] | None = None, detached: bool = False,
+                 deferred: bool = False):
         """``secrets`` (handed through Ray, never the config): ``cluster`` (the cluster
         secret its sessions prove) and ``api_keys`` (resolved in the launching shell).
-        ``detached``: engines it adds at run time (scaling.py) outlive their creator too."""
+        ``detached``: engines it adds at run time (scaling.py) outlive their creator too.
+        ``deferred``: made by the launcher beside the engines, so that its process and the
+        libraries serving needs load while they do (seconds off the first answer); it serves
+        when ``start`` is called, once they are ready and linked. An actor Ray restarts
+        serves at once: its engines are up."""
+        _log_to_stderr()  # Ray forwards it to the launcher's console
+        self._args = (config, engines, namespace, secrets or {}, detached)
+        self._url: str | None = None
+        self.app: Any = None
+        self.server: Any = None
+        self.thread: threading.Thread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        _load_serving_libraries()
+        if deferred and not _restarted():
+            return
+        self.start()
+
+    def start(self) -> str:
+        """Serve (once; later calls return the URL): the app over the engines, bound and
+        answering, or RuntimeError."""
+        if self._url is not None:
+            return self._url
         import ray
         import uvicorn
 
@@ -45,8 +68,7 @@ class ProxyActor:
         from pd_cluster.serving.cluster.cluster_config import ClusterConfig
         from pd_cluster.serving.api.app import create_app
 
-        _log_to_stderr()  # Ray forwards it to the launcher's console
-        secrets = secrets or {}
+        config, engines, namespace, secrets, detached = self._args
         if secrets.get("cluster"):
             install(secrets["cluster"])
         cfg = ClusterConfig.from_dict(config)
@@ -54,7 +76,7 @@ class ProxyActor:
         from pd_cluster.serving.cluster.engine_starter import EngineStarter
         from pd_cluster.serving.cluster.launcher import engine_env
         starter = EngineStarter(cfg, namespace, secrets.get("cluster"), detached,
-                                engine_env(cfg))
+                                engine_env(cfg, quiet=True))
         self.app = create_app(cfg, handles, secrets.get("api_keys"), starter)
         self.sock = bind_socket(cfg.proxy.host, cfg.proxy.port)
         port = self.sock.getsockname()[1]
@@ -62,21 +84,21 @@ class ProxyActor:
         if host in ("0.0.0.0", "::", ""):
             host = ray.util.get_node_ip_address()
         tls = cfg.proxy.ssl_certfile is not None
-        self._url = f"{'https' if tls else 'http'}://{host}:{port}"
+        url = f"{'https' if tls else 'http'}://{host}:{port}"
         self.server = uvicorn.Server(uvicorn.Config(
             self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=3,
             timeout_keep_alive=30, ssl_certfile=cfg.proxy.ssl_certfile,
             ssl_keyfile=cfg.proxy.ssl_keyfile))
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._error: BaseException | None = None
         self.thread = threading.Thread(target=self._serve, name="proxy-http", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + _START_TIMEOUT
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"proxy failed to start on {self._url}: {self._error!r}")
+                raise RuntimeError(f"proxy failed to start on {url}: {self._error!r}")
             time.sleep(0.05)
-        logger.info("proxy serving on %s", self._url)
+        self._url = url
+        logger.info("proxy serving on %s", url)
+        return url
 
     def _serve(self) -> None:
         try:
@@ -88,10 +110,12 @@ class ProxyActor:
             logger.exception("proxy server stopped")
 
     def url(self) -> str:
+        if self._url is None:
+            raise RuntimeError("the proxy has not started serving")
         return self._url
 
     def health(self) -> bool:
-        if not self.thread.is_alive():
+        if self.thread is None or not self.thread.is_alive():
             raise RuntimeError(f"proxy server is down: {self._error!r}")
         return True
 
@@ -104,6 +128,8 @@ class ProxyActor:
         return [s.to_dict() for s in state.pool.status()]
 
     def shutdown_timeout(self) -> float:
+        if self.app is None:  # never served: nothing in flight
+            return 0.0
         return float(self.app.state.proxy.cfg.proxy.shutdown_timeout)
 
     def drain(self) -> dict[str, Any]:
@@ -117,6 +143,8 @@ class ProxyActor:
 
     def stop(self) -> None:
         """Graceful: stop accepting, finish the lifespan, close the socket (frees the port)."""
+        if self.server is None or self.thread is None:  # never served
+            return
         self.server.should_exit = True
         self.thread.join(_STOP_TIMEOUT)
         try:
@@ -148,6 +176,25 @@ def current_engines(launched: list[dict[str, str]], namespace: str
         except Exception:  # noqa: BLE001 - down now: the health checks take it from here
             pass
     return [(name, roles[name], h) for name, h in handles.items() if name in roles]
+
+
+def _restarted() -> bool:
+    """Whether Ray is restarting this actor (its constructor runs again, with its args)."""
+    import warnings
+
+    import ray
+    with warnings.catch_warnings():  # Ray 2.60 warns inside the property (its actor_id)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def _load_serving_libraries() -> None:
+    """Import what serving needs (the web stack, the app, transformers' tokenizers): seconds
+    of Python that a deferred proxy spends while the engines load, not after."""
+    import uvicorn  # noqa: F401
+    from transformers import AutoTokenizer  # noqa: F401
+
+    from pd_cluster.serving.api import app  # noqa: F401
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:

@@ -109,6 +109,12 @@ FLAGS = (
     Flag("--speculative-config", "engine.speculative", "JSON object, e.g. '{\"method\": "
          "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}'", _json_object,
          metavar="JSON"),
+    Flag("--generation-config", "engine.generation_config", "where requests' default "
+         "sampling params come from: auto (the model's generation_config.json), vllm (none) "
+         "or a folder holding a generation_config.json", metavar="auto|vllm|FOLDER"),
+    Flag("--override-generation-config", "engine.override_generation_config", "JSON object "
+         "of sampling keys set over the generation config's, e.g. '{\"temperature\": 0.5}'",
+         _json_object, metavar="JSON"),
     Flag("--chat-template", "proxy.chat_template", "a Jinja chat template, or a file holding "
          "one, used instead of the tokenizer's", metavar="TEMPLATE"),
     Flag("--enforce-eager", "engine.compile", "no torch.compile and no CUDA graphs",

@@ -41,8 +41,6 @@ IGNORED = (
     Ignored("--tokenizer-mode", "tokenizers load through transformers' AutoTokenizer", True),
     Ignored("--load-format", "checkpoints load from safetensors", True, only="auto"),
     Ignored("--download-dir", "Hugging Face ids use the hub cache: set HF_HUB_CACHE", True),
-    Ignored("--generation-config", "generation_config.json is read from the model for its EOS "
-            "ids only; requests' sampling defaults are this API's (vLLM's 'vllm')", True),
     Ignored("--quantization", "checkpoints' own quantization config decides (docs/models.md)",
             True),
 )
