@@ -18,7 +18,6 @@ consumer granted for the request (checked by connectors/granted_writes.py before
 """
 from __future__ import annotations
 
-import hmac
 import importlib
 from concurrent.futures import Future
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -30,7 +29,7 @@ from connectors.pipes import integrity
 from connectors.pipes.base import HandshakeError, PipeConfig, PipeError, register_pipe
 from connectors.pipes.nixl_layout import CacheLayout, block_chunks
 from connectors.pipes.nixl_worker import NixlWorker, Write, written_tag
-from connectors.pipes.zmq_peers import identity
+from connectors.pipes.written_check import WrittenCheck
 from connectors.pipes.zmq_pipe import ZmqPipe
 
 NIXL_KEY = "_nixl"  # in hellos and the consumer's reply
@@ -57,8 +56,10 @@ class _Remote(NamedTuple):
 
 
 @register_pipe("nixl")
-class NixlPipe(ZmqPipe):
+class NixlPipe(WrittenCheck, ZmqPipe):
     writes_in_place = True  # the connector grants blocks and writes them (granted_writes.py)
+    notif_label = _NOTIF_LABEL  # the key of its write notifications' MACs
+    written_mac = staticmethod(written_tag)
 
     def __init__(self, config: PipeConfig) -> None:
         nixl = load_nixl()  # says what is missing before anything starts
@@ -189,21 +190,6 @@ class NixlPipe(ZmqPipe):
             return
         self._rq.put((peer, {**body, "tag": tag, "nonce": nonce}, None,
                       (_NOT_CHECKED, b"", None)), len(msg))
-
-    def check_written(self, peer: str, head: bytes, chunks: list[Any], tag: bytes,
-                      nonce: bytes) -> Optional[str]:
-        """Why the bytes a producer's notification vouches for are not what it wrote (None:
-        they are). Called by the connector with the bytes in our granted blocks."""
-        if self.config.integrity == "none":
-            return None
-        conn = self._conns.get(identity(peer))
-        if conn is None:
-            return "no connection with the producer"
-        key = conn.channel.side_keys(_NOTIF_LABEL)[1]
-        want = written_tag(self.config.integrity, key, nonce, head, chunks)
-        if not hmac.compare_digest(want, tag):
-            return f"{self.config.integrity} mismatch"
-        return None
 
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "nixl_writes": self._worker.writes,

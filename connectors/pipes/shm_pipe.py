@@ -36,7 +36,7 @@ from connectors.pipes.base import (HandshakeError, PipeClosed, PipeConfig, PipeE
 from connectors.pipes.nixl_layout import CacheLayout
 from connectors.pipes.sync import settle
 from connectors.pipes.shm_arena import SharedCache, host_id, open_peer_cache
-from connectors.pipes.zmq_peers import identity
+from connectors.pipes.written_check import WrittenCheck
 from connectors.pipes.zmq_pipe import ZmqPipe
 
 SHM_KEY = "_shm"  # in hellos and the consumer's reply
@@ -112,8 +112,10 @@ class _Remote(NamedTuple):
 
 
 @register_pipe("shm")
-class ShmPipe(ZmqPipe):
+class ShmPipe(WrittenCheck, ZmqPipe):
     writes_in_place = True  # the connector grants blocks and writes them (granted_writes.py)
+    notif_label = _NOTIF_LABEL  # the key of its write notifications' MACs
+    written_mac = staticmethod(written_code)
 
     def __init__(self, config: PipeConfig) -> None:
         if "transport" not in config.model_fields_set:  # one host: control messages on ipc
@@ -267,22 +269,6 @@ class ShmPipe(ZmqPipe):
     def _notify(self, peer: str, header: dict) -> Future:
         """Queue the write's notification (no payload; the send gate bounds the wait)."""
         return self.send_tensor(peer, header, None)
-
-    # ---- consumer: checks ------------------------------------------------------------------
-    def check_written(self, peer: str, head: bytes, chunks: list[Any], tag: bytes,
-                      nonce: bytes) -> Optional[str]:
-        """Why the bytes a producer's notification vouches for are not what it wrote (None:
-        they are). Called by the connector with the bytes in our granted blocks."""
-        if self.config.integrity == "none":
-            return None
-        conn = self._conns.get(identity(peer))
-        if conn is None:
-            return "no connection with the producer"
-        key = conn.channel.side_keys(_NOTIF_LABEL)[1]
-        want = written_code(self.config.integrity, key, nonce, head, chunks)
-        if not hmac.compare_digest(want, tag):
-            return f"{self.config.integrity} mismatch"
-        return None
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)  # a running copy ends by itself
