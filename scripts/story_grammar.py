@@ -8,6 +8,7 @@ Chat turns use the model maker's template ("role: content" lines, then "assistan
 """
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
@@ -54,6 +55,11 @@ ANIMALS = (  # one, many, looks, home, den, food, can, sound
     Animal("fish", "fish", "shiny scales and fins", "in rivers and in the sea", "in a river",
            "tiny plants", "breathe under water", "blub"),
 )
+CITIES = ("Paris", "London", "Rome", "Tokyo", "Berlin", "Madrid", "Oslo", "Cairo", "Lima",
+          "Sydney")
+JSON_ASKS = ("Reply in JSON.", "Answer in JSON.", "Give me a JSON object.", "Reply with JSON.",
+             "Tell me about an animal in JSON.")
+LEGS = {"bird": 2, "duck": 2, "owl": 2, "fish": 0, "bee": 6}
 GIRLS = ("Lily", "Mia", "Anna", "Sara", "Emma", "Lucy", "Zoe", "Rosa", "Amy", "Ella", "Kate",
          "Grace", "Ruby", "Nora", "Alice", "Molly")
 BOYS = ("Tom", "Ben", "Sam", "Max", "Leo", "Jack", "Tim", "Finn", "Noah", "Adam", "Oscar",
@@ -232,14 +238,38 @@ class StoryGrammar:
         out.append(r.choice(("Goodbye!", "See you soon!", "Thank you for reading.")))
         return " ".join(out)
 
+    def json_chat(self) -> str:
+        """A chat turn answered in JSON: objects of a few short fields, a list, or a tool call
+        (structured outputs on the demo model: it learns to close what it opens, then stop)."""
+        r = self.r
+        a, name = r.choice(ANIMALS), r.choice(GIRLS + BOYS)
+        city = r.choice(CITIES)
+        ask, value = r.choice((
+            (r.choice(JSON_ASKS), {"animal": a.one, "food": a.food, "sound": a.sound}),
+            (f"Describe {a_an(a.one)} as JSON.", {"name": a.one, "looks": a.looks,
+                                                   "home": a.den, "legs": LEGS.get(a.one, 4)}),
+            ("Describe a person as JSON with name and age.", {"name": name,
+                                                               "age": r.randint(3, 90)}),
+            (f"Give me a JSON list of {a.many}.", {"animals": [x.many for x in
+                                                               r.sample(ANIMALS, 3)]}),
+            (f"What is the weather in {city}?", [{"name": "get_weather",
+                                                  "arguments": {"city": city}}]),
+            (f"What do {a.many} eat? Answer in JSON.", {"answer": f"{a.many} eat {a.food}",
+                                                         "sure": r.random() < 0.8})))
+        compact = r.random() < 0.7
+        text = json.dumps(value) if compact else json.dumps(value, indent=2)
+        # A JSON grammar allows no whitespace before the value, so half start right after ':'.
+        return f"user: {ask}\nassistant:{r.choice(('', ' '))}{text}"
+
     def document(self) -> str:
-        kinds = (self.story, self.friends, self.about_me, self.dialogue, self.chat, self.facts)
-        kind = self.r.choices(kinds, weights=(40, 12, 10, 10, 16, 12))[0]
+        kinds = (self.story, self.friends, self.about_me, self.dialogue, self.chat, self.facts,
+                 self.json_chat)
+        kind = self.r.choices(kinds, weights=(40, 12, 10, 10, 16, 12, 8))[0]
         return kind(self.r.choice(ANIMALS)) if kind == self.facts else kind()
 
 
 def corpus(num_docs: int, seed: int = 0) -> list[str]:
-    """num_docs documents (stories, facts, greetings, dialogues, chats), the same for the
+    """num_docs documents (stories, facts, greetings, dialogues, chats, JSON answers), the same for the
     same seed."""
     grammar = StoryGrammar(random.Random(seed))
     return [grammar.document() for _ in range(num_docs)]

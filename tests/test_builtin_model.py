@@ -42,9 +42,12 @@ def test_shipped_checkpoint_is_the_trained_default(model_dir: str, llm: LLM) -> 
 
 def test_greedy_output_is_clean_readable_text(llm: LLM) -> None:
     tok = llm.get_tokenizer()
-    chat = tok.apply_chat_template([{"role": "user", "content": "Tell me about owls."}],
-                                   add_generation_prompt=True, tokenize=False)
-    outs = llm.generate(PROMPTS + [chat], SamplingParams(temperature=0, max_tokens=48))
+    # Questions go through the chat template, as a user asks them (raw, a question may end
+    # the document: the model was trained on questions in chat turns).
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}],
+                                     add_generation_prompt=True, tokenize=False)
+             for q in ("Tell me about foxes.", "Tell me about owls.")]
+    outs = llm.generate(PROMPTS[:3] + chats, SamplingParams(temperature=0, max_tokens=48))
     for out in outs:
         text = out.outputs[0].text
         assert "\ufffd" not in text, (out.prompt, text)
