@@ -14,8 +14,8 @@ larger than the block's scale re-quantises the block's earlier tokens to the new
 (``stored * old / new``). Powers of two make that exact: the ratio moves only the exponent, so
 an earlier token stores what it would have stored had the block been written at once (no
 drift from re-rounding; FP8 keeps the same relative precision at any scale below its max, so
-rounding the scale up costs nothing). Measured on bench-50m: mean KL(auto || fp8) 0.100 ->
-0.079 nats, where a per-token exact scale (the floor of any scale rule) gives 0.080. A block
+rounding the scale up costs nothing). Measured on bench-50m (8 prompts x 32 tokens): mean
+KL(auto || fp8) 0.100 -> 0.079 nats, where a per-token exact scale (the floor of any scale rule) gives 0.080. A block
 is fresh when its first slot is written (slots are filled in order), so a recycled block's
 stale scale is never kept.
 """
