@@ -9,10 +9,15 @@ another TP size) moves them with it, unchanged. The value a token stands for is
 
 Scales: a layer with checkpoint scales (``k_scale``/``v_scale``, vLLM's per-tensor static
 scales) writes them into every block it fills; otherwise a block's scale per head is computed
-when it is written (amax / fp8 max) and only grows: a later token larger than the block's scale
-re-quantises the block's earlier tokens to the new scale (``stored * old / new``). A block is
-fresh when its first slot is written (slots are filled in order), so a recycled block's stale
-scale is never kept.
+when it is written (amax / fp8 max, rounded up to a power of two) and only grows: a later token
+larger than the block's scale re-quantises the block's earlier tokens to the new scale
+(``stored * old / new``). Powers of two make that exact: the ratio moves only the exponent, so
+an earlier token stores what it would have stored had the block been written at once (no
+drift from re-rounding; FP8 keeps the same relative precision at any scale below its max, so
+rounding the scale up costs nothing). Measured on bench-50m (8 prompts x 32 tokens): mean
+KL(auto || fp8) 0.100 -> 0.079 nats, where a per-token exact scale (the floor of any scale rule) gives 0.080. A block
+is fresh when its first slot is written (slots are filled in order), so a recycled block's
+stale scale is never kept.
 """
 from __future__ import annotations
 
@@ -88,6 +93,11 @@ def write_fp8(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         data[part][blk, off] = q
 
 
+def pow2_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """The smallest power of two >= amax / top (floored at _TINY): a dynamic scale."""
+    return torch.exp2(torch.ceil(torch.log2((amax / top).clamp_min(_TINY))))
+
+
 def _grow_scales(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, blk: torch.Tensor,
                  off: torch.Tensor, top: float) -> torch.Tensor:
     """Each touched block's new per-head scale (re-quantising its earlier tokens where it
@@ -99,7 +109,8 @@ def _grow_scales(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, blk:
     fresh = torch.zeros(len(ub), dtype=torch.bool, device=x.device)
     fresh[inv[off == 0]] = True
     old = torch.where(fresh[:, None], torch.zeros_like(amax), scales[ub])
-    new = torch.maximum(old, (amax / top).clamp_min(_TINY))
+    need = pow2_scale(amax, top)
+    new = torch.maximum(old, need)  # both powers of two: old / new is exact
     grew = ~fresh[:, None] & (new > old)
     if bool(grew.any()):  # earlier tokens of these blocks move to the larger scale
         rows = grew.any(-1).nonzero().squeeze(-1)

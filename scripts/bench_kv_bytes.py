@@ -14,12 +14,12 @@ Part 2 (measured): the same through a real in-process P/D pair on the tiny windo
 Part 3 (measured): FP8 KV accuracy against the auto KV engine: greedy agreement over N prompts
 x T tokens and the mean KL(auto || fp8) of the next-token distributions at every position whose
 context is still the same, on tiny-llama and a ~50M model (/work/models/llama-58m if present,
-else the bench-50m preset). lm-eval on scripts/lm_eval_tasks/animal_facts when installed.
+else the bench-50m preset), and scripts/lm_eval_tasks/animal_facts on tiny-llama (the model
+trained on those facts) by lm-eval's multiple-choice rule (scripts/kv_fp8_accuracy.py).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -28,10 +28,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 
 from connectors.window_shipping import first_shipped_token  # noqa: E402
+from kv_fp8_accuracy import greedy_and_kl, multiple_choice  # noqa: E402
 from pd_cluster.engine.kv_spec import attention_spec  # noqa: E402
 
 BS = 16
@@ -134,68 +136,6 @@ def part2(prompt_len: int, models: tuple[str, ...]) -> None:
         print(f"{name:>20} fp8/auto bytes sent: {sent['fp8_e4m3'] / sent['auto']:.3f}")
 
 
-def _logits_recorder(llm) -> list[torch.Tensor]:
-    """Every compute_logits output of the engine (one row per step for one request)."""
-    rows: list[torch.Tensor] = []
-    model = llm.engine.runner.model
-    real = model.compute_logits
-
-    def record(hidden: torch.Tensor) -> torch.Tensor:
-        out = real(hidden)
-        rows.append(out.detach().float().cpu())
-        return out
-    model.compute_logits = record
-    return rows
-
-
-def part3(model: str, label: str, n_prompts: int, n_tokens: int) -> dict[str, float]:
-    from pd_cluster import LLM, SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
-    gen = torch.Generator().manual_seed(0)
-    vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
-    prompts = [torch.randint(4, vocab, (24 + i % 9,), generator=gen).tolist()
-               for i in range(n_prompts)]
-    runs = {}
-    for kv in ("auto", "fp8_e4m3"):
-        llm = LLM(model=model, kv_cache_dtype=kv, num_kv_blocks=64, enable_prefix_caching=False)
-        try:
-            rows = _logits_recorder(llm)
-            toks, dists = [], []
-            for prompt in prompts:  # one at a time: each step's logits row is this request's
-                start = len(rows)
-                toks.append(llm.generate([prompt], [params])[0].outputs[0].token_ids)
-                dists.append(torch.cat(rows[start:]).log_softmax(-1))
-                del rows[start:]
-            runs[kv] = (toks, dists)
-        finally:
-            llm.close()
-    same_seq = agree = total = 0
-    kls = []
-    for a_toks, a_lp, b_toks, b_lp in zip(*runs["auto"], *runs["fp8_e4m3"]):
-        n = next((i for i, (x, y) in enumerate(zip(a_toks, b_toks)) if x != y), len(a_toks))
-        same_seq += n == len(a_toks)
-        agree += sum(x == y for x, y in zip(a_toks, b_toks))
-        total += len(a_toks)
-        upto = min(n + 1, len(a_toks))  # positions whose context is still the same
-        kls.append((a_lp[:upto].exp() * (a_lp[:upto] - b_lp[:upto])).sum(-1))
-    kl = torch.cat(kls).mean().item()
-    print(f"{label:>12}: greedy tokens agreeing {agree / total:.4f}, sequences identical "
-          f"{same_seq}/{n_prompts}, mean KL(auto||fp8) {kl:.2e} nats over "
-          f"{sum(len(k) for k in kls)} positions")
-    return {f"{label}_agreement": agree / total, f"{label}_kl": kl}
-
-
-def lm_eval_note() -> None:
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError:
-        print("lm-eval: not installed here (pip install lm-eval, then run it against "
-              "`pd-cluster serve ... --kv-cache-dtype fp8_e4m3` and auto with "
-              "--include_path scripts/lm_eval_tasks --tasks animal_facts); not run")
-        return
-    print("lm-eval: installed; run it against the two servers as above (not automated here)")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script runs")
@@ -216,12 +156,13 @@ def main() -> None:
     if "3" not in skip:
         from pd_cluster.checkpoints.maker import default_model_path
         n, t = (2, 4) if args.smoke else (args.prompts, args.tokens)
-        acc |= part3(str(default_model_path("tiny-llama")), "tiny-llama", n, t)
+        tiny = str(default_model_path("tiny-llama"))
+        acc |= greedy_and_kl(tiny, "tiny-llama", n, t)
         if not args.smoke:
             big = "/work/models/llama-58m"
             big = big if os.path.isdir(big) else str(default_model_path("bench-50m"))
-            acc |= part3(big, "bench-50m", n, t)
-        lm_eval_note()
+            acc |= greedy_and_kl(big, "bench-50m", n, t)
+        acc |= multiple_choice(tiny, limit=4 if args.smoke else None)
     print(f"# {time.monotonic() - t0:.0f} s")
     prompt = 256 if args.smoke else 8192
     long = 256 if args.smoke else 32768

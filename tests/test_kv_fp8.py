@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import cpu_build
-from kernels.kv_quant import dequantize, fp8_max, split, write_fp8
+from kernels.kv_quant import dequantize, fp8_max, pow2_scale, split, write_fp8
 from pd_cluster.attention import AttentionOptions, create_backend
 from pd_cluster.attention.torch_backend import TorchAttentionBackend
 from pd_cluster.engine.kv_spec import FullAttentionSpec
@@ -31,13 +31,13 @@ def test_dynamic_scales_store_the_rule(dtype: torch.dtype) -> None:
     top = fp8_max(dtype)
     k, v = torch.randn(5, hkv, d), torch.randn(5, hkv, d)
     write_fp8(k, v, cache, torch.tensor([8, 9, 10, 11, 12]))  # block 1, slots 0..4: fresh
-    s1 = k.abs().amax(dim=(0, 2)) / top
+    s1 = pow2_scale(k.abs().amax(dim=(0, 2)), top)
     assert torch.equal(scales[0, 1], s1)
     assert torch.equal(data[0, 1, :5], (k / s1[None, :, None]).clamp(-top, top).to(dtype))
     before = data[0, 1, :5].clone()
     big = 10 * torch.randn(1, hkv, d)  # a larger token: the block's scale grows
     write_fp8(big, big, cache, torch.tensor([13]))
-    s2 = torch.maximum(s1, big.abs().amax(dim=(0, 2)) / top)
+    s2 = torch.maximum(s1, pow2_scale(big.abs().amax(dim=(0, 2)), top))
     assert torch.equal(scales[0, 1], s2)
     requant = (before.float() * (s1 / s2)[None, :, None]).clamp(-top, top).to(dtype)
     assert torch.equal(data[0, 1, :5], requant)
@@ -45,7 +45,25 @@ def test_dynamic_scales_store_the_rule(dtype: torch.dtype) -> None:
     # A recycled block (its first slot written again) starts from a fresh scale.
     small = 0.01 * torch.randn(1, hkv, d)
     write_fp8(small, small, cache, torch.tensor([8]))
-    assert torch.equal(scales[0, 1], small.abs().amax(dim=(0, 2)) / top)
+    assert torch.equal(scales[0, 1], pow2_scale(small.abs().amax(dim=(0, 2)), top))
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=IDS)
+def test_growing_scale_does_not_drift(dtype: torch.dtype) -> None:
+    """A block written token by token, each token larger than the last (its scale grows at
+    every write), stores exactly what the block written at once stores: the re-quantisation
+    of earlier tokens is exact (power-of-two scales), not a second rounding each time."""
+    torch.manual_seed(3)
+    bs, hkv, d = 8, 2, 16
+    sign = torch.randn(bs, hkv, d).sign()
+    # Magnitudes in [1, 2) times a growing factor: never near FP8's subnormals.
+    x = sign * (1 + torch.rand(bs, hkv, d)) * (1.7 ** torch.arange(bs))[:, None, None]
+    at_once, by_token = (_fp8_cache(dtype, 2, bs, hkv, d) for _ in range(2))
+    write_fp8(x, -x, at_once, torch.arange(bs) + bs)
+    for i in range(bs):
+        write_fp8(x[i:i + 1], -x[i:i + 1], by_token, torch.tensor([bs + i]))
+    assert torch.equal(split(by_token)[1][:, 1], split(at_once)[1][:, 1])
+    assert torch.equal(by_token[:, 1].view(torch.uint8), at_once[:, 1].view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=IDS)
