@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator, Sequence  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.script_runs import MARK, ScriptRuns, selected_specs  # noqa: E402
 from tests.shared_cluster import SharedCluster, last_user_items  # noqa: E402
 
 torch.set_num_threads(1)
@@ -135,6 +136,25 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         shared = item.config.stash.get(_SHARED, None)
         if shared is not None and item.nodeid == item.config.stash.get(_SHARED_LAST, None):
             shared.close()
+
+
+# ---------------------------------------------------------------------------- script runs
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{MARK}(key, argv, timeout=400): a subprocess run of "
+                            "a script the test asserts on (tests/script_runs.py)")
+
+
+@pytest.fixture(scope="session")
+def script_runs(request: pytest.FixtureRequest,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScriptRuns]:
+    """Every selected test's ``script_run``, started two at a time when the first such test
+    starts (tests/script_runs.py); ``script_runs.result(request.node)`` waits for one."""
+    runs = ScriptRuns(tmp_path_factory.mktemp("scripts"), selected_specs(request.session.items))
+    try:
+        yield runs
+    finally:
+        runs.close()
 
 
 # ---------------------------------------------------------------------------- compiled code
