@@ -141,7 +141,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 # ---------------------------------------------------------------------------- script runs
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", f"{MARK}(key, argv, timeout=400): a subprocess run of "
+    config.addinivalue_line("markers", f"{MARK}(key, argv, timeout=400, first=False): a subprocess run of "
                             "a script the test asserts on (tests/script_runs.py)")
 
 

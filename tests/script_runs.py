@@ -2,12 +2,13 @@
 
 Most of such a run is one process's start-up (imports, a model, a Ray cluster) on one thread,
 and the figures are not read, so a second run uses the machine's other core. A test names its
-run with ``@pytest.mark.script_run(key, argv, timeout=...)`` (``{dir}`` in argv: a folder of
-its own) and takes the ``script_runs`` fixture (conftest.py); when the first such test starts,
-every selected test's run is queued in the tests' order, and each test waits for its own. The
-runs before a test's were waited for by the tests before it, so a test waits for its own run
-alone (its bound stays its own). The runs go on while the tests between them run: keep the
-tests that use this in adjacent modules (tests/test_bench_*.py), with little else between.
+run with ``@pytest.mark.script_run(key, argv, timeout=..., first=False)`` (``{dir}`` in argv: a
+folder of its own) and takes the ``script_runs`` fixture (conftest.py); when the first such
+test starts, every selected test's run is queued in the tests' order (one marked ``first``
+ahead of them), and each test waits for its own. The runs before a test's were waited for by
+the tests before it, so a test waits for its own run alone (its bound stays its own). The runs
+go on while the tests between them run: keep the tests that use this in adjacent modules
+(tests/test_bench_*.py), with little else between.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class ScriptResult:
 class _Spec:
     argv: list[str]
     timeout: float
+    first: bool = False  # started before the others (the longest: no lone run at the end)
 
 
 def spec_of(item: pytest.Item) -> tuple[str, _Spec] | None:
@@ -47,7 +49,8 @@ def spec_of(item: pytest.Item) -> tuple[str, _Spec] | None:
     if mark is None:
         return None
     key, argv = mark.args
-    return key, _Spec(list(argv), float(mark.kwargs.get("timeout", 400.0)))
+    return key, _Spec(list(argv), float(mark.kwargs.get("timeout", 400.0)),
+                      bool(mark.kwargs.get("first", False)))
 
 
 class ScriptRuns:
@@ -61,7 +64,11 @@ class ScriptRuns:
         self.stopping = False
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(SIDE_BY_SIDE)
-        self.results: dict[str, Future] = {k: self.pool.submit(self._run, k) for k in specs}
+        # At most one run goes first: the others keep the tests' order, so when a test starts,
+        # the runs of the tests before it are done and a worker is free for its own.
+        first = [k for k, spec in specs.items() if spec.first][:SIDE_BY_SIDE - 1]
+        order = first + [k for k in specs if k not in first]
+        self.results: dict[str, Future] = {k: self.pool.submit(self._run, k) for k in order}
 
     def _run(self, key: str) -> ScriptResult:
         spec, run_dir = self.specs[key], self.root / key.replace("/", "_")

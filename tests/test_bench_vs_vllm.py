@@ -15,7 +15,7 @@ from tests.script_runs import ScriptRuns
 
 @pytest.mark.timeout(900)  # a benchmark subprocess (its own bound: 600 s)
 @pytest.mark.script_run("bench_vs_vllm.py", ["scripts/bench_vs_vllm.py", "--smoke"],
-                        timeout=600)
+                        timeout=600, first=True)  # the longest smoke: not alone at the end
 def test_bench_vs_vllm_smoke(script_runs: ScriptRuns, request: pytest.FixtureRequest) -> None:
     run = script_runs.result(request.node)  # two at a time with the other benchmarks' smokes
     out = run.stdout + run.stderr
