@@ -45,6 +45,9 @@ from typing import Any, Callable, Iterator, Sequence  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.script_runs import MARK, ScriptRuns, selected_specs  # noqa: E402
+from tests.shared_cluster import SharedCluster, last_user_items  # noqa: E402
+
 torch.set_num_threads(1)
 
 logging.getLogger("pd_cluster").setLevel(logging.WARNING)
@@ -73,7 +76,8 @@ def _device_of_the_test(request: pytest.FixtureRequest, monkeypatch: pytest.Monk
 # Calls that start a Ray cluster. Its start-up alone took up to 315 s on a loaded machine, past
 # the default bound (pyproject.toml), and an expired bound ends the whole run: such a test (or
 # a fixture it uses) must carry an explicit @pytest.mark.timeout.
-_CLUSTER_STARTERS = ("launched_cluster(", "ensure_ray(", "Launcher(", "TwoNodes(")
+_CLUSTER_STARTERS = ("launched_cluster(", "ensure_ray(", "Launcher(", "TwoNodes(",
+                     "SharedCluster(")
 
 
 def _source(func: Any) -> str:
@@ -97,6 +101,60 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(
             "these tests start a Ray cluster but carry no @pytest.mark.timeout (a cluster's "
             "start-up can pass the default bound; see pyproject.toml): " + ", ".join(unmarked))
+
+
+# ---------------------------------------------------------------------------- shared cluster
+
+_SHARED = pytest.StashKey[SharedCluster]()
+_SHARED_LAST = pytest.StashKey["str | None"]()
+
+
+@pytest.fixture(scope="session")
+def serving_cluster(request: pytest.FixtureRequest,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedCluster]:
+    """The serving modules' one cluster (tests/shared_cluster.py), launched by the first
+    ``get()``. A user module wraps it in a module fixture that calls ``check_no_leaks()``
+    after its tests."""
+    shared = request.config.stash[_SHARED] = SharedCluster(tmp_path_factory.mktemp("state"))
+    try:
+        yield shared
+    finally:
+        shared.close()  # a run that ended before the last user module
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    session.config.stash[_SHARED_LAST] = last_user_items(session.items)  # after -k, -m
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """The shared cluster goes as soon as its last user module is torn down: the rest of the
+    suite gets the cores and Ray's CPUs back."""
+    try:
+        return (yield)
+    finally:
+        shared = item.config.stash.get(_SHARED, None)
+        if shared is not None and item.nodeid == item.config.stash.get(_SHARED_LAST, None):
+            shared.close()
+
+
+# ---------------------------------------------------------------------------- script runs
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{MARK}(key, argv, timeout=400, first=False): a subprocess run of "
+                            "a script the test asserts on (tests/script_runs.py)")
+
+
+@pytest.fixture(scope="session")
+def script_runs(request: pytest.FixtureRequest,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScriptRuns]:
+    """Every selected test's ``script_run``, started two at a time when the first such test
+    starts (tests/script_runs.py); ``script_runs.result(request.node)`` waits for one."""
+    runs = ScriptRuns(tmp_path_factory.mktemp("scripts"), selected_specs(request.session.items))
+    try:
+        yield runs
+    finally:
+        runs.close()
 
 
 # ---------------------------------------------------------------------------- compiled code

@@ -4,28 +4,25 @@ results) runs to its report on a tiny model. vLLM's side needs its own venv: not
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 
 from pd_cluster.serving.cluster.testing import REPO_ROOT
+from tests.script_runs import ScriptRuns
 
 
 @pytest.mark.timeout(900)  # a benchmark subprocess (its own bound: 600 s)
-def test_bench_goodput_smoke(tmp_path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "scripts/bench_goodput.py", "--smoke",
-                           "--log-dir", str(tmp_path)], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+@pytest.mark.script_run("bench_goodput.py", ["scripts/bench_goodput.py", "--smoke",
+                                             "--log-dir", "{dir}"], timeout=600)
+def test_bench_goodput_smoke(script_runs: ScriptRuns, request: pytest.FixtureRequest) -> None:
+    run = script_runs.result(request.node)  # two at a time with the other benchmarks' smokes
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
     assert any(ln.startswith("  pd@1000") and "failed 0" in ln
-               for ln in proc.stdout.splitlines()), out
-    assert "rate 4, TPOT<=1000ms: pd-cluster" in proc.stdout, out
-    result = json.loads((tmp_path / "pd@1000-4.json").read_text())
+               for ln in run.stdout.splitlines()), out
+    assert "rate 4, TPOT<=1000ms: pd-cluster" in run.stdout, out
+    result = json.loads((run.dir / "pd@1000-4.json").read_text())
     assert len(result["ttfts"]) == 6 and all(n == 8 for n in result["output_lens"])
 
 

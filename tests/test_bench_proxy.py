@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import inspect
 import re
-import subprocess
-import sys
-from pathlib import Path
+
+import pytest
 
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.serving.engine.null_engine import NullEngine
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.script_runs import ScriptRuns
 
 
 def test_null_engine_takes_what_llm_engine_takes() -> None:
@@ -23,12 +21,14 @@ def test_null_engine_takes_what_llm_engine_takes() -> None:
             [(p.name, p.kind, p.default) for p in real], name
 
 
-def test_bench_proxy_smoke_measures_the_token_path() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_proxy.py"), "--smoke"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    out = proc.stdout[-3000:]
+@pytest.mark.timeout(400)  # its run's own bound: 300 s
+@pytest.mark.script_run("bench_proxy.py", ["scripts/bench_proxy.py", "--smoke"], timeout=300)
+def test_bench_proxy_smoke_measures_the_token_path(script_runs: ScriptRuns,
+                                                   request: pytest.FixtureRequest) -> None:
+    run = script_runs.result(request.node)  # two at a time with the other benchmarks' smokes
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    out = run.stdout[-3000:]
     for path in ("stream", "stream/4"):  # a row per path and level, paced and unpaced
         assert sum(bool(re.match(rf"\s*{path}\s+[14]\s+\d+", ln)) for ln in lines) == 4, out
 

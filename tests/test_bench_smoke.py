@@ -1,25 +1,21 @@
 """Every benchmark still runs: each scripts/bench_*.py with ``--smoke`` (a tiny load, a few
 seconds), as a user runs it, so an interface change cannot break one unnoticed. The figures are
-meaningless here; only that the script runs to its last line.
+meaningless here; only that the script runs to its last line. The runs go two at a time, beside
+test_bench_goodput/proxy/vs_vllm's (tests/script_runs.py).
 
 bench_serving.py --smoke runs in tests/test_gpu_check_cpu.py (against the launched cluster);
 bench_proxy.py and bench_offline.py have their own tests.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from pd_cluster.serving.cluster.testing import REPO_ROOT
-
+from tests.script_runs import ScriptRuns
 
 pytestmark = pytest.mark.timeout(600)  # each benchmark script runs as a subprocess
 
-
-@pytest.mark.parametrize("script, last_line", [
+SMOKES = [  # (script, the start of its last line)
     ("bench_kernels.py", "decode_attention_bw_fraction="),  # CPU: the Triton interpreter
     ("bench_pipe.py", "8Mi "),
     ("bench_kv_transfer.py", "kv_transfer_efficiency="),
@@ -33,16 +29,21 @@ pytestmark = pytest.mark.timeout(600)  # each benchmark script runs as a subproc
     ("bench_planner.py", "planner_goodput_vs_best_fixed="),  # simulator only, 8 slots
     ("bench_spec_decode.py", "spec_speedup_grounded_b1="),  # ngram, draft_model; offline, 1P1D
     ("bench_kv_bytes.py", "gpt_oss_ship_ratio_"),  # window shipping and FP8 KV, tiny P/D pair
-])
-def test_bench_smoke(script: str, last_line: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, f"scripts/{script}", "--smoke"], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=400)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    assert proc.stdout.strip().splitlines()[-1].lstrip().startswith(last_line), out
+]
+
+
+@pytest.mark.parametrize("script, last_line", [  # two at a time (tests/script_runs.py)
+    pytest.param(script, last, marks=pytest.mark.script_run(script, [f"scripts/{script}",
+                                                                     "--smoke"]))
+    for script, last in SMOKES])
+def test_bench_smoke(script: str, last_line: str, script_runs: ScriptRuns,
+                     request: pytest.FixtureRequest) -> None:
+    run = script_runs.result(request.node)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    assert run.stdout.strip().splitlines()[-1].lstrip().startswith(last_line), out
     if script == "bench_kv_transfer.py":  # its shm part (issue 42) ran too
-        assert "shm_efficiency=" in proc.stdout, out
+        assert "shm_efficiency=" in run.stdout, out
 
 
 def test_every_benchmark_has_a_smoke_test() -> None:

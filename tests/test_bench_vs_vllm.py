@@ -4,24 +4,23 @@ on a tiny model. vLLM's side needs its own venv and minutes: it is not run here;
 are meaningless here."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
 from pd_cluster.serving.cluster.testing import REPO_ROOT
+from tests.script_runs import ScriptRuns
 
 
 @pytest.mark.timeout(900)  # a benchmark subprocess (its own bound: 600 s)
-def test_bench_vs_vllm_smoke() -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "scripts/bench_vs_vllm.py", "--smoke"], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    lines = proc.stdout.strip().splitlines()
+@pytest.mark.script_run("bench_vs_vllm.py", ["scripts/bench_vs_vllm.py", "--smoke"],
+                        timeout=600, first=True)  # the longest smoke: not alone at the end
+def test_bench_vs_vllm_smoke(script_runs: ScriptRuns, request: pytest.FixtureRequest) -> None:
+    run = script_runs.result(request.node)  # two at a time with the other benchmarks' smokes
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    lines = run.stdout.strip().splitlines()
     assert lines[-1].startswith("vs_vllm_offline=n/a vs_vllm_served_tok_s=n/a"), out
     for figure in ("offline pd", "served  pd", "served  colocated", "stream  colocated"):
         assert any(figure in ln for ln in lines), (figure, out)

@@ -1,4 +1,4 @@
-"""The API surface real clients use, through a 1P1D cluster and the official openai client:
+"""The API surface real clients use, through a P/D cluster and the official openai client:
 unknown fields, continuous usage, /tokenize and friends, n>1 and prompt lists, penalties,
 logit_bias and logprobs."""
 from __future__ import annotations
@@ -15,7 +15,8 @@ from tests.test_serving_openai import (MODEL, PROMPTS, client, cluster,  # noqa:
                                        offline, reference)
 
 
-# shares test_serving_openai's Ray cluster (started by its first test)
+# the serving modules' shared cluster (tests/shared_cluster.py, 1P2D), through
+# test_serving_openai's fixture: leak-checked after this module too
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -208,7 +209,8 @@ def cluster_tokenizer(model_dir: str):
 def test_n_choices_share_one_prefill(cluster, client, offline) -> None:
     """n>1 through P/D: the prompt is prefilled once (by P, or by D alone when the proxy's cost
     model finds that sooner); the other choices run on the decode engine that holds its KV,
-    whose prefix cache serves the prompt's full blocks. Every choice equals the colocated
+    whose prefix cache serves the prompt's full blocks (summed over the decode engines: on
+    another D a sibling would find no blocks to hit). Every choice equals the colocated
     engine's for its seed (seed + index)."""
     tok = offline.engine.tokenizer
     ids = (tok.encode(" ".join(PROMPTS)) * 3)[:53]  # 3 full blocks of 16 and a tail of 5
@@ -219,8 +221,12 @@ def test_n_choices_share_one_prefill(cluster, client, offline) -> None:
         shared = re.search(r"^pd_shared_prefills_total (\S+)$", metrics, re.M)
         local = re.findall(r'^pd_disaggregation_decisions_total\{path="local".*\} (\S+)$',
                            metrics, re.M)  # one line per reason
-        return {"shared": float(shared.group(1)), "local": sum(map(float, local)),
-                **{e["role"]: e["stats"] for e in body["engines"]}}
+        per_role: dict[str, dict] = {}  # stats summed over a role's engines (two Ds)
+        for e in body["engines"]:
+            role = per_role.setdefault(e["role"], {})
+            for k in ("requests_total", "prefix_cache_hit_blocks"):
+                role[k] = role.get(k, 0) + e["stats"][k]
+        return {"shared": float(shared.group(1)), "local": sum(map(float, local)), **per_role}
     before = engines()
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0.8,
                                   seed=7, n=4, extra_body={"ignore_eos": True})

@@ -1,11 +1,14 @@
-"""A 1P1D cluster from configs/local.yaml behind the proxy, driven by the official openai client.
+"""A P/D cluster from configs/local.yaml behind the proxy, driven by the official openai client.
 
-One module-scoped cluster serves every test here; each test leaves it idle and healthy.
+The serving modules' shared cluster (tests/shared_cluster.py: 1P2D) serves every test here;
+each test leaves it idle and healthy, and the module's end checks that nothing leaked.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -14,27 +17,21 @@ import pytest
 from pd_cluster import LLM, SamplingParams
 from pd_cluster.serving.cluster.cluster_config import resolve_model
 from pd_cluster.serving.cluster.testing import wait_idle
-from tests.launch_helpers import launched_cluster
+from tests.shared_cluster import MAX_INFLIGHT, MODEL, SharedCluster
 
-MODEL = "tiny-llama"
 PROMPTS = ["Hello world, this is", "The quick brown fox jumps over", "Once upon a time",
            "In a distant land there lived a"]
-MAX_INFLIGHT = 12
 
 
-pytestmark = pytest.mark.timeout(900)  # a Ray cluster's start-up counts in the first test
+pytestmark = pytest.mark.timeout(900)  # the shared cluster's start-up may count in a test here
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    yield from launched_cluster(tmp_path_factory, "local", "openai",
-                                engine={"num_kv_blocks": 512, "max_model_len": 1024},
-                                kv_transfer={"kv_transfer_timeout": 5.0},
-                                # always through P: the tests assert the KV crossed (the
-                                # cost model's choice is tested in test_cache_routing.py)
-                                proxy={"max_inflight": MAX_INFLIGHT, "max_queue": 0,  # no queue:
-                                       "request_timeout": 60.0,  # over the limit: 429 at once
-                                       "disaggregation": "always"})
+def cluster(serving_cluster: SharedCluster) -> Iterator[Any]:
+    """The shared cluster; after this module's tests (and test_serving_api.py's, which
+    imports this fixture): idle, every KV block free, no engine holding anything."""
+    yield serving_cluster.get()
+    serving_cluster.check_no_leaks()
 
 
 @pytest.fixture(scope="module")
@@ -138,11 +135,13 @@ def test_edge_params(client, offline) -> None:
 
 def test_kv_really_moved_from_p_to_d(cluster) -> None:
     st = wait_idle(cluster.url)
-    p, d = (next(e for e in st["engines"] if e["role"] == r) for r in ("prefill", "decode"))
-    assert p["stats"]["requests_total"] > 0 and d["stats"]["requests_total"] > 0
-    assert d["kv_endpoint"] is not None  # the KV connector is in: D must not prefill by itself
-    assert d["stats"].get("kv_bytes_received", 0) > 0
-    assert d["stats"].get("kv_fallbacks", 0) == 0
+    (p,) = (e for e in st["engines"] if e["role"] == "prefill")
+    ds = [e for e in st["engines"] if e["role"] == "decode"]
+    assert p["stats"]["requests_total"] > 0 and sum(d["stats"]["requests_total"] for d in ds) > 0
+    # the KV connector is in on every D: none may prefill by itself
+    assert all(d["kv_endpoint"] is not None for d in ds)
+    assert sum(d["stats"].get("kv_bytes_received", 0) for d in ds) > 0
+    assert all(d["stats"].get("kv_fallbacks", 0) == 0 for d in ds)
 
 
 def test_models_health_metrics(cluster, client) -> None:

@@ -9,7 +9,8 @@ import json
 import os
 import re
 import signal
-from typing import Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import httpx
 import jsonschema
@@ -22,9 +23,8 @@ from pd_cluster.serving.cluster.cluster_config import resolve_model
 from pd_cluster.serving.cluster.testing import (cluster_status, leak_reports, wait_idle,
                                                 wait_until)
 from pd_cluster.structured_outputs import StructuredOutputsParams
-from tests.launch_helpers import launched_cluster
+from tests.shared_cluster import MODEL, SharedCluster
 
-MODEL = "tiny-llama"
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -35,19 +35,15 @@ SCHEMA = {"type": "object", "properties": {
 PROMPTS = ["Tell me about a person:", "Once upon a time", "The quick brown fox", "Data:"]
 
 
-pytestmark = pytest.mark.timeout(900)  # a Ray cluster's start-up counts in the first test
+pytestmark = pytest.mark.timeout(900)  # the shared cluster's start-up may count in a test here
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    yield from launched_cluster(
-        tmp_path_factory, "local", "structured",
-        engine={"num_kv_blocks": 256, "max_model_len": 512,
-                # a small model writes whitespace forever if let: JSON without it
-                "structured_outputs": {"disable_any_whitespace": True}},
-        decode={"replicas": 2, "num_cpus": 1, "num_gpus": 0},
-        proxy={"disaggregation": "always", "request_timeout": 60.0,
-               "enable_auto_tool_choice": True, "tool_call_parser": "hermes"})
+def cluster(serving_cluster: SharedCluster) -> Iterator[Any]:
+    """The serving modules' shared cluster (tests/shared_cluster.py: 1P2D, every request through
+    P, JSON without free whitespace, the hermes tool parser); leak-checked after this module."""
+    yield serving_cluster.get()
+    serving_cluster.check_no_leaks()
 
 
 @pytest.fixture(scope="module")
