@@ -117,13 +117,16 @@ def test_json_object_regex_choice_grammar(client) -> None:
         return choice.text
     for seed in (None, 11):
         kw = dict(temperature=0.0 if seed is None else 1.0, seed=seed)
-        # any object: this model's objects end within 200 tokens for these two
-        obj = complete({"json_object": True}, "Lily said" if seed is None else "JSON:", **kw)
+        # any object: the demo model learnt to close a JSON answer (a chat turn asking for one)
+        obj = complete({"json_object": True}, "user: Reply in JSON.\nassistant:", **kw)
         assert isinstance(json.loads(obj), dict)
         assert re.fullmatch(r"[a-z]{2,5}-\d{3}", complete({"regex": r"[a-z]{2,5}-\d{3}"}, **kw))
         assert complete({"choice": ["red", "green", "blue"]}, **kw) in {"red", "green", "blue"}
-        grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
-        assert re.fullmatch(r"\(\d{1,2}(\+\d{1,2})*\)", complete({"grammar": grammar}, **kw))
+        # bounded: whether a model closes an unbounded sum is the model's choice (the retrained
+        # demo model adds "+44" until max_tokens); the grammar's own end is what is tested
+        grammar = ('root ::= "(" num tail ")"\ntail ::= "" | "+" num | "+" num "+" num\n'
+                   'num ::= [1-9] [0-9]?')
+        assert re.fullmatch(r"\(\d{1,2}(\+\d{1,2}){0,2}\)", complete({"grammar": grammar}, **kw))
         schema = {"type": "object", "properties": {"x": {"type": "boolean"}},
                   "required": ["x"]}
         out = complete({"json": schema}, **kw)
