@@ -1,7 +1,9 @@
-"""Speculation's cost at batch (issue 41): the verify decides a batch of requests in tensor passes
-and gives each request what verifying it alone gives (greedy, seeded sampling, top-k/top-p per
-row, logprobs, drafts of different lengths); the ngram lookup is skipped exactly when it could
-find nothing; a draft model whose drafts keep failing backs off and probes again later."""
+"""Speculation's cost at batch (issue 41): the verify decides a batch of requests in one pass and
+gives each request what verifying it alone gives (greedy, seeded sampling, top-k/top-p per row,
+logprobs, drafts of different lengths); a seeded request keeps the sampler's own draws whatever
+was proposed; the ngram lookup is skipped exactly when it could find nothing; a draft model
+whose drafts keep failing backs off and probes again later; drafts past the first are proposed
+only while the measured step cost says they pay."""
 from __future__ import annotations
 
 import random
@@ -14,7 +16,6 @@ from pd_cluster.config import SpeculativeConfig
 from pd_cluster.engine.sampler import Sampler
 from pd_cluster.engine.spec.draft_model import DraftModelProposer
 from pd_cluster.engine.spec.ngram import NgramProposer, _State, find_drafts
-from pd_cluster.engine.spec.rejection import batch_target_probs, target_probs
 from pd_cluster.engine.spec.verify import verify
 from pd_cluster.request import Request
 from pd_cluster.sampling_params import SamplingParams
@@ -63,13 +64,23 @@ def test_batched_verify_equals_each_request_verified_alone() -> None:
                 assert all(abs(lb[t] - la[t]) < 1e-5 for t in lb)
 
 
-def test_batched_probabilities_equal_per_row() -> None:
-    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
-    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=3),
-              SamplingParams(temperature=1.5, top_p=0.5), SamplingParams(temperature=0.9)]
-    got = batch_target_probs(logits, params)
-    for i, p in enumerate(params):
-        assert torch.allclose(got[i], target_probs(logits[i:i + 1], p)[0], atol=1e-6)
+def test_seeded_kept_tokens_are_the_samplers_own_draws_whatever_the_drafts() -> None:
+    """Each kept token is what the sampler draws for that output index without speculation
+    (seeded), so seeded output does not depend on what was proposed (a backoff or a timing
+    that changes the drafts cannot change it)."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2)) * 2
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=9, max_tokens=20)
+    req = Request("r", [1, 2], params)
+    req.output_token_ids = [4, 4]
+    alone = [Sampler().sample(logits[j:j + 1], [params],
+                              [req.generator_for_token(logits.device, 2 + j)]).token_ids[0]
+             for j in range(4)]
+    for drafts in (alone[:3], [alone[0], (alone[1] + 1) % VOCAB, alone[2]],
+                   [(alone[0] + 1) % VOCAB] * 3):
+        v = verify(logits.clone(), [req], [drafts], Sampler())[0]
+        kept = v.accepted + [v.token]
+        assert kept == alone[:len(kept)]
+        assert len(v.accepted) == next((j for j, d in enumerate(drafts) if d != alone[j]), 3)
 
 
 def test_ngram_lookup_skipped_exactly_when_it_finds_nothing() -> None:
@@ -132,3 +143,18 @@ def test_draft_model_backs_off_while_its_drafts_fail_and_probes_again() -> None:
     assert runner.forwards == 2 * sum(proposed)  # a resting request costs no draft forward
     proposer.release(["r"])
     proposer.check_no_leaks()
+
+
+def test_step_cost_fit_and_the_drafts_it_pays_for() -> None:
+    from pd_cluster.engine.spec.backoff import Backoff
+    backoff = Backoff()
+    low, high = _State(kept=0.5, lost=4.0), _State(kept=40.0, lost=1.0)
+    assert backoff.width(low, 4, 16) == 4  # nothing measured yet: every draft
+    for tokens in (16, 80, 32, 64, 16, 48, 80, 20, 16, 70):
+        backoff.cost.record(tokens, 1e-3 + 3e-5 * tokens)  # 1 ms a step, 30 us a token
+    overhead, per_token = backoff.cost.fit()
+    assert abs(overhead - 1e-3) < 1e-9 and abs(per_token - 3e-5) < 1e-10
+    assert abs(backoff.cost.threshold(16) - 0.48 / 1.48) < 1e-6
+    assert backoff.width(low, 4, 16) == 1  # unlikely drafts past the first cost more
+    assert backoff.width(high, 4, 16) == 4  # likely ones pay
+    assert backoff.width(low, 4, 1) == 2  # at batch 1 a token costs 3% of a step: a^2 pays

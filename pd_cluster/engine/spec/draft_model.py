@@ -40,6 +40,8 @@ class _State:
     fed: list[int] = field(default_factory=list)  # drafts written at positions computed..
     misses: int = 0  # backoff.py's
     cooldown: int = 0
+    kept: float = 0.0
+    lost: float = 0.0
 
 
 class DraftModelProposer:
@@ -71,6 +73,7 @@ class DraftModelProposer:
             state = self._state(request)
             if self.backoff.resting(state):
                 continue
+            k = min(k, self.backoff.width(state, k, len(requests)))  # fewer draft forwards too
             n = request.num_tokens
             confirmed = 0  # fed drafts the request's tokens now hold: their KV stays
             for a, b in zip(state.fed, request.token_ids_range(state.computed, n)):

@@ -27,6 +27,8 @@ class _State:
     min-n-grams that end before the last token (those with a successor)."""
     misses: int = 0  # verifications in a row that accepted nothing
     cooldown: int = 0  # steps left without proposing
+    kept: float = 0.0  # backoff.py's acceptance estimate
+    lost: float = 0.0
     tokens: np.ndarray | None = None  # the request's tokens, the first ``length`` valid
     length: int = 0
     grams: set[tuple[int, ...]] = field(default_factory=set)
@@ -88,7 +90,7 @@ class NgramProposer:
             room = self.max_model_len - request.num_tokens - 1  # positions the step may use
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
-            k = min(self.k, room)
+            k = min(self.k, room, self.backoff.width(state, self.k, len(requests)))
             if k < 1:
                 continue
             tokens = self._tokens(request, state)

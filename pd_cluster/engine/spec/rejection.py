@@ -3,7 +3,9 @@ rejection sampler): a draft token ``d`` drawn from ``q`` is accepted with probab
 min(1, p(d) / q(d)); when rejected, the token is drawn from norm(max(0, p - q)) instead. Either
 way the token has distribution ``p`` exactly. A proposer without probabilities (ngram) is a
 point mass: q(d) = 1, so ``d`` is accepted with probability p(d) and a rejection draws from p
-with ``d`` removed.
+with ``d`` removed. verify.py applies the point-mass case batched to unseeded requests, and to
+seeded ones in its equivalent form: sample x ~ p with the sampler and keep d iff x = d (the
+same law; the draw is the sampler's own, so seeded output does not depend on the drafts).
 
 ``target_probs`` is the distribution the sampler draws from (sampler.py: temperature, then
 top-k and top-p, ties kept in vocabulary order), in vocabulary order."""
