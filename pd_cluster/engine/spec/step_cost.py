@@ -15,16 +15,18 @@ class StepCost:
     def __init__(self) -> None:
         self.samples: deque[tuple[int, float]] = deque(maxlen=_WINDOW)
         self._fit: tuple[float, float] | None = None
+        self._stale = False  # samples came since the fit (it is computed once per step)
 
     def record(self, tokens: int, seconds: float) -> None:
         """One decode-only step: its tokens (decodes and drafts) and its execute time."""
         if tokens > 0 and seconds > 0:
             self.samples.append((tokens, seconds))
-            self._fit = None
+            self._stale = True
 
     def fit(self) -> tuple[float, float] | None:
         """(overhead seconds, seconds per token), or None until the widths varied enough."""
-        if self._fit is None and len(self.samples) >= _MIN_STEPS:
+        if self._stale and len(self.samples) >= _MIN_STEPS:
+            self._stale, self._fit = False, None
             n = len(self.samples)
             mean_t = sum(t for t, _ in self.samples) / n
             mean_s = sum(s for _, s in self.samples) / n
