@@ -48,6 +48,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-layers", type=int, default=3, help="draft_model: layers kept")
     p.add_argument("--methods", default="ngram,draft_model")
     p.add_argument("--no-pd", action="store_true", help="offline only")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="off/on runs alternated per case; the medians are printed (a shared "
+                        "machine's noise)")
     p.add_argument("--smoke", action="store_true")
     return p.parse_args()
 
@@ -196,20 +199,27 @@ def main() -> None:
                 for b in batches:
                     prompts = loads[name]
                     off.run(prompts[:1])  # warm-up (first steps, allocator)
-                    r_off, itl_off, t_off = off.run(prompts[:b])
+                    on.run(prompts[:1])
                     s0 = engine.stats()
-                    r_on, itl_on, t_on = on.run(prompts[:b])
+                    pairs = []
+                    for _ in range(args.repeat):  # alternated: both see the same noise
+                        r_off, itl_off, t_off = off.run(prompts[:b])
+                        r_on, itl_on, t_on = on.run(prompts[:b])
+                        pairs.append((r_off, r_on, itl_off, itl_on, t_off == t_on))
                     s1 = engine.stats()
                     drafts = s1["spec_num_drafts"] - s0["spec_num_drafts"]
                     drafted = s1["spec_num_draft_tokens"] - s0["spec_num_draft_tokens"]
                     acc = s1["spec_num_accepted_tokens"] - s0["spec_num_accepted_tokens"]
-                    ratio = r_on / r_off
+                    r_off, r_on, itl_off, itl_on = (statistics.median(p[c] for p in pairs)
+                                                    for c in range(4))
+                    equal = all(p[4] for p in pairs)
+                    ratio = statistics.median(p[1] / p[0] for p in pairs)
                     ratios[f"{method}_{where}_{name}_b{b}"] = ratio
                     print(f"{method:11} {where:8} {name:10} {b:5d} {r_off:10.1f} {r_on:10.1f} "
                           f"{ratio:6.2f} {itl_off:10.2f} {itl_on:10.2f} "
                           f"{1 + acc / max(drafts, 1):10.2f} {100 * acc / max(drafted, 1):8.1f} "
-                          f"{t_on == t_off}", flush=True)
-                    if t_on != t_off:
+                          f"{equal}", flush=True)
+                    if not equal:
                         print(f"  outputs differ: {method} {where} {name} batch {b}",
                               file=sys.stderr)
         if "1P1D" in ons:

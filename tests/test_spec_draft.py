@@ -73,10 +73,11 @@ def test_a_draft_equal_to_the_target_is_always_accepted(base, models) -> None:
     same.engine.check_no_leaks()
 
 
-def test_seeded_sampling_reproducible_and_abort_frees_draft_blocks(spec) -> None:
+def test_seeded_sampling_reproducible_and_abort_frees_draft_blocks(base, spec) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True)
     first = [o.token_ids for o in outputs(spec, PROMPTS[:2], params)]
     assert [o.token_ids for o in outputs(spec, PROMPTS[:2], params)] == first
+    assert [o.token_ids for o in outputs(base, PROMPTS[:2], params)] == first  # as without
     engine = spec.engine
     engine.add_request("cut", PROMPTS[1], GREEDY)
     for _ in range(6):

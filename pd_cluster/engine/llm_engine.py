@@ -219,7 +219,14 @@ class LLMEngine:
         if not sched_out.scheduled and self.runner.connector is not None:
             # Only waiting on transfers (KV arriving, ACKs): don't spin a core meanwhile.
             time.sleep(0.001)
+        cost = getattr(self.proposer, "backoff", None)
+        cost = cost.cost if cost is not None and sched_out.scheduled and all(
+            item.request.is_decoding for item in sched_out.scheduled) else None
+        started = time.perf_counter()
         result = self.executor.execute(sched_out)
+        if cost is not None:  # a decode-only step: what its width cost (spec/step_cost.py)
+            cost.record(sum(item.num_new_tokens for item in sched_out.scheduled),
+                        time.perf_counter() - started)
         updated = self.scheduler.update_from_output(sched_out, result)
         updated, broken = split_broken(updated)
         failed += self._end_broken_grammars(broken)

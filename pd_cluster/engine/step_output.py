@@ -58,10 +58,14 @@ def _verify_drafts(plan: StepPlan, rows: torch.Tensor, sampler: Sampler,
             plain_rows.append(start)
             plain_reqs.append(req)
         start += n
-    index = torch.tensor(spec_rows, dtype=torch.long, device=rows.device)
-    for req, v in zip(spec_reqs, verify(rows[index], spec_reqs, spec_drafts, sampler)):
+    # Every request speculating (the usual case while drafts pay): the rows as they are.
+    spec = rows if not plain_reqs else rows[torch.tensor(spec_rows, dtype=torch.long,
+                                                         device=rows.device)]
+    for req, v in zip(spec_reqs, verify(spec, spec_reqs, spec_drafts, sampler)):
         result.sampled_token_ids[req.request_id] = v.token
         result.logprobs[req.request_id] = v.logprobs[-1]
         result.accepted_token_ids[req.request_id] = v.accepted
         result.accepted_logprobs[req.request_id] = v.logprobs[:-1]
+    if not plain_reqs:
+        return rows[:0], plain_reqs
     return rows[torch.tensor(plain_rows, dtype=torch.long, device=rows.device)], plain_reqs

@@ -16,6 +16,9 @@ a point mass; accepting d with probability p(d) and otherwise drawing from p wit
 gives P(d) = p(d) and P(x) = (1 - p(d)) p(x) / (1 - p(d)) = p(x) for x != d: exactly p. (The
 draft's own probabilities would accept more often; the point-mass rule needs none of them.)
 
+A request whose drafts keep failing stops proposing for a while (backoff.py): its draft cache
+catches up on the tokens it missed when it proposes again.
+
 A request that leaves the running set (finished, aborted, preempted) gives its draft blocks
 back at the next proposal or abort; a preempted request catches up again when it returns."""
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pd_cluster.config import SpeculativeConfig
+from pd_cluster.engine.spec.backoff import Backoff
 from pd_cluster.engine.spec.draft_runner import Chunk, DraftRunner
 from pd_cluster.request import Request
 
@@ -34,6 +38,10 @@ class _State:
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # positions whose draft KV holds the request's own tokens
     fed: list[int] = field(default_factory=list)  # drafts written at positions computed..
+    misses: int = 0  # backoff.py's
+    cooldown: int = 0
+    kept: float = 0.0
+    lost: float = 0.0
 
 
 class DraftModelProposer:
@@ -43,9 +51,14 @@ class DraftModelProposer:
         self.runner = runner
         self.max_model_len = max_model_len
         self.states: dict[str, _State] = {}
+        self.backoff = Backoff()
 
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """Nothing to learn: what was accepted shows in the request's tokens (propose)."""
+        """A verification's outcome, for the backoff (what was accepted shows in the request's
+        tokens: propose keeps the draft KV of those)."""
+        state = self.states.get(request.request_id)
+        if state is not None and state.request is request:
+            self.backoff.observe(state, num_drafts, num_accepted)
 
     def propose(self, requests: list[Request]) -> None:
         """Set ``spec_token_ids`` of each decoding request for the next step."""
@@ -58,6 +71,9 @@ class DraftModelProposer:
             if k < 1:
                 continue
             state = self._state(request)
+            if self.backoff.resting(state):
+                continue
+            k = min(k, self.backoff.width(state, k, len(requests)))  # fewer draft forwards too
             n = request.num_tokens
             confirmed = 0  # fed drafts the request's tokens now hold: their KV stays
             for a, b in zip(state.fed, request.token_ids_range(state.computed, n)):

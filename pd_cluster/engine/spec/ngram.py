@@ -4,31 +4,35 @@ output; the tokens that followed the latest match are the drafts. No model, no s
 the drafts are a function of the request's tokens, so a request arriving by KV transfer or
 resumed elsewhere speculates alike.
 
-Backing off: a verification that accepted nothing cost a wider step for one token, so a
-request whose drafts keep failing proposes again only after 1, 2, 4 ... 32 steps (reset by the
-first accepted draft), 8x that while most of the engine's recent drafts failed; ungrounded text
-then runs almost as without speculation."""
+Backing off (backoff.py): a request whose drafts keep failing stops proposing for a while.
+And a step pays almost nothing for a request whose recent tokens occur nowhere earlier (the
+common case on ungrounded text): each request keeps the set of its earlier min-n-grams, grown
+by the step's new tokens, so the lookup runs only when its last min-n-gram is in it (exactly
+when it can find drafts)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from pd_cluster.config import SpeculativeConfig
+from pd_cluster.engine.spec.backoff import Backoff
 from pd_cluster.request import Request
-
-_MAX_COOLDOWN = 32
-_LOW_RATE, _LOW_RATE_SCALE = 0.2, 8  # accepted / drafted below which backing off is longer
 
 
 @dataclass
 class _State:
-    """Per request (on ``Request.spec_state``): the backoff, and the tokens as an array."""
+    """Per request (on ``Request.spec_state``): the backoff, the tokens as an array, and the
+    min-n-grams that end before the last token (those with a successor)."""
     misses: int = 0  # verifications in a row that accepted nothing
     cooldown: int = 0  # steps left without proposing
+    kept: float = 0.0  # backoff.py's acceptance estimate
+    lost: float = 0.0
     tokens: np.ndarray | None = None  # the request's tokens, the first ``length`` valid
     length: int = 0
+    grams: set[tuple[int, ...]] = field(default_factory=set)
+    grams_end: int = 0  # grams ending at positions < grams_end are in ``grams``
 
 
 def find_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -63,20 +67,15 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_model_len = max_model_len
-        self.rate = 0.5  # accepted / drafted, a moving average over recent verifications
+        self.backoff = Backoff()
+
+    @property
+    def rate(self) -> float:
+        return self.backoff.rate
 
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """A verification's outcome (the scheduler's update): backs off on a total miss, 8x
-        longer while the engine's recent drafts are mostly rejected (a large batch of
-        ungrounded requests would otherwise have one of them verifying in most steps)."""
-        self.rate = 0.9 * self.rate + 0.1 * (num_accepted / num_drafts)
-        state = self._state(request)
-        if num_accepted:
-            state.misses = 0
-        else:
-            state.misses += 1
-            scale = _LOW_RATE_SCALE if self.rate < _LOW_RATE else 1
-            state.cooldown = min(scale * 2 ** (state.misses - 1), scale * _MAX_COOLDOWN)
+        """A verification's outcome (the scheduler's update), for the backoff."""
+        self.backoff.observe(self._state(request), num_drafts, num_accepted)
 
     def propose(self, requests: list[Request]) -> None:
         """Set ``spec_token_ids`` of each decoding request for the next step."""
@@ -85,18 +84,18 @@ class NgramProposer:
             if not request.is_decoding or request.is_finished:
                 continue
             state = self._state(request)
-            if state.cooldown:
-                state.cooldown -= 1
+            if self.backoff.resting(state):
                 continue
             params = request.sampling_params
             room = self.max_model_len - request.num_tokens - 1  # positions the step may use
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
-            k = min(self.k, room)
+            k = min(self.k, room, self.backoff.width(state, self.k, len(requests)))
             if k < 1:
                 continue
-            request.spec_token_ids = find_drafts(self._tokens(request, state), self.min_n,
-                                                 self.max_n, k)
+            tokens = self._tokens(request, state)
+            if self._seen_before(tokens, state):
+                request.spec_token_ids = find_drafts(tokens, self.min_n, self.max_n, k)
 
     def release(self, request_ids: list[str]) -> None:
         """Nothing held outside the requests themselves."""
@@ -113,6 +112,19 @@ class NgramProposer:
             request.spec_state = _State()
         return request.spec_state
 
+    def _seen_before(self, tokens: np.ndarray, state: _State) -> bool:
+        """Whether the last min-n-gram of ``tokens`` ends earlier too (find_drafts finds
+        drafts exactly then); the set grows by the grams ending before the last token."""
+        n, m = len(tokens), self.min_n
+        if n < m + 1:
+            return False
+        start = max(state.grams_end, m - 1)
+        if start < n - 1:
+            window = tokens[start - m + 1:n - 1].tolist()
+            state.grams.update(tuple(window[i:i + m]) for i in range(len(window) - m + 1))
+            state.grams_end = n - 1
+        return tuple(tokens[n - m:].tolist()) in state.grams
+
     @staticmethod
     def _tokens(request: Request, state: _State) -> np.ndarray:
         """The request's tokens as an array, extended in place (amortised: no copy per step)."""
@@ -123,6 +135,7 @@ class NgramProposer:
                 grown[:have] = arr[:have]
             else:
                 have = 0
+                state.grams, state.grams_end = set(), 0  # tokens dropped: grams again
             arr = grown
         arr[have:n] = request.token_ids_range(have, n)
         state.tokens, state.length = arr, n

@@ -3,7 +3,9 @@ rejection sampler): a draft token ``d`` drawn from ``q`` is accepted with probab
 min(1, p(d) / q(d)); when rejected, the token is drawn from norm(max(0, p - q)) instead. Either
 way the token has distribution ``p`` exactly. A proposer without probabilities (ngram) is a
 point mass: q(d) = 1, so ``d`` is accepted with probability p(d) and a rejection draws from p
-with ``d`` removed.
+with ``d`` removed. verify.py applies the point-mass case batched to unseeded requests, and to
+seeded ones in its equivalent form: sample x ~ p with the sampler and keep d iff x = d (the
+same law; the draw is the sampler's own, so seeded output does not depend on the drafts).
 
 ``target_probs`` is the distribution the sampler draws from (sampler.py: temperature, then
 top-k and top-p, ties kept in vocabulary order), in vocabulary order."""
@@ -16,19 +18,34 @@ from pd_cluster.sampling_params import SamplingParams
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[N, V] logits of one request's positions -> the probabilities its sampler draws from."""
-    scaled = logits.float() / params.temperature
+    return batch_target_probs(logits, [params] * logits.shape[0])
+
+
+def batch_target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[N, V] logits, row i under ``params[i]`` -> the probabilities the sampler draws from.
+    Rows that filter (top-k / top-p) and rows that do not are computed apart, so a row's
+    numbers never depend on the others' params (sampler.py's contract)."""
+    scaled = logits.float() / torch.tensor([p.temperature for p in params],
+                                           device=logits.device).unsqueeze(1)
     vocab = scaled.shape[1]
-    if not (params.top_p < 1.0 or 0 < params.top_k < vocab):
-        return torch.softmax(scaled, dim=-1)
-    sorted_logits, sorted_idx = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    filtered = [i for i, p in enumerate(params) if p.top_p < 1.0 or 0 < p.top_k < vocab]
+    probs = torch.softmax(scaled, dim=-1)
+    if not filtered:
+        return probs
+    idx = torch.tensor(filtered, dtype=torch.long, device=logits.device)
+    sorted_logits, sorted_idx = torch.sort(scaled[idx], dim=-1, descending=True, stable=True)
     positions = torch.arange(vocab, device=scaled.device).unsqueeze(0)
-    k = params.top_k if params.top_k > 0 else vocab
-    sorted_logits = sorted_logits.masked_fill(positions >= k, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop = (mass_before >= params.top_p) & (positions > 0)
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    return torch.zeros_like(probs).scatter_(1, sorted_idx, probs)
+    ks = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in filtered],
+                      device=scaled.device).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(positions >= ks, float("-inf"))
+    top_ps = torch.tensor([params[i].top_p for i in filtered], dtype=scaled.dtype,
+                          device=scaled.device).unsqueeze(1)
+    kept = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(kept, dim=-1) - kept
+    drop = (mass_before >= top_ps) & (positions > 0)
+    kept = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    probs[idx] = torch.zeros_like(kept).scatter_(1, sorted_idx, kept)
+    return probs
 
 
 def accept_or_resample(p: torch.Tensor, draft: int, generator: torch.Generator | None,
