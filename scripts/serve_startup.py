@@ -194,7 +194,7 @@ def main() -> int:
             for kind in kinds:
                 load = load_average()
                 r = run_once(args.model, cache, args.extra, args.timeout, args.importtime,
-                             args.wait_switch or (120.0 if kind == "cold" and "warm" in kinds
+                             args.wait_switch or (90.0 if kind == "cold" and "warm" in kinds
                                                   else 0.0))
                 results[kind].append(r["first"])
                 print(f"\n== run {i + 1} {kind}: first completion {r['first']:.1f} s from "
