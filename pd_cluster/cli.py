@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pd_cluster import start_trace
+    start_trace.mark_process_start("launcher")
+    start_trace.mark("launcher", "cli main")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # the subcommand says what it takes (serve: its usage and the nearest flag)

@@ -49,13 +49,19 @@ def inductor_cache_dir() -> Path:
     """Inductor's on-disk caches (the kernels an artifact loads): ``TORCHINDUCTOR_CACHE_DIR``
     if the user chose one, else the project's cache dir (set for this process and its
     children, so tensor-parallel workers share it). Importing inductor sets the variable to
-    its own default (a temp dir, lost on reboot): that one counts as not chosen."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    its own default (a temp dir, lost on reboot): that one counts as not chosen. Inductor is
+    imported only when the variable is set: an engine's start does not wait for that import
+    (which a niced kernel-build thread may be holding, background_kernels.py)."""
     path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not path or os.path.abspath(path) == os.path.abspath(default_cache_dir()):
+    if not path or os.path.abspath(path) == os.path.abspath(_inductor_default()):
         path = str(cache_root() / "inductor")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     return Path(path)
+
+
+def _inductor_default() -> str:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    return default_cache_dir()
 
 
 def artifact_dir() -> Path:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pd_cluster import start_trace
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.kv_tiers.setup import create_tier_store
 from pd_cluster.engine.model_runner import ModelRunner
@@ -107,7 +108,9 @@ class Executor:
             kv = config.kv_transfer
             blocks = self.runner.fitting_blocks(kv.device_reserve_bytes() if kv else 0)
             self.num_blocks = self.workers.agree_num_blocks(blocks) if self.workers else blocks
+            start_trace.mark("engine", "KV cache sized")
             self.runner.allocate_kv_cache(self.num_blocks)
+            start_trace.mark("engine", "KV cache allocated")
             create_tier_store(config, self.runner)
             self.scheduler_connector = create_worker_connector(config, self.runner, tp)
             if self.workers is not None:

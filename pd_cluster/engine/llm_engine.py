@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 
 from connectors.transfer_params import KVTransferParams, check_transfer_params
 from kernels.cpu_build import kernel_stats
+from pd_cluster import start_trace
 from pd_cluster.config import EngineConfig, read_hf_config
 from pd_cluster.engine.block_manager import BlockManager
 from pd_cluster.engine.executor import Executor, max_model_len_of
@@ -39,12 +40,14 @@ class LLMEngine:
         self.config = config
         hf_config = read_hf_config(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        start_trace.mark("engine", "tokenizer loaded")
         self.vocab_size = hf_config["vocab_size"]
         self.max_model_len = max_model_len_of(config, hf_config)
         self.eos_token_id = read_eos_token_ids(config.model, hf_config,
                                                self.tokenizer.eos_token_id)
         self.executor = Executor(config, hf_config, self.max_model_len)
         self.runner = self.executor.runner  # rank 0's: its model, cache and connector
+        start_trace.mark("engine", "model + KV cache ready")
         caching = config.enable_prefix_caching and self.runner.model.args.prefix_cacheable
         if config.enable_prefix_caching and not caching:
             logger.warning("prefix caching off: this model's RoPE depends on the sequence "

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from pd_cluster import start_trace
 from pd_cluster.attention import AttentionMetadata, create_backend
 from pd_cluster.attention.background_kernels import BackgroundKernels, needs_build
 from pd_cluster.config import EngineConfig
@@ -51,10 +52,12 @@ class ModelRunner:
         before = self._allocated()
         self.model = load_model(config.model, hf_config, self.dtype, self.device, tp=tp)
         self.weights_bytes = self._allocated() - before  # this engine's, not the process's
+        start_trace.mark("engine", "weights loaded")
         prepare_model(self.model, self.dtype, self.device, config.cpu_gemm)  # CPU GEMM layout
         self.kv_spec = KVCacheSpec(config.block_size,
                                    tuple(self.model.kv_cache_specs(config.kv_torch_dtype)))
         check_kv_dtype(self.kv_spec, config.kv_cache_dtype)
+        start_trace.mark("engine", "weights prepared")
         # What runs a forward: the model, or the same through one compiled graph (made before
         # serving, or in the background while the steps run eagerly: compile_mode). CUDA graphs
         # capture the forward once, at start: they get the compiled one, made before serving.
@@ -67,10 +70,12 @@ class ModelRunner:
                          else None)
         self.backend = (self._kernels.backend if self._kernels is not None
                         else create_backend(config.attention_backend, self.device))
+        start_trace.mark("engine", "attention backend")
         self.forward_model: Any = self.model
         if compile_enabled(config.compile, self.device):
             self.forward_model = CompiledModel(self.model, self.device,
                                                config if background else None)
+            start_trace.mark("engine", "compiled model set up")
         self.kv_caches: list[torch.Tensor] = []
         self.inputs = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                    -(-self.max_model_len // config.block_size),

@@ -228,13 +228,16 @@ def _plan(state: ProxyState, req: Any, chat: bool, rid: str, prompts: list[list[
 
 
 def create_app(cfg: ClusterConfig, engines: list[tuple[str, str, Any]],
-               api_keys: list[str] | None = None, starter: Any = None) -> FastAPI:
+               api_keys: list[str] | None = None, starter: Any = None,
+               tokenizer: Any = None) -> FastAPI:
     """The proxy app over ``engines`` = [(name, role, Ray actor handle)]. ``api_keys``: the
     keys clients must send (None: resolved from ``cfg.proxy`` and this process's environment;
-    the launcher resolves them in the user's shell and hands them over through Ray)."""
+    the launcher resolves them in the user's shell and hands them over through Ray).
+    ``tokenizer``: proxy_state.load_tokenizer's, loaded ahead (None: loaded here)."""
     if api_keys is None:
         api_keys = resolve_api_keys(cfg.proxy.api_key, cfg.proxy.api_key_env)
-    state = ProxyState(cfg, engines, starter)  # starter: engines added at run time
+    # starter: engines added at run time
+    state = ProxyState(cfg, engines, starter, tokenizer)
     state.drain = Drain(lambda: state.inflight)
 
     @asynccontextmanager

@@ -26,18 +26,25 @@ logger = logging.getLogger(__name__)
 MAX_CHOICES = 256  # prompts x n in one request
 
 
+def load_tokenizer(cfg: ClusterConfig) -> Any:
+    """The tokenizer the proxy encodes prompts with (the engines' own: engine.tokenizer, else
+    the model's). Seconds of transformers on a first load: a deferred proxy does it while the
+    engines load (cluster/proxy_actor.py)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(cfg.engine.get("tokenizer") or resolve_model(cfg.model))
+
+
 class ProxyState:
     def __init__(self, cfg: ClusterConfig, engines: list[tuple[str, str, Any]],
-                 starter: Any = None):
+                 starter: Any = None, tokenizer: Any = None):
         """``starter``: an EngineStarter (serving/cluster/engine_starter.py) when this proxy
-        may start engines (launched on Ray); without one it can only remove or switch."""
-        from transformers import AutoTokenizer
-
+        may start engines (launched on Ray); without one it can only remove or switch.
+        ``tokenizer``: ``load_tokenizer(cfg)``'s, loaded ahead (None: loaded here)."""
         from pd_cluster.config import read_hf_config
 
         self.cfg = cfg
         path = resolve_model(cfg.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.engine.get("tokenizer") or path)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
         hf = read_hf_config(path)
         self.vocab_size = int(hf["vocab_size"])
         self.max_model_len = int(cfg.engine.get("max_model_len")

@@ -110,7 +110,10 @@ def run_cluster(cfg: "ClusterConfig", cli_address: str | None, detach: bool,
     if not sys.stdout.isatty():  # a log file or pipe: Ray's actor-line prefixes uncoloured
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     address = resolve_address(cli_address, cfg.ray.address)
+    from pd_cluster import start_trace
+    start_trace.mark("launcher", "config built")
     problem = preflight(cfg, address)
+    start_trace.mark("launcher", "preflight done")
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pd_cluster import start_trace
 from pd_cluster.serving.cluster.cluster_config import ClusterConfig
 from pd_cluster.serving.cluster.launch_record import ClusterState, state_dir
 from pd_cluster.driver.cpu_setup import preload_env
@@ -136,8 +137,10 @@ def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = 
     secret = new_secret()
     ns = config.ray.namespace
     num_cpus = config.ray.num_cpus or max(config.required_cpus(), 1.0)
+    start_trace.mark("launcher", "ray.init")
     runtime = start_ray(address, ns, num_cpus, config.ray.num_gpus, detach, state_dir(),
                         log_to_driver=show_logs)
+    start_trace.mark("launcher", "ray up")
     lifetime = "detached" if detach else None
     engines: dict[str, Any] = {}
     proxy = None
@@ -163,9 +166,13 @@ def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = 
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         ).remote(config.to_dict(), [{"name": s.name, "role": s.role} for s in specs], ns,
                  {"cluster": secret, "api_keys": api_keys}, detach, True)
+        start_trace.mark("launcher", "actors requested")
         infos = wait_ready(engines, ready_timeout, progress)
+        start_trace.mark("launcher", "engines ready")
         link_engines(engines, infos, config)
+        start_trace.mark("launcher", "engines linked")
         url = ray.get(proxy.start.remote(), timeout=ready_timeout)
+        start_trace.mark("launcher", "proxy serving")
     except BaseException:
         kill_actors(proxy, engines.values())
         placement.release()

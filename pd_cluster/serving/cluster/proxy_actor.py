@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any
 
+from pd_cluster import start_trace
+
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT = 120.0  # s: tokenizer load + first health check of every engine
@@ -43,6 +45,8 @@ class ProxyActor:
         libraries serving needs load while they do (seconds off the first answer); it serves
         when ``start`` is called, once they are ready and linked. An actor Ray restarts
         serves at once: its engines are up."""
+        start_trace.mark_process_start("proxy")
+        start_trace.mark("proxy", "actor init")
         _log_to_stderr()  # Ray forwards it to the launcher's console
         self._args = (config, engines, namespace, secrets or {}, detached)
         self._url: str | None = None
@@ -51,8 +55,12 @@ class ProxyActor:
         self.thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
+        self._tokenizer: Any = None
         _load_serving_libraries()
+        start_trace.mark("proxy", "serving libraries imported")
         if deferred and not _restarted():
+            self._tokenizer = _preload_tokenizer(config)
+            start_trace.mark("proxy", "tokenizer loaded")
             return
         self.start()
 
@@ -61,6 +69,7 @@ class ProxyActor:
         answering, or RuntimeError."""
         if self._url is not None:
             return self._url
+        start_trace.mark("proxy", "start called")
         import ray
         import uvicorn
 
@@ -77,7 +86,8 @@ class ProxyActor:
         from pd_cluster.serving.cluster.launcher import engine_env
         starter = EngineStarter(cfg, namespace, secrets.get("cluster"), detached,
                                 engine_env(cfg, quiet=True))
-        self.app = create_app(cfg, handles, secrets.get("api_keys"), starter)
+        self.app = create_app(cfg, handles, secrets.get("api_keys"), starter, self._tokenizer)
+        self._tokenizer = None  # the app's now
         self.sock = bind_socket(cfg.proxy.host, cfg.proxy.port)
         port = self.sock.getsockname()[1]
         host = cfg.proxy.host
@@ -97,6 +107,7 @@ class ProxyActor:
                 raise RuntimeError(f"proxy failed to start on {url}: {self._error!r}")
             time.sleep(0.05)
         self._url = url
+        start_trace.mark("proxy", "serving")
         logger.info("proxy serving on %s", url)
         return url
 
@@ -195,6 +206,17 @@ def _load_serving_libraries() -> None:
     from transformers import AutoTokenizer  # noqa: F401
 
     from pd_cluster.serving.api import app  # noqa: F401
+
+
+def _preload_tokenizer(config: dict[str, Any]) -> Any:
+    """The app's tokenizer, loaded while the engines load (None if it fails: ``start`` loads
+    it again and says why)."""
+    from pd_cluster.serving.api.proxy_state import load_tokenizer
+    from pd_cluster.serving.cluster.cluster_config import ClusterConfig
+    try:
+        return load_tokenizer(ClusterConfig.from_dict(config))
+    except Exception:  # noqa: BLE001 - reported by start(), where the launcher waits
+        return None
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from pd_cluster import start_trace
 from pd_cluster.driver.core_lending import make_lending
 from pd_cluster.driver.cpu_setup import CoreClaim, claim_cores
 from pd_cluster.driver.engine_loop import EngineLoop
@@ -39,13 +40,17 @@ class EngineActor:
     def __init__(self, spec: dict[str, Any], secret: str | None = None):
         """``secret``: the cluster secret (handed through Ray by the launcher; its channels
         prove it). Without one, this process's own (tests: inherited) is used."""
+        start_trace.mark_process_start("engine")
+        start_trace.mark("engine", "actor init")
         import ray
         import torch
 
         from connectors.secret import install
+        start_trace.mark("engine", "torch imported")
         if secret:
             install(secret)  # before the engine: its connector and subprocesses read it
         self.spec = EngineSpec.from_dict(spec)
+        start_trace.mark("engine", f"is {self.spec.name}")
         # The engine thread holds the GIL for most of a (small-model) step; a short switch
         # interval bounds how long the event loop waits to stream outputs (default: 5 ms).
         sys.setswitchinterval(_SWITCH_INTERVAL)
@@ -73,6 +78,7 @@ class EngineActor:
         self.output = OutputSender(self.node_ip, self.loop.abort,
                                    self._session_closed_threadsafe)
         self.loop.start()
+        start_trace.mark("engine", "engine ready")
         logger.info("%s ready (kv endpoint %s)", self.spec.name, self.kv_endpoint)
 
     def _make_engine(self, args: dict[str, Any]) -> Any:
@@ -80,6 +86,7 @@ class EngineActor:
         from pd_cluster.config import EngineConfig
         from pd_cluster.engine.llm_engine import LLMEngine
         from pd_cluster.serving.cluster.cluster_config import resolve_model
+        start_trace.mark("engine", "engine modules imported")
 
         model = resolve_model(self.spec.model, node=self.node_ip)
         return LLMEngine(EngineConfig.from_kwargs(model, **args))
