@@ -117,8 +117,10 @@ class ShmPipe(WrittenCheck, ZmqPipe):
     notif_label = _NOTIF_LABEL  # the key of its write notifications' MACs
     written_mac = staticmethod(written_code)
 
+    control_on_ipc = True  # the auto pipe keeps tcp: producers on other hosts reach it too
+
     def __init__(self, config: PipeConfig) -> None:
-        if "transport" not in config.model_fields_set:  # one host: control messages on ipc
+        if self.control_on_ipc and "transport" not in config.model_fields_set:  # one host
             config = config.model_copy(update={"transport": "ipc"})
         super().__init__(config)
         self._base = str(config.extra.get("shm_dir", "/dev/shm"))
