@@ -54,7 +54,25 @@ def gather_blocks(kv_layer: torch.Tensor, block_ids: tuple[int, ...], out: torch
     (gather_kv_blocks if kv_layer.is_cuda else gather_kv_blocks_torch)(kv_layer, block_ids, out=out)
 
 
+def copy_rows(dst: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[ids] = src`` along dim 0 (KV blocks into a paged cache, src of dst's dtype). Host
+    tensors: numpy's fancy assignment, one C loop of row copies; torch's index_copy_ walks
+    elements (16 KiB blocks here: 0.7 ms per 8 MiB against 1.8 ms for float32, 12.8 ms for
+    bytes: FP8 is copied as bytes)."""
+    if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.is_contiguous()
+            and src.is_contiguous() and len(ids) == src.shape[0]):
+        rows = dst.reshape(dst.shape[0], -1).view(torch.uint8).numpy()
+        rows[ids.numpy()] = src.reshape(src.shape[0], -1).view(torch.uint8).numpy()
+        return
+    from kernels.kv_quant import as_bytes
+    as_bytes(dst).index_copy_(0, ids.to(dst.device), as_bytes(src.to(dst.device, dst.dtype)))
+
+
 def scatter_blocks(buffer: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> None:
+    if not kv_layer.is_cuda and buffer.dtype == kv_layer.dtype:
+        for part in range(kv_layer.shape[0]):  # every part (K and V, or the one latent)
+            copy_rows(kv_layer[part], block_ids, buffer[part])
+        return
     from kernels.block_copy import scatter_kv_blocks, scatter_kv_blocks_torch
     (scatter_kv_blocks if kv_layer.is_cuda else scatter_kv_blocks_torch)(buffer, kv_layer, block_ids)
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from connectors.metadata import FinHeader, KVLayerHeader, KVWrittenHeader, OfferHeader, RecvSpec
-from connectors.block_io import scatter_blocks
+from connectors.block_io import copy_rows, scatter_blocks
 from connectors.window_shipping import first_shipped_token
 from kernels.kv_quant import as_bytes
 from connectors.granted_writes import Checker, check_written
@@ -266,8 +266,7 @@ class KVReceiver:
         if both and heads == cache.shape[3]:
             scatter_blocks(tensor, cache, targets)
         elif heads == cache.shape[3]:  # one part, every head: no head-sliced view (1.5x)
-            as_bytes(cache[header.part]).index_copy_(
-                0, targets.to(cache.device), as_bytes(tensor.to(cache.device, cache.dtype)))
+            copy_rows(cache[header.part], targets, tensor)
         else:  # a slice of this rank's heads (a producer of another TP size)
             for i, part in enumerate(parts):  # (FP8 as bytes: no FP8 index_copy_ on CPU)
                 as_bytes(cache[part, :, :, h0:h0 + heads]).index_copy_(

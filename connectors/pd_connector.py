@@ -275,8 +275,23 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
                 "kv_bytes_skipped": self.receiver.bytes_skipped,
                 # Words, not series: the /metrics label pipe= of the kv_* series above, and
                 # `pd-cluster status`'s per-link column (every link of an engine uses its pipe).
-                "kv_pipe": self.config.pipe,
-                "kv_links": {peer: self.config.pipe for peer in self._peers}}
+                "kv_pipe": self._pipe_label(),
+                "kv_links": {peer: self._link_pipe(peer) for peer in self._peers}}
+
+    def _link_pipe(self, peer: str) -> str:
+        """The pipe a link uses: the configured one, or with pipe auto what its handshake
+        chose for the consumer's ranks ("shm", "zmq", "shm+zmq" if they differ)."""
+        link = getattr(self.pipe, "link", None)
+        if link is None:
+            return self.config.pipe
+        return "+".join(sorted({link(ep)[0] for ep, _ in self._routes.get(peer, [])})) or "zmq"
+
+    def _pipe_label(self) -> str:
+        """/metrics' pipe= label: with pipe auto, the pipes this engine's links chose."""
+        if getattr(self.pipe, "link", None) is None or not self._peers:
+            return self.config.pipe
+        return "+".join(sorted({p for peer in self._peers
+                                for p in self._link_pipe(peer).split("+")}))
 
     def close(self) -> None:
         self._running = False

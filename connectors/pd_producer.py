@@ -50,7 +50,7 @@ class PDProducer:
                 continue
             held = self._held_tokens(spec.request_id)
             # Written in place: nothing goes before the consumer's HOLD granted its blocks.
-            if held is None and spec.expect_held is not None and not self._in_place:
+            if held is None and spec.expect_held is not None and not self._writes(spec.peer):
                 # No answer yet: blocks past what the consumer is expected to hold go now.
                 cut = min(max(spec.expect_held // self.block_size - spec.first_block, 0),
                           len(spec.block_ids))
@@ -87,13 +87,23 @@ class PDProducer:
             spec = dataclasses.replace(spec, block_ids=spec.block_ids[skip:],
                                        first_block=spec.first_block + skip)
         for endpoint, r in self._routes.get(spec.peer, []):
-            if self._in_place:
+            if self._writes_into(endpoint):
                 if not self._write_layer(spec, layer, endpoint, r, kv_layer):
                     break
             elif not self._send_layer(spec, layer, endpoint,
                                       self.sender.layer_messages(spec, layer, kv_layer,
                                                                  (r.src, r.count, r.dst))):
                 break
+
+    def _writes_into(self, endpoint: str) -> bool:
+        """Blocks for this consumer rank are written in place (else sent): the pipe's, or
+        with pipe auto the link's (auto_pipe.py)."""
+        writes_to = getattr(self.pipe, "writes_to", None)
+        return self._in_place and (writes_to is None or writes_to(endpoint))
+
+    def _writes(self, peer: str) -> bool:
+        return any(self._writes_into(ep) for ep, _ in self._routes.get(peer, [])) or (
+            self._in_place and not self._routes.get(peer))
 
     def _write_layer(self, spec: SendSpec, layer: int, endpoint: str, route: Any,
                      kv_layer: torch.Tensor) -> bool:

@@ -252,7 +252,7 @@ def main() -> None:
     parser.add_argument("--ttft-prompt", type=int, default=2000)
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--ttft-pipes", nargs="+", default=["zmq", "shm"],
-                        choices=["zmq", "shm", "nixl"], help="part 2's 1P1D pipes")
+                        choices=["zmq", "shm", "nixl", "auto"], help="part 2's 1P1D pipes")
     parser.add_argument("--ttft-model", default="bench-50m", help="a built-in preset")
     parser.add_argument("--mla-model", default="tiny-deepseek-v3", help="part 3's MLA preset")
     parser.add_argument("--gqa-model", default="tiny-gqa-like-deepseek",

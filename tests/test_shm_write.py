@@ -12,7 +12,8 @@ import torch
 
 from connectors.pipes.nixl_layout import CacheLayout, block_chunks
 from connectors.pipes.shm_arena import SharedCache, open_peer_cache, shm_folder, sweep_stale
-from connectors.pipes.shm_pipe import Sealer, _runs, copy_and_seal, written_code
+from connectors.pipes import shm_pipe
+from connectors.pipes.shm_pipe import Sealer, _src_runs, copy_and_seal, written_code
 from pd_cluster.private_files import UnsafePath
 
 KEY, NONCE, HEAD = b"k" * 32, b"n" * 16, b"head"
@@ -23,8 +24,11 @@ def _cache(blocks: int = 9, seed: int = 0) -> torch.Tensor:
     return torch.randn((2, blocks, 4, 2, 8), generator=g)  # [parts, blocks, size, heads, dim]
 
 
-@pytest.mark.parametrize("mode", ["mac", "crc32"])
-def test_copied_blocks_and_their_code_match_the_consumers_view(mode: str) -> None:
+@pytest.mark.parametrize("mode,chunk", [("mac", 1 << 18), ("crc32", 1 << 18), ("mac", 512)])
+def test_copied_blocks_and_their_code_match_the_consumers_view(mode: str, chunk: int,
+                                                                 monkeypatch) -> None:
+    """chunk 512: pieces of two 256-byte blocks, a source run split across pieces."""
+    monkeypatch.setattr(shm_pipe, "_CHUNK", chunk)
     src, dst = _cache(seed=1), _cache(seed=2)
     src_ids, dst_ids = [0, 1, 2, 5, 6], [3, 4, 8, 0, 1]
     sealer = Sealer(mode, KEY, NONCE, HEAD)
@@ -41,8 +45,8 @@ def test_copied_blocks_and_their_code_match_the_consumers_view(mode: str) -> Non
         assert written_code(mode, b"x" * 32, NONCE, HEAD, block_chunks(src, src_ids)) != tag
 
 
-def test_runs_join_blocks_adjacent_on_both_sides_only() -> None:
-    assert _runs([0, 1, 2, 5, 6], [3, 4, 8, 0, 1]) == [(0, 3, 2), (2, 8, 1), (5, 0, 2)]
+def test_runs_join_blocks_adjacent_in_the_source() -> None:
+    assert _src_runs([0, 1, 2, 5, 6, 4]) == [(0, 0, 3), (3, 5, 2), (5, 4, 1)]
 
 
 def test_the_shared_cache_keeps_the_tensors_and_a_producer_maps_it_checked(tmp_path) -> None:

