@@ -9,31 +9,24 @@ imports nothing heavy, so it can be the first import of any process.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
-from typing import Any
 
-_DIR = os.environ.get("PD_START_TRACE") or None
-_file: Any = None
+from pd_cluster.trace_file import TraceFile
+
+_TRACE = TraceFile("PD_START_TRACE")
 _started_marked = False
 
 
 def enabled() -> bool:
-    return _DIR is not None
+    return _TRACE.enabled
 
 
 def mark(proc: str, ev: str, t: float | None = None) -> None:
     """Record that process ``proc`` reached ``ev`` now (or at ``t``); nothing when off."""
-    global _file
-    if _DIR is None:
-        return
-    if _file is None:
-        os.makedirs(_DIR, exist_ok=True)
-        # line-buffered: a process killed at shutdown still leaves its lines
-        _file = open(os.path.join(_DIR, f"{os.getpid()}.jsonl"), "a", buffering=1)
-    _file.write(json.dumps({"proc": proc, "pid": os.getpid(), "ev": ev,
-                            "t": time.time() if t is None else t}) + "\n")
+    if _TRACE.enabled:
+        _TRACE.write({"proc": proc, "pid": os.getpid(), "ev": ev,
+                      "t": time.time() if t is None else t})
 
 
 def process_start_time() -> float | None:
@@ -50,7 +43,7 @@ def process_start_time() -> float | None:
 def mark_process_start(proc: str) -> None:
     """The process's own start (before Python and Ray's worker set-up ran), once."""
     global _started_marked
-    if _DIR is not None and not _started_marked:
+    if _TRACE.enabled and not _started_marked:
         _started_marked = True
         t = process_start_time()
         if t is not None:

@@ -7,26 +7,19 @@ them). Off (the default) a call costs one attribute test.
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Any
 
-_DIR = os.environ.get("PD_TTFT_TRACE") or None
-_file: Any = None
+from pd_cluster.trace_file import TraceFile
+
+_TRACE = TraceFile("PD_TTFT_TRACE")
 
 
 def enabled() -> bool:
-    return _DIR is not None
+    return _TRACE.enabled
 
 
 def mark(rid: str, ev: str, **fields: Any) -> None:
     """Record event ``ev`` of request ``rid`` now (nothing when tracing is off)."""
-    global _file
-    if _DIR is None:
-        return
-    if _file is None:
-        os.makedirs(_DIR, exist_ok=True)
-        # line-buffered: a process killed at shutdown still leaves its lines
-        _file = open(os.path.join(_DIR, f"{os.getpid()}.jsonl"), "a", buffering=1)
-    _file.write(json.dumps({"rid": rid, "ev": ev, "t": time.monotonic(), **fields}) + "\n")
+    if _TRACE.enabled:
+        _TRACE.write({"rid": rid, "ev": ev, "t": time.monotonic(), **fields})
