@@ -21,6 +21,8 @@ import openai
 import pytest
 import yaml
 
+from connectors.pipes.base import PipeError
+from connectors.pipes.nixl_pipe import load_nixl
 from pd_cluster import LLM, SamplingParams
 from pd_cluster.serving.cluster.cluster_config import resolve_model
 from pd_cluster.serving.cluster.testing import wait_until
@@ -33,16 +35,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),  # two Ray nodes in na
               pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
 
 
-def _config(tmp: Path, namespace: str) -> Path:
+def _config(tmp: Path, namespace: str, replicas: int = 2, pipe: str = "zmq") -> Path:
     (key, head), (_, worker) = next(iter(HEAD_LABEL.items())), next(iter(WORKER_LABEL.items()))
     cfg = {"mode": "disaggregated", "model": MODEL,
-           "prefill": {"replicas": 2, "num_cpus": 1, "node_labels": {key: head},
+           "prefill": {"replicas": replicas, "num_cpus": 1, "node_labels": {key: head},
                        "strategy": "spread"},
-           "decode": {"replicas": 2, "num_cpus": 1, "node_labels": {key: worker},
+           "decode": {"replicas": replicas, "num_cpus": 1, "node_labels": {key: worker},
                       "strategy": "pack", "max_restarts": -1},
            "engine": {"device": "cpu", "dtype": "float32", "num_kv_blocks": 512,
                       "max_model_len": 1024},
-           "kv_transfer": {"kv_transfer_timeout": 10.0},  # no address anywhere
+           "kv_transfer": {"kv_transfer_timeout": 10.0, "pipe": pipe},  # no address anywhere
            # always through P: the test is that KV crosses between the nodes
            "proxy": {"host": "127.0.0.1", "port": 0, "health_check_interval": 0.5,
                      "health_check_timeout": 3.0, "request_timeout": 90.0,
@@ -51,6 +53,14 @@ def _config(tmp: Path, namespace: str) -> Path:
     path = tmp / "two-node.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def _nixl_unavailable() -> str | None:
+    try:
+        load_nixl()
+    except PipeError as e:
+        return str(e)
+    return None
 
 
 def _workload(n: int, seed: int) -> list[tuple[list[int], int]]:
@@ -182,6 +192,45 @@ def test_two_nodes_prefill_here_decode_there(tmp_path: Path,
                 print("status at failure:", _status(url))
             except Exception as e:  # noqa: BLE001 - diagnostics only
                 print("no status:", e)
+            raise
+        finally:
+            launcher.kill()
+
+
+@pytest.mark.skipif(_nixl_unavailable() is not None, reason=_nixl_unavailable() or "")
+def test_two_nodes_over_nixl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nixl pipe between two nodes: P on the head writes into D's cache on the worker
+    (NIXL/UCX over the veth pair), outputs equal the colocated engine, no block left."""
+    path = resolve_model(MODEL)
+    offline = LLM(model=path, num_kv_blocks=1024, max_model_len=1024)
+    work = _workload(8, seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in work]
+    expected = [list(o.outputs[0].token_ids)
+                for o in offline.generate([p for p, _ in work], params)]
+    ns = f"two-node-nixl-{os.getpid()}"
+    with TwoNodes() as nodes:
+        env = {**_env(tmp_path, monkeypatch), **nodes.client_env}
+        launcher = Launcher(["launch", "--config", str(_config(tmp_path, ns, 1, "nixl")),
+                             "--address", nodes.address, "--no-progress"], env)
+        url = ""
+        try:
+            url = launcher.wait_for_url(timeout=300)
+            nodes_of = {e["name"]: e["node_ip"] for e in _status(url)["engines"]}
+            assert nodes_of == {"prefill-0": nodes.head_ip, "decode-0": nodes.worker_ip}
+            got, _ = _send(url, work)
+            assert got == expected
+            (decode,) = _engines(url, "decode")
+            assert decode["stats"]["kv_pipe"] == "nixl"
+            assert decode["stats"]["kv_bytes_received"] > 0
+            assert decode["stats"]["kv_fallbacks"] == 0
+            text = httpx.get(f"{url}/metrics", timeout=30).text
+            assert any(line.startswith("pd_engine_kv_bytes_received") and 'pipe="nixl"' in line
+                       and float(line.rsplit(" ", 1)[1]) > 0 for line in text.splitlines())
+            wait_until(lambda: _idle_and_leak_free(url), 30, "no KV block held")
+            os.killpg(launcher.proc.pid, signal.SIGINT)
+            assert launcher.proc.wait(timeout=60) == 0, "".join(launcher.output)
+        except BaseException:
+            print("".join(launcher.output)[-5000:], "\n", nodes.logs())
             raise
         finally:
             launcher.kill()
