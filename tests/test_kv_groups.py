@@ -11,8 +11,10 @@ import torch
 from pd_cluster.checkpoints.maker import PRESETS, make_model
 from pd_cluster.engine import model_runner
 from pd_cluster.engine.block_manager import BlockManager
+from pd_cluster.engine.input_buffers import InputBuffers
 from pd_cluster.engine.kv_groups import NULL_BLOCK, KVCacheGroup, make_groups
 from pd_cluster.engine.kv_spec import FullAttentionSpec, SlidingWindowSpec
+from pd_cluster.engine.step_input import StepInput
 from pd_cluster.llm import LLM
 from pd_cluster.request import Request
 from pd_cluster.sampling_params import SamplingParams
@@ -117,6 +119,30 @@ def test_preemption_frees_every_group() -> None:
     bm.free(r)  # what the scheduler's preemption does
     assert r.group_block_ids == [] and bm.num_used_blocks == 0
     bm.check_no_leaks()
+
+
+def test_input_buffers_carry_each_groups_tables_and_slots() -> None:
+    """Each group's layers write and read through that group's table: one slot mapping and
+    one table tensor per group, in one metadata per group."""
+    step = StepInput(tokens=[1, 2], positions=[8, 9], query_start=[0, 2], seq_lens=[10],
+                     block_tables=[[3, 4, 5]], num_decodes=0, prompt_lens=[10],
+                     group_tables=[[[NULL_BLOCK, NULL_BLOCK, 7]]])
+    buffers = InputBuffers(4, 2, 2, BS, torch.device("cpu"), num_groups=2)
+    t = buffers.prepare(step)
+    full, window = t.group_metas
+    assert full is t.meta and full.slot_mapping.tolist() == [20, 21]
+    assert window.slot_mapping.tolist() == [28, 29]
+    assert window.block_tables.tolist() == [[0, 0, 7]]
+    assert full.block_tables.tolist() == [[3, 4, 5]]
+
+
+def test_a_request_is_refused_only_beyond_every_groups_worst_case() -> None:
+    """A sliding group holds at most its window and a chunk: a request longer than the pool
+    fits where only full-attention layers keep every block."""
+    bm = BlockManager(num_blocks=16, block_size=BS, groups=GROUPS)
+    # 40 tokens: the full group 10 blocks, the window (6) + a chunk of 4: 4 blocks at most
+    assert bm.blocks_held_at_most(40, 4) == 10 + 4 <= bm.num_usable_blocks
+    assert BlockManager(num_blocks=16, block_size=BS).blocks_held_at_most(80, 4) == 20
 
 
 # ---- the engine ---------------------------------------------------------------------------

@@ -16,8 +16,8 @@ counts as cached. Hashes entering or leaving the lower tiers are logged too (tie
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from pd_cluster.engine.block_hash import block_hash
 from pd_cluster.engine.cache_events import (

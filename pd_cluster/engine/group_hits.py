@@ -8,7 +8,7 @@ group still holds its window's tail.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from pd_cluster.engine.kv_groups import NULL_BLOCK, KVCacheGroup
 

@@ -18,8 +18,9 @@ whole-model blocks).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 NULL_BLOCK = 0  # a sliding group's released entries point here
 
