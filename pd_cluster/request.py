@@ -49,7 +49,9 @@ class Request:
     # The prompt's KV is computed here, whatever kv_transfer_params say (set after a KV
     # fallback or a preemption: the remote KV will not come again).
     prefill_locally: bool = False
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # KV cache group 0's table
+    # Every group's table (kv_groups.py), group 0's first; [block_ids] with one group.
+    group_block_ids: list[list[int]] = field(default_factory=list)
     # Chain hashes of the leading full blocks, computed once (block_manager.py): a full
     # block's tokens never change, and admission asks for them more than once.
     block_hashes: list[int] = field(default_factory=list, repr=False)

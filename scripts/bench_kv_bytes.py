@@ -5,8 +5,11 @@ connectors/window_shipping.py): for Gemma 3 (5 of 6 layers local, window 1024), 
 (every other layer, window 128), Mistral with a window (4096) and a full-attention Llama, at
 prompts of 2k/8k/32k tokens: blocks held per request, requests that fit a fixed KV budget, and
 KV bytes shipped per request, bf16 (auto on a GPU) against fp8_e4m3, before and after window
-shipping. "held" is what the engine holds today (every layer keeps every block: per-layer-kind
-block tables are not built); ``held_if_groups`` is what they would hold (a projection, marked).
+shipping. "held" is measured on the engine's block allocator (BlockManager driven through a
+prompt in chunks of ``CHUNK`` tokens, then one decode step, as the scheduler calls it): with
+per-layer-kind block tables (KV cache groups, a sliding group releasing what left its window)
+against one table for every layer (groups off, the layout before them); bytes are the block ids
+held times the bytes of one id (a page of the group's layers, or of every layer).
 
 Part 2 (measured): the same through a real in-process P/D pair on the tiny windowed presets
 (fp32 on CPU), bytes the producer sent, auto and fp8, against every block of every layer.
@@ -34,9 +37,15 @@ import torch  # noqa: E402
 
 from connectors.window_shipping import first_shipped_token  # noqa: E402
 from kv_fp8_accuracy import greedy_and_kl, multiple_choice  # noqa: E402
+from pd_cluster.engine.block_manager import BlockManager  # noqa: E402
+from pd_cluster.engine.cache_engine import KVCacheSpec  # noqa: E402
+from pd_cluster.engine.kv_groups import make_groups  # noqa: E402
 from pd_cluster.engine.kv_spec import attention_spec  # noqa: E402
+from pd_cluster.request import Request  # noqa: E402
+from pd_cluster.sampling_params import SamplingParams  # noqa: E402
 
 BS = 16
+CHUNK = 2048  # prompt tokens per step (max_num_batched_tokens)
 BUDGET = 16 * 2**30  # bytes of KV per engine for "requests that fit"
 # (layers, kv heads, head dim, window per layer) of each family's real shapes.
 FAMILIES = {
@@ -47,45 +56,71 @@ FAMILIES = {
 }
 
 
+def allocator_held(specs: tuple, prompt: int, groups: bool) -> tuple[int, int]:
+    """(bytes held after the prompt and one decode step, the peak on the way) by one request,
+    measured on the engine's block allocator as the scheduler drives it."""
+    spec = KVCacheSpec(BS, specs, make_groups(specs, groups))
+    bm = BlockManager(len(spec.kv_groups) * (-(-(prompt + 1) // BS)) + 1, BS,
+                      enable_prefix_caching=False, groups=spec.kv_groups)
+    r = Request("r", list(range(prompt)), SamplingParams(max_tokens=2))
+    bm.allocate(r, max_new_tokens=CHUNK)
+    peak = bm.num_used_blocks
+    while r.num_computed_tokens < r.num_tokens:
+        n = min(CHUNK, r.num_tokens - r.num_computed_tokens)
+        if r.num_computed_tokens:
+            bm.append_slots(r, n)
+        peak = max(peak, bm.num_used_blocks)
+        r.num_computed_tokens += n
+        bm.cache_full_blocks(r)
+    r.output_token_ids.append(1)  # one decode step
+    bm.append_slots(r, 1)
+    r.num_computed_tokens += 1
+    bm.cache_full_blocks(r)
+    held = bm.num_used_blocks
+    bm.free(r)
+    bm.check_no_leaks()
+    return held * spec.block_bytes, max(peak, held) * spec.block_bytes
+
+
 def family_bytes(name: str, prompt: int, dtype: torch.dtype) -> dict[str, float]:
     layers, heads, dim, window_of = FAMILIES[name]
+    specs = tuple(attention_spec(heads, dim, dtype, window_of(i)) for i in range(layers))
     blocks = -(-prompt // BS)
-    held = shipped = grouped = 0
-    for i in range(layers):
-        w = window_of(i)
-        page = attention_spec(heads, dim, dtype, w).page_bytes(BS)
-        held += blocks * page
-        shipped += (blocks - first_shipped_token(prompt, w, BS) // BS) * page
-        # Per-layer-kind tables would keep a window's blocks (and the one it starts in).
-        grouped += (blocks if w is None else min(blocks, -(-w // BS) + 1)) * page
-    return {"held": held, "shipped_before": held, "shipped_after": shipped,
-            "held_if_groups": grouped, "fits": BUDGET // held, "blocks": blocks}
+    held, _ = allocator_held(specs, prompt, groups=False)
+    grouped, peak = allocator_held(specs, prompt, groups=True)
+    shipped = sum((blocks - first_shipped_token(prompt, getattr(layer, "window", None), BS) // BS)
+                  * layer.page_bytes(BS) for layer in specs)
+    all_blocks = blocks * sum(layer.page_bytes(BS) for layer in specs)
+    return {"held_before": held, "held": grouped, "held_peak": peak,
+            "shipped_before": all_blocks, "shipped_after": shipped,
+            "fits_before": BUDGET // held, "fits": BUDGET // grouped, "blocks": blocks}
 
 
 def part1(prompts: list[int]) -> dict[str, float]:
     print(f"# part 1: per request, from the layer specs (block {BS}, budget "
           f"{BUDGET / 2**30:.0f} GiB)")
-    print(f"{'family':>15} {'prompt':>6} {'kv':>5} {'held_MiB':>9} {'fit':>5} "
-          f"{'ship_before_MiB':>15} {'ship_after_MiB':>14} {'after/before':>12} "
-          f"{'held_if_groups/held (projected)':>31}")
+    print(f"{'family':>15} {'prompt':>6} {'kv':>5} {'held_before_MiB':>15} {'held_MiB':>9} "
+          f"{'held/before':>11} {'peak_MiB':>9} {'fit_before':>10} {'fit':>5} "
+          f"{'ship_before_MiB':>15} {'ship_after_MiB':>14} {'after/before':>12}")
     out = {}
     for name in FAMILIES:
         for prompt in prompts:
             rows = {}
             for kv, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
                 r = rows[kv] = family_bytes(name, prompt, dtype)
-                print(f"{name:>15} {prompt:>6} {kv:>5} {r['held'] / 2**20:>9.1f} "
-                      f"{r['fits']:>5} {r['shipped_before'] / 2**20:>15.1f} "
+                print(f"{name:>15} {prompt:>6} {kv:>5} {r['held_before'] / 2**20:>15.1f} "
+                      f"{r['held'] / 2**20:>9.1f} {r['held'] / r['held_before']:>11.3f} "
+                      f"{r['held_peak'] / 2**20:>9.1f} {r['fits_before']:>10} {r['fits']:>5} "
+                      f"{r['shipped_before'] / 2**20:>15.1f} "
                       f"{r['shipped_after'] / 2**20:>14.1f} "
-                      f"{r['shipped_after'] / r['shipped_before']:>12.3f} "
-                      f"{r['held_if_groups'] / r['held']:>31.3f}")
+                      f"{r['shipped_after'] / r['shipped_before']:>12.3f}")
             key = f"{name}_{prompt}"
             bf16 = rows["bf16"]
             out[f"{key}_ship_ratio"] = bf16["shipped_after"] / bf16["shipped_before"]
             out[f"{key}_fp8_held_ratio"] = rows["fp8"]["held"] / rows["bf16"]["held"]
             out[f"{key}_fp8_ship_ratio"] = (rows["fp8"]["shipped_after"]
                                            / rows["bf16"]["shipped_after"])
-            out[f"{key}_groups_held_ratio"] = rows["bf16"]["held_if_groups"] / rows["bf16"]["held"]
+            out[f"{key}_groups_held_ratio"] = bf16["held"] / bf16["held_before"]
     return out
 
 
@@ -167,7 +202,7 @@ def main() -> None:
     prompt = 256 if args.smoke else 8192
     long = 256 if args.smoke else 32768
     print(f"gpt_oss_ship_ratio_{prompt}={ratios[f'gpt-oss_{prompt}_ship_ratio']:.3f} "
-          f"gemma3_groups_held_ratio_{long}_projected="
+          f"gemma3_groups_held_ratio_{long}="
           f"{ratios[f'gemma3_{long}_groups_held_ratio']:.3f} "
           f"fp8_held_ratio={ratios[f'llama-full_{prompt}_fp8_held_ratio']:.3f} "
           f"fp8_ship_ratio={ratios[f'llama-full_{prompt}_fp8_ship_ratio']:.3f}"

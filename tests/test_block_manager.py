@@ -308,7 +308,7 @@ def test_a_block_released_more_often_than_taken_is_an_error() -> None:
     bm = BlockManager(num_blocks=4, block_size=BS)
     r, ghost = req(toks(3)), req(toks(3))
     admit(bm, r)
-    bm.tables[ghost.request_id] = list(r.block_ids)
+    bm.tables[ghost.request_id] = [list(r.block_ids)]  # one table per KV cache group
     bm.free(r)
     with pytest.raises(BlockTableError, match="released more often than taken"):
         bm.free(ghost)

@@ -16,6 +16,7 @@ counts as cached. Hashes entering or leaving the lower tiers are logged too (tie
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pd_cluster.engine.block_hash import block_hash
@@ -24,6 +25,8 @@ from pd_cluster.engine.cache_events import (
     CacheEventLog,
     CacheEvents,
 )
+from pd_cluster.engine.group_hits import accepted_length, group_hits
+from pd_cluster.engine.kv_groups import NULL_BLOCK, KVCacheGroup, has_sliding
 from pd_cluster.engine.kv_tiers.manager import TierManager
 from pd_cluster.engine.kv_tiers.ops import TierOps
 from pd_cluster.request import Request
@@ -40,6 +43,7 @@ class Block:
     ref_count: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None  # kept to rule out hash collisions on a hit
+    group: int = 0  # the KV cache group whose hash it holds
 
 
 @dataclass
@@ -53,23 +57,36 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
+    """``groups`` (kv_groups.py): the layers' KV cache groups, each with its own block table
+    per request over one pool (none given: one full-attention group, the layout without
+    groups). With a sliding group, block ``NULL_BLOCK`` is reserved: its released entries."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 max_pending_events: int = MAX_PENDING_EVENTS, tiers: TierManager | None = None):
+                 max_pending_events: int = MAX_PENDING_EVENTS, tiers: TierManager | None = None,
+                 groups: Sequence[KVCacheGroup] | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.groups = tuple(groups) if groups else (KVCacheGroup(()),)
+        self._reserved = 1 if has_sliding(self.groups) else 0
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
-        self.tables: dict[str, list[int]] = {}
+        self.free_queue: OrderedDict[int, None] = OrderedDict(
+            (i, None) for i in range(self._reserved, num_blocks))
+        # (group, chain hash) -> block; one group: group 0 only
+        self.hash_to_block: dict[tuple[int, int], int] = {}
+        self.tables: dict[str, list[list[int]]] = {}  # per request: one table per group
         # Per request: how many leading blocks are registered in the prefix cache (or skipped).
         self.hashed: dict[str, int] = {}
+        self._released: dict[str, list[int]] = {}  # per request and group: entries nulled
         self.stats = PrefixCacheStats()
         # Each reader keeps its own cursor (one proxy's read hides nothing from another).
         self._events = CacheEventLog(max_pending_events)
         self._take_cursor = 0  # take_events()' own reader
         self.tiers = tiers if enable_prefix_caching else None
         if self.tiers is not None:
+            if len(self.groups) > 1 or self._reserved:
+                raise ValueError("kv_offloading_size: the KV tiers keep whole-model blocks; "
+                                 "they need one KV cache group")
             self.tiers.on_event = lambda stored, h: self._events.record(stored, h, lower=True)
 
     # ---- queries -------------------------------------------------------------------------
@@ -78,25 +95,64 @@ class BlockManager:
         return len(self.free_queue)
 
     @property
+    def num_usable_blocks(self) -> int:
+        """The pool less the reserved null block."""
+        return self.num_blocks - self._reserved
+
+    @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_usable_blocks - len(self.free_queue)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _prefix_hits(self, request: Request, needs_logits: bool = True) -> list[int | None]:
-        """Cached blocks matching the request's leading full blocks: a device block id, or
-        None where only a lower tier holds it. With ``needs_logits`` the last token is never
-        served from cache: the model must run on at least one token to produce logits
-        (without: a decode engine whose first token comes from a producer)."""
+    def blocks_held_at_most(self, num_tokens: int, chunk: int) -> int:
+        """Blocks a request of ``num_tokens`` holds at most over every group, computing at
+        most ``chunk`` tokens a step (a sliding group: its window and the chunk)."""
+        return sum(g.blocks_held(num_tokens, chunk, self.block_size) for g in self.groups)
+
+    def new_blocks_needed(self, request: Request, total_tokens: int) -> int:
+        """Fresh blocks the request's tables need to cover ``total_tokens``."""
+        tables = self.tables.get(request.request_id) or [[] for _ in self.groups]
+        need = self.blocks_needed(total_tokens)
+        return sum(max(0, need - len(t)) for t in tables)
+
+    def _prefix_hits(self, request: Request, needs_logits: bool = True) -> list[list[int | None]]:
+        """Per group, the cached blocks matching the request's leading full blocks (the same
+        number in every group): a device block id, or None where only a lower tier holds it;
+        a sliding group's entries before its window are ``NULL_BLOCK``. With ``needs_logits``
+        the last token is never served from cache: the model must run on at least one token
+        to produce logits (without: a decode engine whose first token comes from a
+        producer)."""
         if not self.enable_prefix_caching:
-            return []
-        hits: list[int | None] = []
+            return [[] for _ in self.groups]
         n = self._matchable(request, needs_logits) // self.block_size
         hashes = self._chain_hashes(request, n)
+        if self.tiers is not None:  # one full group (checked at start)
+            return [self._tier_hits(request, hashes, n)]
+        found = []
+        for k, group in enumerate(self.groups):
+            f: list[int | None] = []
+            for i in range(n):
+                f.append(self._cached(k, hashes[i], request, i))
+                if f[-1] is None and group.window is None:
+                    break  # a full group's hit ends at its first miss
+            found.append(f)
+        m = accepted_length(self.groups, found, self.block_size)
+        return group_hits(self.groups, found, m, self.block_size)  # type: ignore[return-value]
+
+    def _cached(self, group: int, h: int, request: Request, i: int) -> int | None:
+        block_id = self.hash_to_block.get((group, h))
+        if block_id is not None and self.blocks[block_id].token_ids == self._block_tokens(
+                request, i):
+            return block_id
+        return None
+
+    def _tier_hits(self, request: Request, hashes: list[int], n: int) -> list[int | None]:
+        hits: list[int | None] = []
         for i in range(n):
             tokens = self._block_tokens(request, i)
-            block_id = self.hash_to_block.get(hashes[i])
+            block_id = self.hash_to_block.get((0, hashes[i]))
             if block_id is not None and self.blocks[block_id].token_ids == tokens:
                 hits.append(block_id)
             elif self.tiers is not None and self.tiers.has(hashes[i], tokens):
@@ -128,82 +184,103 @@ class BlockManager:
     # ---- admission -----------------------------------------------------------------------
     def num_cached_tokens(self, request: Request, needs_logits: bool = True) -> int:
         """Leading tokens allocate() would serve from the prefix cache now (pure)."""
-        return len(self._prefix_hits(request, needs_logits)) * self.block_size
+        return len(self._prefix_hits(request, needs_logits)[0]) * self.block_size
+
+    def _table_lengths(self, request: Request, cached: int, max_new_tokens: int | None
+                       ) -> list[int]:
+        """Each group's table length at admission: a full group covers every current token;
+        a sliding group only what the first step computes (it grows step by step)."""
+        full = self.blocks_needed(request.num_tokens)
+        if max_new_tokens is None:
+            return [full] * len(self.groups)
+        first = self.blocks_needed(min(request.num_tokens, cached + max(1, max_new_tokens)))
+        return [full if g.window is None else first for g in self.groups]
 
     def can_allocate(self, request: Request, use_prefix_cache: bool = True,
-                     needs_logits: bool = True) -> bool:
-        hits = self._prefix_hits(request, needs_logits) if use_prefix_cache else []
-        if None in hits and self.tiers.disk is not None:
+                     needs_logits: bool = True, max_new_tokens: int | None = None) -> bool:
+        """Whether allocate() finds the blocks; ``max_new_tokens``: what the request's first
+        step computes at most (sizes a sliding group's table; None: every token)."""
+        hits = self._prefix_hits(request, needs_logits) if use_prefix_cache \
+            else [[] for _ in self.groups]
+        if self.tiers is not None and None in hits[0] and self.tiers.disk is not None:
             # A disk block can still be a miss in allocate() (a corrupt file, no host slot
             # free this step): the match ends there and the device hits after it need fresh
             # blocks too. Admit what fits that worst case (it needs the most free blocks).
-            hits = hits[:hits.index(None) + 1]
-        device = [b for b in hits if b is not None]  # a lower-tier hit needs a fresh block
-        free_hits = sum(1 for b in device if self.blocks[b].ref_count == 0)
-        needed = self.blocks_needed(request.num_tokens) - len(device)
+            hits[0] = hits[0][:hits[0].index(None) + 1]
+        cached = len(hits[0]) * self.block_size
+        needed, free_hits = 0, 0
+        for k, length in enumerate(self._table_lengths(request, cached, max_new_tokens)):
+            first = self.groups[k].first_live_block(cached, self.block_size)
+            device = [b for b in hits[k][first:] if b is not None]  # a lower-tier hit needs
+            free_hits += sum(1 for b in device if self.blocks[b].ref_count == 0)  # a block
+            needed += length - first - len(device)
         return needed <= self.num_free_blocks - free_hits
 
     def allocate(self, request: Request, use_prefix_cache: bool = True,
-                 needs_logits: bool = True) -> int:
-        """Give the request blocks for all its current tokens; returns prefix-cached tokens
-        (lower-tier hits included: their blocks are loaded at the start of this step). The
-        hit blocks are pinned (ref counted) until the request frees them, and the host slots
-        of lower-tier hits until the step's ops are taken: no eviction can take them between
-        this match and their use. A lower-tier block that cannot be had after all (a disk
-        file found corrupt, every host slot in use) ends the match there."""
-        if request.request_id in self.tables:
-            raise BlockTableError(f"{request.request_id} already holds blocks "
-                                  f"{self.tables[request.request_id][:8]}: allocated twice")
-        hits = self._prefix_hits(request, needs_logits) if use_prefix_cache else []
+                 needs_logits: bool = True, max_new_tokens: int | None = None) -> int:
+        """Give the request blocks for all its current tokens (a sliding group: those of its
+        first ``max_new_tokens``); returns prefix-cached tokens (lower-tier hits included:
+        their blocks are loaded at the start of this step). The hit blocks are pinned (ref
+        counted) until the request frees them, and the host slots of lower-tier hits until
+        the step's ops are taken: no eviction can take them between this match and their
+        use. A lower-tier block that cannot be had after all (a disk file found corrupt,
+        every host slot in use) ends the match there."""
+        rid = request.request_id
+        if rid in self.tables:
+            raise BlockTableError(f"{rid} already holds blocks "
+                                  f"{self.tables[rid][0][:8]}: allocated twice")
+        hits = self._prefix_hits(request, needs_logits) if use_prefix_cache \
+            else [[] for _ in self.groups]
         slots: dict[int, int] = {}  # hit index -> host slot to load it from
-        for i, block_id in enumerate(hits):
+        for i, block_id in enumerate(hits[0] if self.tiers is not None else ()):
             if block_id is None:
                 slot = self.tiers.claim(request.block_hashes[i], self._block_tokens(request, i))
                 if slot is None:
-                    hits = hits[:i]
+                    hits[0] = hits[0][:i]
                     break
                 slots[i] = slot
-        device = [b for b in hits if b is not None]
+        cached = len(hits[0]) * self.block_size
+        firsts = [g.first_live_block(cached, self.block_size) for g in self.groups]
+        device = [b for k, h in enumerate(hits) for b in h[firsts[k]:] if b is not None]
         if self.enable_prefix_caching and use_prefix_cache:
             self.stats.queried_blocks += self._matchable(request, needs_logits) // self.block_size
-            self.stats.hit_blocks += len(device)
+            self.stats.hit_blocks += sum(1 for b in hits[0] if b is not None)
         for block_id in device:  # all of them before any eviction below
             self._take(block_id)
-        table = [b if b is not None else self._pop_free() for b in hits]
+        tables = []
+        for k, length in enumerate(self._table_lengths(request, cached, max_new_tokens)):
+            table = [b if b is not None else self._pop_free() for b in hits[k]]
+            table += [self._pop_free() for _ in range(length - len(table))]
+            tables.append(table)
         for i, slot in slots.items():
-            self.tiers.load(slot, table[i])
-        table += [self._pop_free() for _ in
-                  range(self.blocks_needed(request.num_tokens) - len(hits))]
-        self.tables[request.request_id] = table
+            self.tiers.load(slot, tables[0][i])
+        self.tables[rid] = tables
+        self._released[rid] = firsts
         # Blocks from the first restored one on are registered once the step computed them.
-        self.hashed[request.request_id] = min(slots, default=len(hits))
-        request.block_ids = table
-        return len(hits) * self.block_size
+        self.hashed[rid] = min(slots, default=len(hits[0]))
+        request.block_ids, request.group_block_ids = tables[0], tables
+        return cached
 
     # ---- growth --------------------------------------------------------------------------
     def can_append(self, request: Request, num_new_tokens: int) -> bool:
         total = request.num_computed_tokens + num_new_tokens
-        return self.blocks_needed(total) - len(request.block_ids) <= self.num_free_blocks
+        return self.new_blocks_needed(request, total) <= self.num_free_blocks
 
     def append_slots(self, request: Request, num_new_tokens: int) -> None:
-        table = self.tables[request.request_id]
-        total = request.num_computed_tokens + num_new_tokens
-        while len(table) < self.blocks_needed(total):
-            table.append(self._pop_free())
+        self._release_out_of_window(request)
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
+        for table in self.tables[request.request_id]:
+            while len(table) < need:
+                table.append(self._pop_free())
 
     def trim(self, request: Request) -> None:
         """Speculation: give back the blocks past the request's computed tokens (lookahead
         slots of rejected drafts; never hashed: only computed tokens' blocks are). They go to
         the front of the pool: nothing cached in them is worth keeping."""
-        table = self.tables[request.request_id]
         keep = max(self.blocks_needed(request.num_computed_tokens), self.hashed[request.request_id])
-        while len(table) > keep:
-            block_id = table.pop()
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-                self.free_queue.move_to_end(block_id, last=False)
+        for table in self.tables[request.request_id]:
+            while len(table) > keep:
+                self._put(table.pop(), front=True)
 
     def skip_caching(self, request: Request, num_blocks: int) -> None:
         """Never register the request's first ``num_blocks`` blocks for prefix hits (some
@@ -212,44 +289,70 @@ class BlockManager:
         self.hashed[rid] = max(self.hashed[rid], num_blocks)
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register hashes of blocks whose KV is now fully computed, for later prefix hits."""
-        if not self.enable_prefix_caching:
-            return
+        """Register hashes of blocks whose KV is now fully computed, for later prefix hits;
+        then a sliding group gives back the blocks its next query's window no longer reaches
+        (registered first: they stay findable until the pool hands them out again)."""
+        if self.enable_prefix_caching:
+            self._register(request)
+        self._release_out_of_window(request)
+
+    def _register(self, request: Request) -> None:
         rid = request.request_id
-        table = self.tables[rid]
+        tables = self.tables[rid]
         done = self.hashed[rid]
-        full = min(request.num_computed_tokens // self.block_size, len(table))
+        full = min([request.num_computed_tokens // self.block_size] + [len(t) for t in tables])
         if full <= done:
             return
         hashes = self._chain_hashes(request, full)
         tokens = request.token_ids_range(done * self.block_size, full * self.block_size)
         for i in range(done, full):
             chunk = tuple(tokens[(i - done) * self.block_size:(i - done + 1) * self.block_size])
-            block = self.blocks[table[i]]
-            # If the same content is already cached in another block, ours stays unhashed;
-            # the chain still continues from the content hash so later blocks match.
-            if block.block_hash is None and hashes[i] not in self.hash_to_block:
-                block.block_hash, block.token_ids = hashes[i], chunk
-                self.hash_to_block[hashes[i]] = block.block_id
-                self._events.record(True, hashes[i])
+            for k, table in enumerate(tables):
+                if table[i] == NULL_BLOCK and self._reserved:
+                    continue  # before a sliding window (a hit's leading entries)
+                block = self.blocks[table[i]]
+                # If the same content is already cached in another block, ours stays
+                # unhashed; the chain still continues from the content hash.
+                if block.block_hash is None and (k, hashes[i]) not in self.hash_to_block:
+                    block.block_hash, block.token_ids, block.group = hashes[i], chunk, k
+                    self.hash_to_block[(k, hashes[i])] = block.block_id
+                    if k == 0:  # prefix routing follows group 0's hashes
+                        self._events.record(True, hashes[i])
         self.hashed[rid] = full
+
+    def _release_out_of_window(self, request: Request) -> None:
+        """Sliding groups: entries wholly before the next query's window -> NULL_BLOCK."""
+        if not self._reserved:
+            return
+        rid = request.request_id
+        released = self._released[rid]
+        for k, table in enumerate(self.tables[rid]):
+            first = min(self.groups[k].first_live_block(request.num_computed_tokens,
+                                                        self.block_size), len(table))
+            for i in range(released[k], first):
+                if table[i] != NULL_BLOCK:
+                    self._put(table[i], front=self.blocks[table[i]].block_hash is None)
+                    table[i] = NULL_BLOCK
+            released[k] = max(released[k], first)
 
     # ---- release -------------------------------------------------------------------------
     def free(self, request: Request) -> None:
-        table = self.tables.pop(request.request_id, None)
+        tables = self.tables.pop(request.request_id, None)
         self.hashed.pop(request.request_id, None)
-        request.block_ids = []
-        if table is None:
+        self._released.pop(request.request_id, None)
+        request.block_ids, request.group_block_ids = [], []
+        if tables is None:
             return
         # Tail blocks are released first so they are evicted before the shared prefix.
-        for block_id in reversed(table):
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise BlockTableError(f"block {block_id} of {request.request_id} released "
-                                      f"more often than taken (ref count {block.ref_count})")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
+        for table in tables:
+            for block_id in reversed(table):
+                if block_id == NULL_BLOCK and self._reserved:
+                    continue
+                block = self.blocks[block_id]
+                if block.ref_count <= 0:
+                    raise BlockTableError(f"block {block_id} of {request.request_id} released "
+                                          f"more often than taken (ref count {block.ref_count})")
+                self._put(block_id)
 
     def holds(self, request_id: str) -> bool:
         return request_id in self.tables
@@ -257,10 +360,10 @@ class BlockManager:
     def check_no_leaks(self) -> None:
         """Raise AssertionError unless every block is free and no request holds a table."""
         leaked = [b.block_id for b in self.blocks if b.ref_count != 0]
-        if self.tables or leaked or len(self.free_queue) != self.num_blocks:
+        if self.tables or leaked or len(self.free_queue) != self.num_usable_blocks:
             raise AssertionError(f"KV blocks leaked: requests holding tables="
                                  f"{sorted(self.tables)[:10]}, blocks with refs={leaked[:20]}, "
-                                 f"free={len(self.free_queue)}/{self.num_blocks}")
+                                 f"free={len(self.free_queue)}/{self.num_usable_blocks}")
         if self.tiers is not None:
             self.tiers.check_no_leaks()
 
@@ -283,8 +386,8 @@ class BlockManager:
         return events
 
     def cached_hashes(self) -> list[int]:
-        """Every findable block hash now (a full snapshot, e.g. after a reset)."""
-        return list(self.hash_to_block)
+        """Every findable block hash now, group 0's (a full snapshot, e.g. after a reset)."""
+        return [h for k, h in self.hash_to_block if k == 0]
 
     def lower_cached_hashes(self) -> list[int]:
         """Every hash findable in a lower tier (host or disk) now."""
@@ -297,13 +400,25 @@ class BlockManager:
             del self.free_queue[block_id]
         block.ref_count += 1
 
+    def _put(self, block_id: int, front: bool = False) -> None:
+        """Drop one reference; a block nobody holds goes back to the pool (its end: the
+        least recently released is evicted first; ``front``: nothing in it worth keeping)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+            if front:
+                self.free_queue.move_to_end(block_id, last=False)
+
     def _pop_free(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict: the block is about to hold other tokens
-            if self.hash_to_block.get(block.block_hash) == block_id:
-                del self.hash_to_block[block.block_hash]
-                self._events.record(False, block.block_hash)
+            key = (block.group, block.block_hash)
+            if self.hash_to_block.get(key) == block_id:
+                del self.hash_to_block[key]
+                if block.group == 0:
+                    self._events.record(False, block.block_hash)
                 if self.tiers is not None:  # saved at the step's start, before any overwrite
                     self.tiers.on_evict(block_id, block.block_hash, block.token_ids)
             block.block_hash, block.token_ids = None, None

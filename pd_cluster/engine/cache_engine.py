@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from pd_cluster.engine.kv_groups import KVCacheGroup, layer_slots
 from pd_cluster.engine.kv_spec import FullAttentionSpec, LayerKVSpec
 
 logger = logging.getLogger(__name__)
@@ -15,10 +16,12 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class KVCacheSpec:
     """The whole paged cache: ``block_size`` tokens per block, one spec per layer (what each
-    layer's attention caches, see kv_spec.py). A block id means the same tokens in every
-    layer; only its bytes differ by layer."""
+    layer's attention caches, see kv_spec.py), and the layers' groups (kv_groups.py; none
+    given: one group of every layer, where a block id means the same tokens in every layer
+    and only its bytes differ by layer)."""
     block_size: int
     layers: tuple[LayerKVSpec, ...]
+    groups: tuple[KVCacheGroup, ...] = ()
 
     @classmethod
     def uniform(cls, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -35,9 +38,19 @@ class KVCacheSpec:
         return self.layers[0].dtype
 
     @property
+    def kv_groups(self) -> tuple[KVCacheGroup, ...]:
+        return self.groups or (KVCacheGroup(tuple(range(self.num_layers))),)
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes one block occupies across all layers (the sum of their pages)."""
-        return sum(layer.page_bytes(self.block_size) for layer in self.layers)
+        """Bytes one block id occupies: its page in each layer of a group (one group: every
+        layer, the sum of their pages)."""
+        return sum(self.layers[i].page_bytes(self.block_size) for i in self.kv_groups[0].layers)
+
+    @property
+    def token_bytes(self) -> float:
+        """Bytes one token takes over every layer when every layer holds it."""
+        return sum(layer.page_bytes(self.block_size) for layer in self.layers) / self.block_size
 
     def describe(self) -> list[dict[str, Any]]:
         return [layer.describe() for layer in self.layers]
@@ -93,6 +106,12 @@ def determine_num_blocks(spec: KVCacheSpec, device: torch.device, num_kv_blocks:
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device
                        ) -> list[torch.Tensor]:
-    """One tensor per layer, shaped by its own spec."""
-    return [torch.zeros(layer.cache_shape(num_blocks, spec.block_size), dtype=layer.dtype,
-                        device=device) for layer in spec.layers]
+    """One tensor per layer, shaped by its own spec; with groups, layer j of every group
+    shares tensor j (a block id is a page of the group that holds it)."""
+    if len(spec.kv_groups) == 1:
+        return [torch.zeros(layer.cache_shape(num_blocks, spec.block_size), dtype=layer.dtype,
+                            device=device) for layer in spec.layers]
+    first = spec.kv_groups[0].layers
+    shared = [torch.zeros(spec.layers[i].cache_shape(num_blocks, spec.block_size),
+                          dtype=spec.layers[i].dtype, device=device) for i in first]
+    return [shared[j] for j in layer_slots(spec.kv_groups, spec.num_layers)]

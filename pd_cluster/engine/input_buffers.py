@@ -20,7 +20,7 @@ The views stay valid until the next ``prepare``: whoever keeps one across steps 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -37,6 +37,8 @@ class StepTensors:
     positions: torch.Tensor  # int64 [tokens]
     rope_lens: torch.Tensor  # int64 [tokens]: max(prompt length, position + 1)
     meta: AttentionMetadata
+    # Per KV cache group, its metadata (its own block tables and slots); [meta] with one.
+    group_metas: list[AttentionMetadata]
 
 
 class CopyEvent(Protocol):
@@ -71,18 +73,29 @@ _FIELDS = {
 Sizes = tuple[int, int, int]  # (tokens, requests, blocks per request)
 
 
-def _zeros(sizes: Sizes, device: torch.device, pin: bool = False) -> dict[str, torch.Tensor]:
+def _group_fields(num_groups: int) -> dict[str, tuple[torch.dtype, str]]:
+    """The fields, and each further KV cache group's slots and tables (``..._k``)."""
+    fields = dict(_FIELDS)
+    for k in range(1, num_groups):
+        fields[f"slot_mapping_{k}"] = (torch.int64, "token")
+        fields[f"block_tables_{k}"] = (torch.int32, "table")
+    return fields
+
+
+def _zeros(sizes: Sizes, device: torch.device, pin: bool = False,
+           fields: dict[str, tuple[torch.dtype, str]] = _FIELDS) -> dict[str, torch.Tensor]:
     tokens, reqs, blocks = sizes
     shapes = {"token": (tokens,), "req": (reqs,), "req+1": (reqs + 1,), "table": (reqs, blocks)}
     return {name: torch.zeros(shapes[kind], dtype=dtype, device=device, pin_memory=pin)
-            for name, (dtype, kind) in _FIELDS.items()}
+            for name, (dtype, kind) in fields.items()}
 
 
 class _HostSlot:
     """One set of host buffers, and the event after the copies that last read them."""
 
-    def __init__(self, sizes: Sizes, pin: bool, event: CopyEvent | None) -> None:
-        self.pin, self.event = pin, event
+    def __init__(self, sizes: Sizes, pin: bool, event: CopyEvent | None,
+                 fields: dict[str, tuple[torch.dtype, str]]) -> None:
+        self.pin, self.event, self.fields = pin, event, fields
         self.pending = False  # copies reading these buffers were issued after the last wait
         self.allocate(sizes)
 
@@ -90,7 +103,7 @@ class _HostSlot:
         """New buffers (call after ``wait``; pinned memory still read by a copy is reused by
         the caching host allocator only after that copy)."""
         self.sizes = sizes
-        self.tensors = _zeros(sizes, torch.device("cpu"), self.pin)
+        self.tensors = _zeros(sizes, torch.device("cpu"), self.pin, self.fields)
         self.arrays = {name: t.numpy() for name, t in self.tensors.items()}
 
     def wait(self) -> None:
@@ -103,11 +116,15 @@ class InputBuffers:
     """Persistent buffers for ``max_tokens`` tokens of ``max_reqs`` requests, each with up to
     ``max_blocks`` blocks (sizes grow when a step needs more). ``copier``: how host buffers
     reach ``device`` (default: CUDA's on a CUDA device; none on the CPU, where the host
-    buffers are the inputs)."""
+    buffers are the inputs). ``num_groups``: KV cache groups, each with its tables and
+    slots."""
 
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, block_size: int,
-                 device: torch.device, copier: AsyncCopier | None = None) -> None:
+                 device: torch.device, copier: AsyncCopier | None = None,
+                 num_groups: int = 1) -> None:
         self.block_size, self.device = block_size, device
+        self.num_groups = num_groups
+        self.fields = _group_fields(num_groups)
         if copier is None and device.type == "cuda":
             copier = CudaCopier()
         self.copier = copier
@@ -115,10 +132,11 @@ class InputBuffers:
         self.sizes: Sizes = (max(1, max_tokens), max(1, max_reqs), max(1, max_blocks))
         # Two slots only when copies are asynchronous: one being read by the stream while
         # the CPU writes the other.
-        self._slots = [_HostSlot(self.sizes, self._pin, copier.event() if copier else None)
-                       for _ in range(2 if copier else 1)]
+        self._slots = [_HostSlot(self.sizes, self._pin, copier.event() if copier else None,
+                                 self.fields) for _ in range(2 if copier else 1)]
         self._next = 0
-        self.dev = _zeros(self.sizes, device) if copier else self._slots[0].tensors
+        self.dev = _zeros(self.sizes, device, fields=self.fields) if copier \
+            else self._slots[0].tensors
         self._arange = np.arange(self.sizes[1])
 
     @property
@@ -139,7 +157,7 @@ class InputBuffers:
         if self.copier is not None:
             # The old device buffers may still be read by queued work: the caching allocator
             # reuses their memory only after it (stream order).
-            self.dev = _zeros(self.sizes, self.device)
+            self.dev = _zeros(self.sizes, self.device, fields=self.fields)
 
     def _slot(self) -> _HostSlot:
         """The host slot this step writes, once the copies that read it last have run."""
@@ -154,7 +172,10 @@ class InputBuffers:
 
     def prepare(self, step: StepInput) -> StepTensors:
         n_tok, n_req = len(step.tokens), len(step.seq_lens)
-        width = len(step.block_tables[0])
+        if len(step.group_tables) != self.num_groups - 1:
+            raise ValueError(f"group_tables: {len(step.group_tables) + 1} KV cache groups, "
+                             f"the buffers have {self.num_groups}")
+        width = max(len(t[0]) for t in [step.block_tables, *step.group_tables])
         if n_tok > self.sizes[0] or n_req > self.sizes[1] or width > self.sizes[2]:
             self._grow((n_tok, n_req, width))
         slot = self._slot()
@@ -165,18 +186,21 @@ class InputBuffers:
         qsl = a["query_start_loc"][:n_req + 1]
         qsl[:] = step.query_start
         a["seq_lens"][:n_req] = step.seq_lens
-        tables = a["block_tables"][:n_req, :width]
-        tables[:] = step.block_tables
         req_index = np.repeat(self._arange[:n_req], np.diff(qsl))
         bs = self.block_size
-        np.add(tables[req_index, pos // bs].astype(np.int64) * bs, pos % bs,
-               out=a["slot_mapping"][:n_tok])
+        for k, step_tables in enumerate([step.block_tables, *step.group_tables]):
+            suffix = f"_{k}" if k else ""
+            tables = a["block_tables" + suffix][:n_req, :width]
+            tables[:] = 0
+            tables[:, :len(step_tables[0])] = step_tables
+            np.add(tables[req_index, pos // bs].astype(np.int64) * bs, pos % bs,
+                   out=a["slot_mapping" + suffix][:n_tok])
         # HF's RoPE sees max(prompt length, position + 1) tokens when computing a position.
         np.maximum(np.asarray(step.prompt_lens, dtype=np.int64)[req_index], pos + 1,
                    out=a["rope_lens"][:n_tok])
         sizes = {"token": n_tok, "req": n_req, "req+1": n_req + 1}
         views = {}
-        for name, (_, kind) in _FIELDS.items():
+        for name, (_, kind) in self.fields.items():
             dev = self.dev[name]
             dev = dev[:n_req, :width] if kind == "table" else dev[:sizes[kind]]
             if self.copier is not None:
@@ -195,4 +219,8 @@ class InputBuffers:
             max_query_len=max(b - a for a, b in zip(step.query_start, step.query_start[1:])),
             max_seq_len=max(lens), block_size=bs, query_start_loc_cpu=step.query_start,
             seq_lens_cpu=lens)
-        return StepTensors(views["token_ids"], views["positions"], views["rope_lens"], meta)
+        metas = [meta] + [replace(meta, slot_mapping=views[f"slot_mapping_{k}"],
+                                  block_tables=views[f"block_tables_{k}"])
+                          for k in range(1, self.num_groups)]
+        return StepTensors(views["token_ids"], views["positions"], views["rope_lens"], meta,
+                           metas)

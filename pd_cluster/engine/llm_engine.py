@@ -53,7 +53,8 @@ class LLMEngine:
             logger.warning("prefix caching off: this model's RoPE depends on the sequence "
                            "length (longrope), so equal tokens need not have equal KV")
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, caching,
-                                          tiers=self._tier_manager())
+                                          tiers=self._tier_manager(),
+                                          groups=self.runner.kv_spec.kv_groups)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.executor.scheduler_connector)
         self.proposer = self._proposer(hf_config)
@@ -185,8 +186,10 @@ class LLMEngine:
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         room = check_prompt(token_ids, self.vocab_size, self.max_model_len)
         max_total = len(token_ids) + min(params.max_tokens or room, room)
-        capacity = self.block_manager.num_blocks * self.config.block_size
-        if max_total > capacity:
+        bm = self.block_manager
+        capacity = bm.num_usable_blocks * self.config.block_size // len(bm.groups)
+        chunk = self.config.max_num_batched_tokens
+        if bm.blocks_held_at_most(max_total, chunk) > bm.num_usable_blocks:
             raise InvalidRequest(f"prompt + max_tokens: up to {max_total} tokens do not fit the "
                                  f"KV cache ({capacity} tokens); lower max_tokens or add "
                                  f"num_kv_blocks", "max_tokens")
@@ -296,7 +299,7 @@ class LLMEngine:
         """What the engine's KV cache holds per token over all its ranks (an FP8 cache's
         scale rows included), and its element type."""
         spec = self.runner.kv_spec
-        per_token = spec.block_bytes * self.config.tensor_parallel_size / spec.block_size
+        per_token = spec.token_bytes * self.config.tensor_parallel_size
         return {"kv_cache_dtype": self.config.kv_cache_dtype, "kv_bytes_per_token": per_token}
 
     def _tier_stats(self) -> dict[str, Any]:

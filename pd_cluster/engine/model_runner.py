@@ -16,6 +16,7 @@ from pd_cluster.engine.cache_engine import (DeviceMemory, KVCacheSpec, allocate_
 from pd_cluster.engine.compiled_model import CompiledModel, compile_enabled, compile_mode
 from pd_cluster.engine.cuda_graphs import DecodeGraphs, pool_bound
 from pd_cluster.engine.input_buffers import InputBuffers
+from pd_cluster.engine.kv_groups import layer_groups, make_groups
 from pd_cluster.engine.kv_spec import check_kv_dtype
 from pd_cluster.engine.step_input import StepInput
 from pd_cluster.models.context import ForwardContext
@@ -37,6 +38,15 @@ def profile_batch(num_tokens: int, max_model_len: int, max_num_seqs: int
     return lens, min(max_num_seqs, num_tokens)
 
 
+def groups_enabled(config: EngineConfig) -> bool:
+    """Whether layers of different kinds get their own block tables (kv_groups.py): not yet
+    where whole-model blocks move or are shared (the P/D connector, the KV tiers, a draft
+    model reading the target's block ids): there every layer keeps every block, as before."""
+    spec = config.speculative
+    return (not config.kv_transfer and not config.kv_offloading_size
+            and (spec is None or spec.method != "draft_model"))
+
+
 class ModelRunner:
     """One rank's model, paged KV cache and worker-side connector (the engine's rank 0 runs
     in the engine process; the others in worker processes, see worker.py)."""
@@ -54,8 +64,11 @@ class ModelRunner:
         self.weights_bytes = self._allocated() - before  # this engine's, not the process's
         start_trace.mark("engine", "weights loaded")
         prepare_model(self.model, self.dtype, self.device, config.cpu_gemm)  # CPU GEMM layout
-        self.kv_spec = KVCacheSpec(config.block_size,
-                                   tuple(self.model.kv_cache_specs(config.kv_torch_dtype)))
+        layer_specs = tuple(self.model.kv_cache_specs(config.kv_torch_dtype))
+        self.kv_spec = KVCacheSpec(config.block_size, layer_specs,
+                                   make_groups(layer_specs, groups_enabled(config)))
+        groups = self.kv_spec.kv_groups
+        self.layer_group = layer_groups(groups, len(layer_specs)) if len(groups) > 1 else None
         check_kv_dtype(self.kv_spec, config.kv_cache_dtype)
         start_trace.mark("engine", "weights prepared")
         # What runs a forward: the model, or the same through one compiled graph (made before
@@ -79,7 +92,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.inputs = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                    -(-self.max_model_len // config.block_size),
-                                   config.block_size, self.device)
+                                   config.block_size, self.device, num_groups=len(groups))
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, after the cache exists
         self.connector: Any = None  # worker-side KV connector
         self.tier_store: Any = None  # this rank's KV host tier (kv_tiers/host_store.py)
@@ -97,7 +110,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
-        if self.device.type == "cuda" and self.config.cuda_graphs:
+        # The captured graphs hold one block table: several groups' steps run eagerly.
+        if self.device.type == "cuda" and self.config.cuda_graphs and self.layer_group is None:
             total = torch.cuda.get_device_properties(self.device).total_memory
             graphs = DecodeGraphs(self.forward_model, self.backend, self.kv_caches,
                                   self.config.max_num_seqs, self.max_model_len,
@@ -206,7 +220,8 @@ class ModelRunner:
             self.backend = self._kernels.current()
         t = self.inputs.prepare(step)
         ctx = ForwardContext(t.meta, self.kv_caches, self.backend, self.connector,
-                             rope_lens=t.rope_lens)
+                             rope_lens=t.rope_lens, group_metas=t.group_metas,
+                             layer_group=self.layer_group)
         if self._replays(step):
             hidden = self.decode_graphs.run(t.token_ids, t.positions, t.meta.slot_mapping,
                                             t.meta.seq_lens, t.meta.block_tables, t.rope_lens,

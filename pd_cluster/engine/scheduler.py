@@ -167,10 +167,12 @@ class Scheduler:
                     if use_cache and remote else 0
                 num_external, load_async = self.connector.get_num_new_matched_tokens(
                     request, local)
-            if not self.block_manager.can_allocate(request, use_cache, not remote):
+            # What the first step computes at most (a sliding group's table covers only it).
+            first_step = None if remote else min(budget, prefill_budget)
+            if not self.block_manager.can_allocate(request, use_cache, not remote, first_step):
                 break
             self.waiting.popleft()
-            cached = self.block_manager.allocate(request, use_cache, not remote)
+            cached = self.block_manager.allocate(request, use_cache, not remote, first_step)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = cached
             request.num_computed_tokens = cached
@@ -208,9 +210,8 @@ class Scheduler:
             return []
         drafts = drafts[:max(0, budget - num_new - others)]
         bm = self.block_manager
-        extra = bm.blocks_needed(request.num_computed_tokens + num_new + len(drafts)) \
-            - len(request.block_ids)
-        if drafts and extra > 0 and bm.num_free_blocks - extra < others + 1:
+        extra = bm.new_blocks_needed(request, request.num_computed_tokens + num_new + len(drafts))
+        if drafts and extra > 0 and bm.num_free_blocks - extra < (others + 1) * len(bm.groups):
             return []
         return drafts
 

@@ -27,13 +27,16 @@ class StepInput(msgspec.Struct, tag="step", forbid_unknown_fields=True):
     positions: list[int]
     query_start: list[int]  # len(batch) + 1 offsets into tokens
     seq_lens: list[int]
-    block_tables: list[list[int]]  # padded with 0 to one width
+    block_tables: list[list[int]]  # KV cache group 0's, padded with 0 to one width
     num_decodes: int
     prompt_lens: list[int]  # per request (RoPE scalings that depend on the prompt length)
     # Each group is one compute_logits call over these [start, stop) hidden-row ranges.
     logit_rows: list[list[tuple[int, int]]] = []
     kv_meta: KVConnectorMetadata | None = None
     tier_ops: TierOps | None = None  # run first, also in an empty step (kv_tiers/ops.py)
+    # The other KV cache groups' tables (engine/kv_groups.py), each as block_tables; [] with
+    # one group.
+    group_tables: list[list[list[int]]] = []
 
     @property
     def empty(self) -> bool:
@@ -83,9 +86,9 @@ def build_step(scheduled: list[ScheduledRequest], block_size: int,
         seq_lens.append(end)
         if end - len(drafts) == req.num_tokens:
             sampling.append(i)
-    width = max(len(s.request.block_ids) for s in batch)
-    tables = [list(s.request.block_ids) + [0] * (width - len(s.request.block_ids))
-              for s in batch]
+    tables = _padded([s.request.block_ids for s in batch])
+    group_tables = [_padded([s.request.group_block_ids[k] for s in batch])
+                    for k in range(1, len(batch[0].request.group_block_ids))]
     groups: list[list[tuple[int, int]]] = []
     _plan_prompt_logprobs(batch, query_start, groups, plan)
     if sampling:
@@ -97,8 +100,14 @@ def build_step(scheduled: list[ScheduledRequest], block_size: int,
     num_decodes = sum(1 for s in batch if s.num_new_tokens == 1)
     prompt_lens = [s.request.num_prompt_tokens for s in batch]
     step = StepInput(tokens, positions, query_start, seq_lens, tables, num_decodes,
-                     prompt_lens, groups, kv_meta, tier_ops)
+                     prompt_lens, groups, kv_meta, tier_ops, group_tables)
     return step, plan
+
+
+def _padded(tables: list[list[int]]) -> list[list[int]]:
+    """The tables padded with 0 to one width (one block at least)."""
+    width = max(1, max(len(t) for t in tables))
+    return [list(t) + [0] * (width - len(t)) for t in tables]
 
 
 def _plan_prompt_logprobs(batch: list[ScheduledRequest], query_start: list[int],

@@ -51,7 +51,7 @@ def paged_layer(layer_idx: int, ctx: ForwardContext, write: Callable[[torch.Tens
     out = compute(kv_cache)
     if ctx.connector is not None:
         # This layer's KV is final in the cache: hand it to the pipe while the next computes.
-        ctx.connector.save_kv_layer(layer_idx, kv_cache, ctx.attn_metadata)
+        ctx.connector.save_kv_layer(layer_idx, kv_cache, ctx.meta_for(layer_idx))
     return out
 
 
@@ -60,7 +60,7 @@ def run_paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: tor
                         kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """Standard attention through the step's backend (K and V in the cache; ``kv_scales``:
     the checkpoint's static K/V scales, used by an FP8 cache)."""
-    meta = ctx.attn_metadata
+    meta = ctx.meta_for(layer_idx)  # its KV cache group's block tables
     return paged_layer(layer_idx, ctx,
                        lambda cache: ctx.backend.write_kv(k, v, cache, meta, kv_scales),
                        lambda cache: ctx.backend.forward(q, cache, meta, opts))

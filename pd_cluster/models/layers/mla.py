@@ -122,7 +122,7 @@ class LatentAttention(nn.Module):
         """Outside a compiled graph (paged_call.py): (q_nope, q_rope, cache entry) -> the
         attention output [tokens, heads, v_head_dim]."""
         q_nope, q_rope, entry = inputs
-        meta = ctx.attn_metadata
+        meta = ctx.meta_for(self.layer_idx)
         return paged_layer(self.layer_idx, ctx,
                            lambda cache: write_latent(entry, cache, meta.slot_mapping),
                            lambda cache: self._attend(q_nope, q_rope, cache, meta,

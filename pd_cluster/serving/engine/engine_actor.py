@@ -139,7 +139,7 @@ class EngineActor:
         out = await asyncio.wait_for(asyncio.wrap_future(self.loop.call(take)), timeout)
         spec = self.engine.runner.kv_spec
         return {**out, "incarnation": self.incarnation, "block_size": spec.block_size,
-                "kv_bytes_per_token": spec.block_bytes / spec.block_size}
+                "kv_bytes_per_token": spec.token_bytes}
 
     async def check_no_leaks(self, timeout: float = 10.0) -> None:
         """AssertionError unless no request and no KV block is held (LLMEngine's contract;

@@ -1,0 +1,55 @@
+"""Prefix-cache hits across KV cache groups (vLLM's rule for hybrid models).
+
+A hit of ``m`` leading blocks lets the request compute from token ``m * block_size``: every
+full group must hold all ``m`` blocks, and each sliding group only the blocks the next query's
+window reaches (from ``first_live_block(m * block_size)`` to ``m``; the earlier ones are never
+read). So the full groups' common prefix is shortened to the longest length where every sliding
+group still holds its window's tail.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pd_cluster.engine.kv_groups import NULL_BLOCK, KVCacheGroup
+
+
+def leading_run(found: Sequence[int | None]) -> int:
+    """How many leading entries are hits."""
+    for i, block in enumerate(found):
+        if block is None:
+            return i
+    return len(found)
+
+
+def accepted_length(groups: Sequence[KVCacheGroup], found: Sequence[Sequence[int | None]],
+                    block_size: int) -> int:
+    """The longest hit (in blocks) every group can serve. ``found[k][i]``: group k's cached
+    block for block i of the request (None: not cached), computed up to a common limit."""
+    limit = min((leading_run(f) for g, f in zip(groups, found) if g.window is None),
+                default=min((len(f) for f in found), default=0))
+    # Per sliding group: run[i] = hits ending at block i (consecutive).
+    runs = []
+    for group, f in zip(groups, found):
+        if group.window is None:
+            continue
+        run, count = [], 0
+        for block in f[:limit]:
+            count = count + 1 if block is not None else 0
+            run.append(count)
+        runs.append((group, run))
+    m = limit
+    while m > 0 and not all(run[m - 1] >= m - g.first_live_block(m * block_size, block_size)
+                            for g, run in runs):
+        m -= 1
+    return m
+
+
+def group_hits(groups: Sequence[KVCacheGroup], found: Sequence[Sequence[int | None]], m: int,
+               block_size: int) -> list[list[int]]:
+    """Each group's table for a hit of ``m`` blocks: the cached blocks, and in a sliding group
+    ``NULL_BLOCK`` before the window's first block."""
+    tables = []
+    for group, f in zip(groups, found):
+        first = group.first_live_block(m * block_size, block_size)
+        tables.append([NULL_BLOCK] * first + [b for b in f[first:m]])  # type: ignore[misc]
+    return tables
