@@ -3,7 +3,8 @@ gives each request what verifying it alone gives (greedy, seeded sampling, top-k
 logprobs, drafts of different lengths); a seeded request keeps the sampler's own draws whatever
 was proposed; the ngram lookup is skipped exactly when it could find nothing; a draft model
 whose drafts keep failing backs off and probes again later; drafts past the first are proposed
-only while the measured step cost says they pay."""
+only while the measured step cost says they pay, and none at a batch size where even one does
+not (the engine then proposes on one step in 8 only)."""
 from __future__ import annotations
 
 import random
@@ -90,11 +91,12 @@ def test_ngram_lookup_skipped_exactly_when_it_finds_nothing() -> None:
                                    prompt_lookup_max=hi)
         proposer = NgramProposer(config, max_model_len=10_000)
         for _ in range(30):
-            state, tokens = _State(), []
+            state = _State()
+            req = Request("r", [rng.randrange(5)], SamplingParams(max_tokens=500))
             for _ in range(40):
-                tokens += [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
-                arr = np.array(tokens)
-                assert proposer._seen_before(arr, state) == bool(find_drafts(arr, lo, hi, 3))
+                req.output_token_ids += [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
+                arr = np.array(req.all_token_ids)
+                assert proposer._seen_before(req, state) == bool(find_drafts(arr, lo, hi, 3))
 
 
 class _Runner:
@@ -158,3 +160,56 @@ def test_step_cost_fit_and_the_drafts_it_pays_for() -> None:
     assert backoff.width(low, 4, 16) == 1  # unlikely drafts past the first cost more
     assert backoff.width(high, 4, 16) == 4  # likely ones pay
     assert backoff.width(low, 4, 1) == 2  # at batch 1 a token costs 3% of a step: a^2 pays
+
+
+def test_step_cost_window_drops_old_steps() -> None:
+    from pd_cluster.engine.spec.step_cost import StepCost
+    cost = StepCost()
+    for i in range(200):  # an old regime, then 64 steps of another: only the last count
+        tokens = 16 + (i * 7) % 40
+        cost.record(tokens, (5e-3 + 1e-4 * tokens) if i < 136 else (1e-3 + 3e-5 * tokens))
+    overhead, per_token = cost.fit()
+    assert abs(overhead - 1e-3) < 1e-9 and abs(per_token - 3e-5) < 1e-10
+
+
+def _paying_little() -> Any:
+    """A backoff whose fit makes a token cost about half a step's share at batch 16
+    (1 ms a step, 60 us a token: threshold 0.49 at 16, 0.057 at 1)."""
+    from pd_cluster.engine.spec.backoff import Backoff
+    backoff = Backoff()
+    for tokens in (16, 80, 32, 64, 16, 48, 80, 20, 16, 70):
+        backoff.cost.record(tokens, 1e-3 + 6e-5 * tokens)
+    return backoff
+
+
+def test_a_verify_that_keeps_too_little_for_this_batch_size_backs_off() -> None:
+    backoff = _paying_little()
+    state = _State(kept=0.5, lost=2.0)
+    backoff.batch = 16
+    backoff.observe(state, 2, 1)  # kept one, but ~30% does not repay a draft at batch 16
+    assert state.misses == 1 and state.cooldown >= 1
+    state = _State(kept=0.5, lost=2.0)
+    backoff.batch = 1
+    backoff.observe(state, 2, 1)  # at batch 1 the same acceptance pays
+    assert state.misses == 0 and state.cooldown == 0
+
+
+def test_engine_proposes_one_step_in_8_while_drafts_do_not_pay_at_its_batch_size() -> None:
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3), max_model_len=1000)
+    proposer.backoff = _paying_little()
+    proposer.backoff.rate = 0.3  # below batch 16's threshold, above batch 1's
+    reqs = []
+    for i in range(16):
+        req = Request(f"r{i}", [5, 6, 7, 5, 6], SamplingParams(max_tokens=500))
+        req.output_token_ids, req.num_computed_tokens = [7], 5  # "6 7" occurred: drafts
+        reqs.append(req)
+    proposed = []
+    for _ in range(16):
+        proposer.propose(reqs)
+        proposed.append(sum(bool(r.spec_token_ids) for r in reqs))
+        for r in reqs:
+            if r.spec_state is not None:
+                r.spec_state.cooldown = 0  # each request alone would propose every step
+    assert proposed == [0] * 7 + [16] + [0] * 7 + [16]
+    proposer.propose(reqs[:1])  # batch 1: the same rate pays, proposing at once
+    assert reqs[0].spec_token_ids[:1] == [5]

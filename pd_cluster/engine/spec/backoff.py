@@ -9,7 +9,20 @@ the next probe.
 How many drafts a request verifies (``width``): the j-th draft is kept only if the j-1 before it
 were, so with a per-position acceptance a it is kept with probability a^j; it is proposed only
 while a^j repays what one more token costs the step (step_cost.py's threshold, measured). The
-first draft is always proposed (the cooldown above governs it), so a request keeps probing."""
+first draft is always proposed (the cooldown above governs it), so a request keeps probing.
+
+Whether the first draft pays at this batch size (the gate): a verification that kept drafts,
+but whose request's acceptance no longer repays even one draft at the current batch size
+(a < c B / (o + c B), the same threshold), backs off as a miss does. At batch 16 of a small
+model a token costs about half a step's share per request, so text whose drafts are kept ~30%
+of the time (a model looping on ungrounded text) stops paying for the verifies; at batch 1 the
+same acceptance pays and the request keeps speculating.
+
+And the engine as a whole (``skip``): while its recent acceptance is below that threshold at
+the current batch size, the proposer runs on one step in ``ENGINE_PROBE_EVERY`` only (those
+steps' probes keep the rate current; a smaller batch or better text opens it again at once).
+At batch 16 on ungrounded text the per-request proposing itself, a few microseconds a request,
+was measurable against a ~2.5 ms step."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -18,6 +31,7 @@ from pd_cluster.engine.spec.step_cost import StepCost
 
 MAX_COOLDOWN = 32
 LOW_RATE, LOW_RATE_SCALE = 0.2, 8  # accepted / drafted below which backing off is longer
+ENGINE_PROBE_EVERY = 8  # steps per proposing step while the engine's drafts do not pay
 
 
 class BackoffState(Protocol):
@@ -33,6 +47,8 @@ class Backoff:
     def __init__(self) -> None:
         self.rate = 0.5  # accepted / drafted, a moving average over recent verifications
         self.cost = StepCost()  # the engine records its decode steps' times
+        self.batch = 1  # decoding requests at the last proposal (the gate's batch size)
+        self._skipped = 0  # steps skipped in a row by ``skip``
 
     def observe(self, state: BackoffState, num_drafts: int, num_accepted: int) -> None:
         self.rate = 0.9 * self.rate + 0.1 * (num_accepted / num_drafts)
@@ -40,11 +56,24 @@ class Backoff:
         state.kept = 0.8 * state.kept + num_accepted
         state.lost = 0.8 * state.lost + (num_accepted < num_drafts)
         if num_accepted:
-            state.misses = 0
-            return
+            if self.accept(state) >= self.cost.threshold(self.batch):
+                state.misses = 0
+                return
+            # Kept some, but too few to repay a draft at this batch size: rest as a miss.
         state.misses += 1
         scale = LOW_RATE_SCALE if self.rate < LOW_RATE else 1
         state.cooldown = min(scale * 2 ** (state.misses - 1), scale * MAX_COOLDOWN)
+
+    def skip(self, batch: int) -> bool:
+        """Whether the proposer skips this step entirely (``batch`` decoding requests): while
+        the engine's recent acceptance does not repay a draft at this batch size, all but one
+        step in ENGINE_PROBE_EVERY."""
+        self.batch = batch
+        if self.rate >= self.cost.threshold(batch) or self._skipped >= ENGINE_PROBE_EVERY - 1:
+            self._skipped = 0
+            return False
+        self._skipped += 1
+        return True
 
     @staticmethod
     def resting(state: BackoffState) -> bool:
@@ -60,10 +89,14 @@ class Backoff:
         threshold = self.cost.threshold(batch)
         if threshold <= 0.0:
             return k
-        # Per-position acceptance, the engine's recent rate standing in for 2 verifications.
-        accept = (state.kept + 2 * self.rate) / (state.kept + state.lost + 2)
+        accept = self.accept(state)
         width, chance = 1, accept
         while width < k and chance * accept >= threshold:
             chance *= accept
             width += 1
         return width
+
+    def accept(self, state: BackoffState) -> float:
+        """The request's per-position acceptance, the engine's recent rate standing in for
+        2 verifications."""
+        return (state.kept + 2 * self.rate) / (state.kept + state.lost + 2)

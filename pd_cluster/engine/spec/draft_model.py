@@ -63,6 +63,11 @@ class DraftModelProposer:
     def propose(self, requests: list[Request]) -> None:
         """Set ``spec_token_ids`` of each decoding request for the next step."""
         live = {r.request_id for r in requests}
+        if self.backoff.skip(len(requests)):  # drafts do not pay at this batch size (backoff.py)
+            self.release([rid for rid in self.states if rid not in live])
+            for request in requests:
+                request.spec_token_ids = []
+            return
         self.release([rid for rid in self.states if rid not in live])
         active: list[tuple[Request, _State, int]] = []
         for request in requests:
