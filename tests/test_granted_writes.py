@@ -13,7 +13,7 @@ from connectors.granted_writes import Grants, granted_targets, written_head
 from connectors.metadata import KVWrittenHeader, decode_header, encode_header
 from connectors.pd_scheduler import PDConnectorScheduler
 from connectors.pipes.nixl_layout import CacheLayout, block_chunks
-from connectors.pipes.nixl_worker import written_tag
+from connectors.pipes.written_check import written_code
 from connectors.transfer_params import SendKV
 
 
@@ -66,15 +66,15 @@ def test_both_ends_cover_the_same_bytes_and_one_bit_fails_the_code() -> None:
     assert [c.nbytes for c in chunks] == [2 * kv[0, 0].nbytes, kv[0, 0].nbytes] * 2
     key, nonce = b"k" * 32, b"n" * 16
     for mode in ("mac", "crc32"):
-        tag = written_tag(mode, key, nonce, written_head(sent), chunks)
-        assert tag == written_tag(mode, key, nonce, written_head(received),
+        tag = written_code(mode, key, nonce, written_head(sent), chunks)
+        assert tag == written_code(mode, key, nonce, written_head(received),
                                   block_chunks(kv, [3, 4, 1]))
         kv[1, 1].view(-1).view(torch.uint8)[5] ^= 1
-        assert tag != written_tag(mode, key, nonce, written_head(sent),
+        assert tag != written_code(mode, key, nonce, written_head(sent),
                                   block_chunks(kv, [3, 4, 1]))
         kv[1, 1].view(-1).view(torch.uint8)[5] ^= 1
-    assert written_tag("mac", key, b"m" * 16, written_head(sent), chunks) != \
-        written_tag("mac", key, nonce, written_head(sent), chunks)  # a one-time key per write
+    assert written_code("mac", key, b"m" * 16, written_head(sent), chunks) != \
+        written_code("mac", key, nonce, written_head(sent), chunks)  # a one-time key per write
 
 
 def test_whole_blocks_leave_a_partial_block_to_the_next_chunk() -> None:
