@@ -11,9 +11,9 @@ Where the MAC runs: the shm producer seals each 256 KiB piece right after copyin
 in cache (shm_pipe.copy_and_seal). Sealing the source on a second thread while the first
 copies (OpenSSL and numpy both release the GIL) was tried and measured worse on this 2-core
 machine (shm_efficiency 0.29 against 0.45 in-pass, runs half an hour apart): with the
-consumer checking on the other core, three streams share two cores. crc32: CRC-32 over the
-head and the bytes (accidents only). none:
-nothing. No message number: the head names the request's blocks and the bytes are in them, so
+consumer checking on the other core, three streams share two cores.
+
+crc32: CRC-32 over the head and the bytes (accidents only). none: nothing. No message number: the head names the request's blocks and the bytes are in them, so
 a replayed notification vouches only for what is there.
 """
 from __future__ import annotations
