@@ -13,8 +13,9 @@ copies (OpenSSL and numpy both release the GIL) was tried and measured worse on 
 machine (shm_efficiency 0.29 against 0.45 in-pass, runs half an hour apart): with the
 consumer checking on the other core, three streams share two cores.
 
-crc32: CRC-32 over the head and the bytes (accidents only). none: nothing. No message number: the head names the request's blocks and the bytes are in them, so
-a replayed notification vouches only for what is there.
+crc32: CRC-32 over the head and the bytes (accidents only). none: nothing. No message
+number: the head names the request's blocks and the bytes are in them, so a replayed
+notification vouches only for what is there.
 """
 from __future__ import annotations
 
