@@ -286,3 +286,40 @@ def test_long_runs_are_split_into_single_frame_messages():
         time.sleep(0.005)
     assert torch.equal(dst[:, list(dst_blocks)], src[:, list(src_blocks)])
     worker.close()
+
+
+def test_gathered_blocks_go_as_single_frame_messages():
+    """Scattered source blocks (gathered into a buffer): each message at most one frame, so
+    the receiver never joins frames with a copy; the blocks still land exactly."""
+    from connectors.config import KVTransferConfig
+    from connectors.metadata import FinishSpec, KVConnectorMetadata, RecvSpec, SendSpec
+    from connectors.pd_connector import PDConnectorWorker
+    info = {"model_id": "t", "dtype": "torch.float32", "block_size": 4, "num_layers": 1,
+            "num_kv_heads": 2, "head_dim": 8}  # 256 bytes per block and part
+    cfg = KVTransferConfig.from_dict({"role": "both", "max_frame_bytes": 1024})  # 2 blocks
+    worker = PDConnectorWorker(cfg, info)
+    src, dst = torch.randn(2, 40, 4, 2, 8), torch.zeros(2, 40, 4, 2, 8)
+    worker.register_kv_caches([src])
+    worker.receiver.kv_caches = [dst]
+    src_blocks, dst_blocks = (3, 9, 1, 30, 7, 22, 5), tuple(range(25, 32))  # 7 runs: gathered
+    worker.bind_connector_metadata(KVConnectorMetadata(recvs=[RecvSpec("g", dst_blocks, 28)]))
+    worker.connect_peer(worker.endpoint())
+    meta = KVConnectorMetadata(sends=[SendSpec("g", worker.endpoint(), src_blocks, 0)])
+    worker.bind_connector_metadata(meta)
+    messages = worker.sender.layer_messages(meta.sends[0], 0, src)
+    assert [m.tensor.nbytes for m in messages] == [1024, 1024, 1024, 512]
+    assert [m.header.first_block for m in messages] == [0, 2, 4, 6]
+    worker.save_kv_layer(0, src, None)
+    worker.wait_for_save()
+    worker.bind_connector_metadata(KVConnectorMetadata(
+        finishes=[FinishSpec("g", worker.endpoint(), 1, 28)]))
+    deadline, got = time.monotonic() + 10, {}
+    while "g" not in got:
+        assert time.monotonic() < deadline
+        worker.bind_connector_metadata(KVConnectorMetadata())  # steps send deferred layers
+        got.update(worker.get_finished()[1])
+        time.sleep(0.005)
+    assert got["g"] == 1
+    assert torch.equal(dst[:, list(dst_blocks)], src[:, list(src_blocks)])
+    worker.close()
+
