@@ -111,3 +111,33 @@ def test_whole_blocks_leave_a_partial_block_to_the_next_chunk() -> None:
     assert plan(whole, 12, 8) == ((1, (8, 9)),)  # the prompt's end: the last block goes
     assert plan(partial, 0, 12) == ((0, (7, 8)),)
     assert plan(partial, 12, 8) == ((1, (8, 9)),)  # block 1 again
+
+
+def test_the_consumer_checks_written_blocks_outside_its_lock() -> None:
+    """A written layer's MAC (milliseconds a layer for a long prompt) is checked without the
+    receiver's lock, so the engine thread's take_finished and register never wait on it; a
+    request that ended during its check is not marked, and a failed check still fails the
+    request closed."""
+    from connectors.kv_receiver import KVReceiver
+    from connectors.metadata import FinHeader, RecvSpec
+    rx = KVReceiver(1, 4, timeout=5.0, max_staging_bytes=1024)
+    rx.kv_caches = [torch.zeros(2, 8, 4, 1, 8)]
+    locked: list[bool] = []
+
+    def checker(peer: str, head: bytes, chunks: list, tag: bytes, nonce: bytes) -> str | None:
+        locked.append(rx._lock.locked())
+        if tag == b"cancel":
+            rx.cancel("c")  # the request ends here while its blocks are checked
+        return None if tag in (b"good", b"cancel") else "mac mismatch"
+    rx.check_written = checker
+    for rid in ("r", "s", "c"):
+        assert rx.register(RecvSpec(rid, (3, 5), 8)) == []
+    assert rx.on_message(KVWrittenHeader("r", 0, 0, 2, tag=b"good"), None, "p") == []
+    assert locked == [False]  # (before the cancel below, which would wait on a held lock)
+    assert rx.on_message(FinHeader("r", 9, 8), None, "p") == [("p", "r", True)]
+    assert rx.on_message(KVWrittenHeader("s", 0, 0, 2, tag=b"bad"), None, "p") == \
+        [("p", "s", False)]
+    assert rx.on_message(KVWrittenHeader("c", 0, 0, 2, tag=b"cancel"), None, "p") == []
+    assert locked == [False, False, False]
+    assert rx.take_finished() == {"r": 9, "s": None} and rx.num_failed_closed == 1
+    assert rx.bytes_received == 2 * 2 * rx.kv_caches[0][0, 0].nbytes  # "r" only
