@@ -177,6 +177,14 @@ class KVReceiver:
         passed the pipe's integrity check (pipes/integrity.py); a message that failed it
         never comes, and the FIN then fails the transfer closed (a layer missing)."""
         rid = header.request_id
+        if isinstance(header, KVWrittenHeader) and self.check_written is not None:
+            checked = self._check_unlocked(header, peer)
+            if checked is not None:
+                with self._lock:
+                    state = self._active.get(rid)
+                    if state is checked[0]:  # still the request whose blocks were checked
+                        return self._apply(state, header, tensor, peer, checked[1])
+                return []  # it ended while its blocks were checked: nothing to mark
         with self._lock:
             state = self._active.get(rid)
             if state is not None:
@@ -197,9 +205,27 @@ class KVReceiver:
                                type(header).__name__, rid[:80])
             return []
 
+    def _check_unlocked(self, header: KVWrittenHeader, peer: str
+                        ) -> tuple[_Receiving, int | ValueError] | None:
+        """A written layer's MAC, checked without the lock (a layer of a long prompt takes
+        milliseconds; the engine thread's take_finished and register wait on the lock): the
+        request's state and the bytes checked, or why they failed. None: not receiving it."""
+        with self._lock:
+            state = self._active.get(header.request_id)
+            if state is None:
+                return None
+            ids = state.spec.block_ids[:len(state.block_index)]
+        try:
+            return state, check_written(header, self.kv_caches, ids,
+                                        state.spec.num_cached_tokens // self.block_size, peer,
+                                        self.check_written)
+        except ValueError as e:
+            return state, e
+
     # ---- internals (lock held) -----------------------------------------------------------
     def _apply(self, state: _Receiving, header: KVLayerHeader | FinHeader | OfferHeader,
-               tensor: torch.Tensor | None, peer: str) -> list[Ack]:
+               tensor: torch.Tensor | None, peer: str,
+               checked: int | ValueError | None = None) -> list[Ack]:
         rid = state.spec.request_id
         state.peers.add(peer)
         if isinstance(header, OfferHeader):
@@ -217,7 +243,7 @@ class KVReceiver:
                 return [(p, rid, False) for p in sorted(state.peers - {peer})]
         elif isinstance(header, KVWrittenHeader):
             try:
-                self._mark_written(state, header, peer)
+                self._mark_written(state, header, peer, checked)
             except ValueError as e:
                 return self._fail_closed(state, f"layer {header.layer}: {e}", peer, {peer})
         else:
@@ -281,10 +307,15 @@ class KVReceiver:
             if len(self.first_layer_times) > 4096:
                 self.first_layer_times.popitem(last=False)
 
-    def _mark_written(self, state: _Receiving, header: KVWrittenHeader, peer: str) -> None:
-        nbytes = check_written(header, self.kv_caches, state.spec.block_ids[
-            :len(state.block_index)], state.spec.num_cached_tokens // self.block_size, peer,
-            self.check_written)
+    def _mark_written(self, state: _Receiving, header: KVWrittenHeader, peer: str,
+                      checked: int | ValueError | None) -> None:
+        """``checked``: the bytes verified, or why not, by _check_unlocked; None: check now
+        (a notification staged before its request was registered)."""
+        if isinstance(checked, ValueError):
+            raise checked
+        nbytes = checked if checked is not None else check_written(
+            header, self.kv_caches, state.spec.block_ids[:len(state.block_index)],
+            state.spec.num_cached_tokens // self.block_size, peer, self.check_written)
         end = header.first_block + header.num_blocks
         state.written[header.layer, :, header.first_block:end] = True  # every part and head
         self.bytes_received += nbytes

@@ -72,14 +72,25 @@ class LayerSender:
                                          kv_layer[part, lo:lo + n], False)
                             for part in range(kv_layer.shape[0])]
             return out
-        shape = (kv_layer.shape[0], len(spec.block_ids), *kv_layer.shape[2:])  # every part
-        payload = self.buffers.acquire(shape, kv_layer.dtype, kv_layer.device)
-        gather_blocks(kv_layer, spec.block_ids, payload)
-        header = KVLayerHeader(spec.request_id, layer, spec.first_block)
-        if self._staging is not None:
-            host, copied = self._staging.stage(payload)
-            return [LayerMessage(header, host, True, Staged(copied, payload))]
-        return [LayerMessage(header, payload, True)]
+        # Gathered blocks: on CPU, messages of whole blocks (every part) of at most one frame
+        # each, so the receiver scatters each frame in place instead of first joining a
+        # message's frames with a copy (wire.py); one message elsewhere (staged, as before).
+        n = len(spec.block_ids)
+        per_msg = n if kv_layer.device.type != "cpu" else max(
+            1, self.pipe.config.max_frame_bytes // (kv_layer.shape[0] * kv_layer[0, 0].nbytes))
+        out = []
+        for off in range(0, n, per_msg):
+            ids = spec.block_ids[off:off + per_msg]
+            shape = (kv_layer.shape[0], len(ids), *kv_layer.shape[2:])  # every part
+            payload = self.buffers.acquire(shape, kv_layer.dtype, kv_layer.device)
+            gather_blocks(kv_layer, ids, payload)
+            header = KVLayerHeader(spec.request_id, layer, spec.first_block + off)
+            if self._staging is not None:
+                host, copied = self._staging.stage(payload)
+                out.append(LayerMessage(header, host, True, Staged(copied, payload)))
+            else:
+                out.append(LayerMessage(header, payload, True))
+        return out
 
     def _head_slice_messages(self, spec: Any, layer: int, kv_layer: torch.Tensor,
                              heads: tuple[int, int, int]) -> list[LayerMessage]:

@@ -19,7 +19,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,7 +84,8 @@ def _consumer(conn: Any, *args: Any) -> None:
 
 def seal_split(tokens: int, integrity: str) -> None:
     """The shm pipe's copy and its MAC over the same blocks, apart (one thread)."""
-    from connectors.pipes.shm_pipe import Sealer, copy_and_seal
+    from connectors.pipes.shm_pipe import copy_and_seal
+    from connectors.pipes.written_check import Sealer
     num_blocks = -(-tokens // bench.SHAPE["block_size"])
     src = bench._caches(2 * num_blocks, torch.float32)
     dst = bench._caches(2 * num_blocks, torch.float32)

@@ -13,7 +13,7 @@ from connectors.granted_writes import Grants, granted_targets, written_head
 from connectors.metadata import KVWrittenHeader, decode_header, encode_header
 from connectors.pd_scheduler import PDConnectorScheduler
 from connectors.pipes.nixl_layout import CacheLayout, block_chunks
-from connectors.pipes.nixl_worker import written_tag
+from connectors.pipes.written_check import written_code
 from connectors.transfer_params import SendKV
 
 
@@ -66,15 +66,36 @@ def test_both_ends_cover_the_same_bytes_and_one_bit_fails_the_code() -> None:
     assert [c.nbytes for c in chunks] == [2 * kv[0, 0].nbytes, kv[0, 0].nbytes] * 2
     key, nonce = b"k" * 32, b"n" * 16
     for mode in ("mac", "crc32"):
-        tag = written_tag(mode, key, nonce, written_head(sent), chunks)
-        assert tag == written_tag(mode, key, nonce, written_head(received),
+        tag = written_code(mode, key, nonce, written_head(sent), chunks)
+        assert tag == written_code(mode, key, nonce, written_head(received),
                                   block_chunks(kv, [3, 4, 1]))
         kv[1, 1].view(-1).view(torch.uint8)[5] ^= 1
-        assert tag != written_tag(mode, key, nonce, written_head(sent),
+        assert tag != written_code(mode, key, nonce, written_head(sent),
                                   block_chunks(kv, [3, 4, 1]))
         kv[1, 1].view(-1).view(torch.uint8)[5] ^= 1
-    assert written_tag("mac", key, b"m" * 16, written_head(sent), chunks) != \
-        written_tag("mac", key, nonce, written_head(sent), chunks)  # a one-time key per write
+    assert written_code("mac", key, b"m" * 16, written_head(sent), chunks) != \
+        written_code("mac", key, nonce, written_head(sent), chunks)  # a one-time key per write
+
+
+def test_one_mac_for_every_pipe_that_writes_in_place_is_gmac_under_a_one_time_key() -> None:
+    """nixl and shm share written_check.written_code: AES-GMAC (the fastest keyed MAC
+    measured here) under HMAC-SHA256(notification key, label, head length, nonce, head),
+    however the bytes are split; the nixl pipe used Poly1305 before."""
+    import hashlib
+    import hmac
+    import struct
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from connectors.pipes.nixl_pipe import NixlPipe
+    from connectors.pipes.shm_pipe import ShmPipe
+    assert NixlPipe.check_written is ShmPipe.check_written
+    key, nonce, head, data = b"k" * 32, b"n" * 16, b"head", bytes(range(256)) * 9
+    once = hmac.new(key, b"pd-cluster written v2\0" + struct.pack("<Q", len(head)) + nonce
+                    + head, hashlib.sha256).digest()
+    want = AESGCM(once).encrypt(bytes(12), b"", data)  # no plaintext: the tag alone
+    assert written_code("mac", key, nonce, head, [data]) == want
+    assert written_code("mac", key, nonce, head, [data[:100], data[100:]]) == want
 
 
 def test_whole_blocks_leave_a_partial_block_to_the_next_chunk() -> None:
@@ -90,3 +111,33 @@ def test_whole_blocks_leave_a_partial_block_to_the_next_chunk() -> None:
     assert plan(whole, 12, 8) == ((1, (8, 9)),)  # the prompt's end: the last block goes
     assert plan(partial, 0, 12) == ((0, (7, 8)),)
     assert plan(partial, 12, 8) == ((1, (8, 9)),)  # block 1 again
+
+
+def test_the_consumer_checks_written_blocks_outside_its_lock() -> None:
+    """A written layer's MAC (milliseconds a layer for a long prompt) is checked without the
+    receiver's lock, so the engine thread's take_finished and register never wait on it; a
+    request that ended during its check is not marked, and a failed check still fails the
+    request closed."""
+    from connectors.kv_receiver import KVReceiver
+    from connectors.metadata import FinHeader, RecvSpec
+    rx = KVReceiver(1, 4, timeout=5.0, max_staging_bytes=1024)
+    rx.kv_caches = [torch.zeros(2, 8, 4, 1, 8)]
+    locked: list[bool] = []
+
+    def checker(peer: str, head: bytes, chunks: list, tag: bytes, nonce: bytes) -> str | None:
+        locked.append(rx._lock.locked())
+        if tag == b"cancel":
+            rx.cancel("c")  # the request ends here while its blocks are checked
+        return None if tag in (b"good", b"cancel") else "mac mismatch"
+    rx.check_written = checker
+    for rid in ("r", "s", "c"):
+        assert rx.register(RecvSpec(rid, (3, 5), 8)) == []
+    assert rx.on_message(KVWrittenHeader("r", 0, 0, 2, tag=b"good"), None, "p") == []
+    assert locked == [False]  # (before the cancel below, which would wait on a held lock)
+    assert rx.on_message(FinHeader("r", 9, 8), None, "p") == [("p", "r", True)]
+    assert rx.on_message(KVWrittenHeader("s", 0, 0, 2, tag=b"bad"), None, "p") == \
+        [("p", "s", False)]
+    assert rx.on_message(KVWrittenHeader("c", 0, 0, 2, tag=b"cancel"), None, "p") == []
+    assert locked == [False, False, False]
+    assert rx.take_finished() == {"r": 9, "s": None} and rx.num_failed_closed == 1
+    assert rx.bytes_received == 2 * 2 * rx.kv_caches[0][0, 0].nbytes  # "r" only

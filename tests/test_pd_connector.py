@@ -286,3 +286,47 @@ def test_long_runs_are_split_into_single_frame_messages():
         time.sleep(0.005)
     assert torch.equal(dst[:, list(dst_blocks)], src[:, list(src_blocks)])
     worker.close()
+
+
+@pytest.mark.parametrize("parts,first", [(2, 0), (1, 0), (2, 3)])
+def test_gathered_blocks_go_as_single_frame_messages(parts: int, first: int):
+    """Scattered source blocks (gathered into a buffer): each message at most one frame, so
+    the receiver never joins frames with a copy; the blocks still land exactly, for K and V
+    (full attention), one latent part (MLA), and blocks from a later table index (a
+    sliding layer's window or a later chunk: the consumer holds the first ones)."""
+    from connectors.config import KVTransferConfig
+    from connectors.metadata import FinishSpec, KVConnectorMetadata, RecvSpec, SendSpec
+    from connectors.pd_connector import PDConnectorWorker
+    info = {"model_id": "t", "dtype": "torch.float32", "block_size": 4, "num_layers": 1,
+            "num_kv_heads": 2, "head_dim": 8}  # 256 bytes per block and part
+    frame = 512 * parts  # two blocks of every part
+    worker = PDConnectorWorker(KVTransferConfig.from_dict(
+        {"role": "both", "max_frame_bytes": frame}), info)
+    src, dst = torch.randn(parts, 40, 4, 2, 8), torch.zeros(parts, 40, 4, 2, 8)
+    worker.register_kv_caches([src])
+    worker.receiver.kv_caches = [dst]
+    src_blocks = (3, 9, 1, 30, 7, 22, 5)  # 7 runs: gathered
+    dst_blocks = tuple(range(10, 10 + first)) + tuple(range(25, 32))
+    n_tokens = 4 * len(dst_blocks)
+    worker.bind_connector_metadata(KVConnectorMetadata(
+        recvs=[RecvSpec("g", dst_blocks, n_tokens, num_cached_tokens=4 * first)]))
+    worker.connect_peer(worker.endpoint())
+    meta = KVConnectorMetadata(sends=[SendSpec("g", worker.endpoint(), src_blocks, first)])
+    worker.bind_connector_metadata(meta)
+    messages = worker.sender.layer_messages(meta.sends[0], 0, src)
+    assert [m.tensor.nbytes for m in messages] == [frame] * 3 + [frame // 2]
+    assert [m.header.first_block for m in messages] == [first, first + 2, first + 4, first + 6]
+    worker.save_kv_layer(0, src, None)
+    worker.wait_for_save()
+    worker.bind_connector_metadata(KVConnectorMetadata(
+        finishes=[FinishSpec("g", worker.endpoint(), 1, n_tokens)]))
+    deadline, got = time.monotonic() + 10, {}
+    while "g" not in got:
+        assert time.monotonic() < deadline
+        worker.bind_connector_metadata(KVConnectorMetadata())  # steps send deferred layers
+        got.update(worker.get_finished()[1])
+        time.sleep(0.005)
+    assert got["g"] == 1
+    assert torch.equal(dst[:, list(dst_blocks[first:])], src[:, list(src_blocks)])
+    assert not dst[:, list(dst_blocks[:first])].any()  # held here: never written
+    worker.close()

@@ -13,7 +13,8 @@ import torch
 from connectors.pipes.nixl_layout import CacheLayout, block_chunks
 from connectors.pipes.shm_arena import SharedCache, open_peer_cache, shm_folder, sweep_stale
 from connectors.pipes import shm_pipe
-from connectors.pipes.shm_pipe import Sealer, _src_runs, copy_and_seal, written_code
+from connectors.pipes.shm_pipe import _src_runs, copy_and_seal
+from connectors.pipes.written_check import Sealer, written_code
 from pd_cluster.private_files import UnsafePath
 
 KEY, NONCE, HEAD = b"k" * 32, b"n" * 16, b"head"

@@ -8,8 +8,8 @@ control messages (OFFER, HOLD with the granted block ids, FIN, ACK, RENEW) go ov
 this class extends, and so does the handshake: NIXL's metadata crosses only once the cluster
 secret was proven (auth.py): the producer's agent name rides in its hello with its proof, the
 consumer's agent metadata and cache layout in its reply. Each write carries a NIXL
-notification naming the blocks and the MAC of their bytes (nixl_worker.written_tag, keys
-derived from the connection's); the consumer checks it over its own blocks before they count
+notification naming the blocks and the MAC of their bytes (written_check.written_code: GMAC,
+keys derived from the connection's); the consumer checks it over its own blocks before they count
 as received (check_written), so a corrupted or forged write fails the request closed.
 
 What a producer may write: NIXL refuses descriptors outside the memory the consumer
@@ -28,7 +28,7 @@ import torch
 from connectors.pipes import integrity
 from connectors.pipes.base import HandshakeError, PipeConfig, PipeError, register_pipe
 from connectors.pipes.nixl_layout import CacheLayout, block_chunks
-from connectors.pipes.nixl_worker import NixlWorker, Write, written_tag
+from connectors.pipes.nixl_worker import NixlWorker, Write
 from connectors.pipes.written_check import WrittenCheck
 from connectors.pipes.zmq_pipe import ZmqPipe
 
@@ -59,7 +59,6 @@ class _Remote(NamedTuple):
 class NixlPipe(WrittenCheck, ZmqPipe):
     writes_in_place = True  # the connector grants blocks and writes them (granted_writes.py)
     notif_label = _NOTIF_LABEL  # the key of its write notifications' MACs
-    written_mac = staticmethod(written_tag)
 
     def __init__(self, config: PipeConfig) -> None:
         nixl = load_nixl()  # says what is missing before anything starts

@@ -3,15 +3,11 @@ forward thread), polls them to completion within a bound, and hands the notifica
 arrive to the pipe. NIXL's agent runs its own progress thread; this one only polls."""
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import os
 import queue
-import struct
 import threading
 import time
-import zlib
 from concurrent.futures import Future
 from typing import Any, Callable, NamedTuple
 
@@ -20,36 +16,13 @@ import numpy as np
 
 from connectors.pipes.base import PipeClosed, PipeError, PipeTimeout
 from connectors.pipes.sync import settle
+from connectors.pipes.written_check import written_code
 
 log = logging.getLogger(__name__)
-_MAC_LABEL = b"pd-cluster nixl written v1\0"
 
 
 def new_nonce() -> bytes:
     return os.urandom(16)
-
-
-def written_tag(mode: str, key: bytes, nonce: bytes, head: bytes, chunks: list[Any]) -> bytes:
-    """The code of a write. mac: Poly1305 over every byte written, under a one-time key that
-    is HMAC-SHA256 (the connection's notification key) of the write's random nonce and the
-    notification's head (request, layer, blocks): the construction of ChaCha20-Poly1305's
-    MAC, 3.9 GB/s here against HMAC-SHA256's 1.2 (the transfer's pace, both ends). crc32:
-    CRC-32 over the head and the bytes (accidents only). none: nothing. No message number:
-    the head names the request's blocks and the bytes are in them, so a replayed
-    notification vouches only for what is there."""
-    if mode == "none":
-        return b""
-    prefix = _MAC_LABEL + struct.pack("<Q", len(head))
-    if mode == "mac":
-        from cryptography.hazmat.primitives.poly1305 import Poly1305
-        mac = Poly1305(hmac.new(key, prefix + nonce + head, hashlib.sha256).digest())
-        for c in chunks:
-            mac.update(c)
-        return mac.finalize()
-    crc = zlib.crc32(head, zlib.crc32(prefix))
-    for c in chunks:
-        crc = zlib.crc32(c, crc)
-    return struct.pack("<I", crc)
 
 
 class Write(NamedTuple):
@@ -124,7 +97,7 @@ class NixlWorker:
             return
         try:
             nonce = new_nonce()
-            tag = written_tag(self._mode, job.key, nonce, job.head, job.chunks())
+            tag = written_code(self._mode, job.key, nonce, job.head, job.chunks())
             notif = msgpack.packb([job.head, nonce, tag], use_bin_type=True)
             handle = self._agent.initialize_xfer(
                 "WRITE", self._agent.get_xfer_descs(job.local, job.local_mem),

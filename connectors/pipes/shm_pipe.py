@@ -9,8 +9,9 @@ The handshake is the ZMQ pipe's: the file's name and the cache layout go to a pr
 after it proved the cluster secret (auth.py), and only to one on this host (hostname and
 boot id in its hello). A producer maps only a file of its own user's 0700 folder, 0600 and
 of the announced size (open_peer_cache). Each write's notification carries a MAC of the
-bytes written (AES-GMAC under a one-time key from the connection's notification key, the
-write's random nonce and its head); the decode engine checks it over its own blocks before
+bytes written (written_check.py: AES-GMAC under a one-time key from the connection's
+notification key, the write's random nonce and its head; each piece sealed right after its
+copy, while in cache); the decode engine checks it over its own blocks before
 they count (granted_writes.check_written), so a corrupted or forged write fails the request
 closed: recomputed, blocks released. A producer writes only the granted blocks
 (granted_writes.py) and only inside the mapped cache (bounds checked here as well).
@@ -19,70 +20,25 @@ closed: recomputed, blocks released. A producer writes only the granted blocks
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
-import struct
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import msgpack
 import numpy as np
 import torch
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from connectors.pipes.base import (HandshakeError, PipeClosed, PipeConfig, PipeError,
                                    register_pipe)
 from connectors.pipes.nixl_layout import CacheLayout
 from connectors.pipes.sync import settle
 from connectors.pipes.shm_arena import SharedCache, host_id, open_peer_cache
-from connectors.pipes.written_check import WrittenCheck
+from connectors.pipes.written_check import Sealer, WrittenCheck
 from connectors.pipes.zmq_pipe import ZmqPipe
 
 SHM_KEY = "_shm"  # in hellos and the consumer's reply
 _NOTIF_LABEL = b"pd-cluster shm notifications v1\0"
-_MAC_LABEL = b"pd-cluster shm written v1\0"
-
-
 _CHUNK = 256 << 10  # bytes copied, then sealed while still in cache
-
-
-class Sealer:
-    """The code of a write, fed in pieces (the bytes in order: part by part, blocks in
-    order). mac: AES-GMAC under a one-time key, HMAC-SHA256 (the connection's notification
-    key) of the write's random nonce and head (request, layer, blocks), so the GMAC nonce
-    can be fixed; GHASH runs on the CPU's carry-less multiply (integrity.py), Poly1305 (the
-    nixl pipe's) at half its pace here. crc32: CRC-32 over the head and the bytes (accidents
-    only). none: nothing."""
-
-    def __init__(self, mode: str, key: bytes, nonce: bytes, head: bytes) -> None:
-        self._mode = mode
-        prefix = _MAC_LABEL + struct.pack("<Q", len(head))
-        if mode == "mac":
-            once = hmac.new(key, prefix + nonce + head, hashlib.sha256).digest()
-            self._mac = Cipher(algorithms.AES(once), modes.GCM(bytes(12))).encryptor()
-        self._crc = zlib.crc32(head, zlib.crc32(prefix)) if mode == "crc32" else 0
-
-    def update(self, chunk: Any) -> None:
-        if self._mode == "mac":
-            self._mac.authenticate_additional_data(chunk)
-        elif self._mode == "crc32":
-            self._crc = zlib.crc32(chunk, self._crc)
-
-    def tag(self) -> bytes:
-        if self._mode == "mac":
-            self._mac.finalize()
-            return self._mac.tag
-        return struct.pack("<I", self._crc) if self._mode == "crc32" else b""
-
-
-def written_code(mode: str, key: bytes, nonce: bytes, head: bytes, chunks: list[Any]) -> bytes:
-    """The code of ``chunks`` in one go (what the consumer checks its blocks against)."""
-    sealer = Sealer(mode, key, nonce, head)
-    for c in chunks:
-        sealer.update(c)
-    return sealer.tag()
 
 
 def copy_and_seal(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int],
@@ -120,7 +76,6 @@ class _Remote(NamedTuple):
 class ShmPipe(WrittenCheck, ZmqPipe):
     writes_in_place = True  # the connector grants blocks and writes them (granted_writes.py)
     notif_label = _NOTIF_LABEL  # the key of its write notifications' MACs
-    written_mac = staticmethod(written_code)
 
     control_on_ipc = True  # the auto pipe keeps tcp: producers on other hosts reach it too
 
