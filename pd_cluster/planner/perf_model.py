@@ -98,7 +98,7 @@ class PerfModel:
         wait_q = 0.0
         if rho > 0:
             waits = _erlang_c(engines, a)
-            mean = (self.es2 / self.es ** 2 + 1) / 2 * self.es / (engines * (1 - rho))
+            mean = self.es2 / (2 * self.es * engines * (1 - rho))  # (1 + cs^2) / 2 x M/M/k
             wait_q = 0.0 if self.q >= waits else mean * math.log(waits / self.q)
         return wait_q + self._service_q
 
