@@ -1,15 +1,20 @@
 """The SLO controller: every interval it takes what the cluster measured (arrival rate,
-prompt and output lengths, TTFT and TPOT of finished requests) over a sliding window, predicts
-each role's per-engine capacity within the targets from the profile (perf_model.py), and makes
-at most one change through the Actuator: scale a role up (short of capacity, room in the
-budget), switch one engine to the role that limits the rate, or scale down (idle).
+prompt and output lengths, TTFT and TPOT of finished requests) from a window that restarts at a
+tested shift of the workload (window.py: a steady estimate of a mix, a shift followed at once),
+predicts what each count of engines of each role takes within the targets from the profile
+(capacity.py: the prefill engines as one M/G/k pool, as the least-queued routing makes them),
+and makes at most one change through the Actuator: switch engines to the split that takes the
+highest rate (and, in the same look, start new engines for a role still short after it, room in
+the budget), start new engines, or remove an idle one.
 
 It never flaps: a change must raise predicted capacity by ``hysteresis`` (twice that to undo
 a switch made within ten cooldowns; or answer a measured miss of one target while the other
-has room), the same change must be called for on two looks in a row, nothing happens during a
-switch or within ``cooldown_s`` of the last change, and a change is not undone within three
-cooldowns on a measured miss alone. Each decision is logged
-with its reason and handed to ``on_decision`` (the proxy counts it in /metrics)."""
+has room), the same change must be called for on two looks in a row (but for a switch right
+after a tested shift that at least doubles the capacity of an overloaded split), nothing
+happens during a switch or within ``cooldown_s`` of the last change, a change is not undone
+within three cooldowns on a measured miss alone, and an engine is removed only after
+``scale_down_after_s`` of room to spare. Each decision is logged with its reason and handed to
+``on_decision`` (the proxy counts it in /metrics)."""
 from __future__ import annotations
 
 import logging
