@@ -74,7 +74,8 @@ class Controller:
         # The newest 20 s (two looks at least) are tested for a shift; without one the
         # estimate takes up to 5 minutes (a mixed workload needs hundreds of requests).
         self.window = WorkloadWindow(max(2 * config.interval_s, 20.0),
-                                     max(30 * config.interval_s, 300.0), started=started)
+                                     max(30 * config.interval_s, 300.0), min_arrivals=20,
+                                     started=started)
         self._measured_s = max(12 * config.interval_s, 120.0)  # measured TTFT/TPOT: this long
         self.started = started
         self.last_action_at = -math.inf
@@ -168,11 +169,11 @@ class Controller:
             changes.append(("switch", gain, abs(bp - n_p),
                             reason if gain == short else "rebalance",
                             f"{why}; best split {bp}P:{bd}D"))
-            # the workload shifted (the window's test: 4 standard errors) within the last
-            # look, the split in force is overloaded and the best takes twice what it does:
+            # the first change since the workload shifted (the window's test: 4 standard
+            # errors), the split in force overloaded and the best taking twice what it does:
             # waiting a look to confirm would only add its delay to the backlog
             shifts = self.window.shifts
-            self._decisive = (bool(shifts) and shifts[-1] >= now - 1.5 * cfg.interval_s
+            self._decisive = (bool(shifts) and shifts[-1] > self.last_action_at
                               and cap < rate and best > 2 * cap)
             n_p, n_d, cap = bp, bd, best
             short = ROLE_PREFILL if caps.prefill(bp) <= caps.decode(bd) else ROLE_DECODE
