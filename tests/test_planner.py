@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from pd_cluster.planner.actuator import Actuator, EngineView, Observation
+from pd_cluster.planner.capacity import Capacities
 from pd_cluster.planner.controller import Controller
 from pd_cluster.planner.perf_model import PerfModel, Slo
 from pd_cluster.planner.plan import best_split, make_plan, plan_config
@@ -144,11 +145,10 @@ def _threshold_load():
     prof = synthetic_profile()
     best = None
     for out in range(300, 480, 8):
-        m = PerfModel(prof, Workload.from_lengths(700, out, 0.25), SLO)
-        c_p, c_d = m.prefill_capacity(), m.decode_capacity()
-        r = min(5 * c_p, 3 * c_d) / min(6 * c_p, 2 * c_d)
+        caps = Capacities(PerfModel(prof, Workload.from_lengths(700, out, 0.25), SLO))
+        r = caps.split(5, 3) / caps.split(6, 2)
         if best is None or abs(r - 1) < abs(best[0] - 1):
-            best = (r, out, min(5 * c_p, 3 * c_d))
+            best = (r, out, caps.split(5, 3))
     return best
 
 
@@ -248,19 +248,44 @@ def test_live_loop_acts_through_the_actuator_and_counts(tmp_path):
 
 
 def test_window_rate_once_old_looks_are_dropped():
-    """A steady 0.2 req/s seen for longer than the window keeps (too slow for 40 arrivals in
-    it: every look kept counts): the rate stays 0.2, the oldest look kept covering from the
-    one dropped before it, not from the start."""
-    from pd_cluster.planner.controller import _Window
-    w = _Window(span=20, longest=120, min_arrivals=40)
+    """A steady 0.2 req/s seen for longer than the window keeps: the rate stays 0.2, the oldest
+    look kept covering from the one dropped before it, not from the start; without a shift
+    the lengths are every arrival kept (a steady estimate), not the newest 40 alone."""
+    from pd_cluster.planner.window import WorkloadWindow
+    w = WorkloadWindow(span=20, longest=120, min_arrivals=40)
     for k in range(1, 31):
         w.add(Observation(k * 10.0, [(100, 10)] * 2, []))
         assert w.rate(k * 10.0) == pytest.approx(0.2)
     assert len(w.lengths(300.0)) == 24  # every look kept (12 of them)
-    fast = _Window(span=20, longest=120, min_arrivals=40)
+    fast = WorkloadWindow(span=20, longest=120, min_arrivals=40)
     for k in range(1, 31):
         fast.add(Observation(k * 10.0, [(100, 10)] * 10, []))
-    assert len(fast.lengths(300.0)) == 40  # the newest looks holding 40 arrivals
+    assert len(fast.lengths(300.0)) == 120 and fast.shifts == []
+
+
+def test_window_restarts_at_a_shift_and_not_on_noise():
+    """A 50/50 mix (Poisson counts) for 300 s: no shift is seen, the estimate holds every
+    arrival of the last 300 s; then long answers only: the lengths restart exactly at the
+    change (no look of the mix lingers), and a change of rate alone keeps the lengths."""
+    from pd_cluster.planner.window import WorkloadWindow
+    rng = np.random.default_rng(0)
+    w = WorkloadWindow(span=20, longest=300, min_arrivals=40)
+
+    def mix(n: int) -> list[tuple[int, int]]:
+        return [(1536, 32) if rng.random() < 0.5 else (128, 384) for _ in range(n)]
+    for k in range(1, 31):
+        w.add(Observation(k * 10.0, mix(rng.poisson(8)), []))
+    assert w.shifts == [] and not w.settling()
+    assert len(w.lengths(300.0)) > 200
+    for k in range(31, 41):
+        w.add(Observation(k * 10.0, [(128, 384)] * int(rng.poisson(8)), []))
+    assert w.shifts and w.mix_anchor == 300.0
+    assert set(w.lengths(400.0)) == {(128, 384)}
+    before = len(w.lengths(400.0))
+    for k in range(41, 51):  # the same lengths at 4x the rate
+        w.add(Observation(k * 10.0, [(128, 384)] * int(rng.poisson(32)), []))
+    assert w.anchor == 400.0 and w.mix_anchor == 300.0  # the rate restarts at its change
+    assert len(w.lengths(500.0)) > before and w.rate(500.0) == pytest.approx(3.2, rel=0.1)
 
 
 def test_status_shows_the_last_decision_and_the_cooldown():
@@ -297,3 +322,77 @@ def test_status_shows_the_last_decision_and_the_cooldown():
     st = controller_status(ctl, k * 10.0 + 70)
     assert st["next_action"] == "after the change under way"
     assert "(1 draining)" in status_lines(st)[0]
+
+
+def test_prefill_pool_takes_more_than_its_engines_alone():
+    """k prefill engines fed by least-queued routing are one M/G/k queue: at k = 1 exactly the
+    M/G/1 of ``ttft``; more engines take more than k times one engine's share."""
+    from pd_cluster.planner.perf_model import _erlang_c
+    assert _erlang_c(2, 1.0) == pytest.approx(1 / 3)  # M/M/2 at half load
+    m = PerfModel(synthetic_profile(), Workload.from_lengths(1536, 32, 0.25), SLO)
+    for lam in (0.1, 0.5, 0.9 / m.es):
+        assert m.pool_ttft(lam, 1) == pytest.approx(m.ttft(lam))
+    assert m.pool_capacity(1) == pytest.approx(m.prefill_capacity(), rel=1e-6)
+    caps = [m.pool_capacity(k) for k in range(1, 9)]
+    assert all(b > a for a, b in zip(caps, caps[1:]))
+    assert caps[3] > 4 * caps[0] and caps[7] < 8 / m.es
+
+
+def test_best_split_of_pooled_capacities_is_the_brute_force_one():
+    prof = synthetic_profile()
+    for n_in, n_out in ((1536, 32), (128, 384), (700, 200)):
+        caps = Capacities(PerfModel(prof, Workload.from_lengths(n_in, n_out, 0.25), SLO))
+        for n, bounds in ((8, (1, 7, 1, 7)), (16, (1, 15, 1, 15)), (8, (1, 3, 1, 7))):
+            got = caps.best_split(n, bounds)
+            best = max(caps.split(p, n - p) for p in range(bounds[0], bounds[1] + 1)
+                       if bounds[2] <= n - p <= bounds[3])
+            assert caps.split(*got) == pytest.approx(best)
+
+
+def test_controller_steady_on_a_mixed_load_in_the_simulator():
+    """Half long prompts, half long answers, Poisson, for 30 minutes from an empty 8-engine
+    cluster at 5:3 near its capacity: the controller settles on one split and never moves an
+    engine back (the estimate covers every arrival since the last tested shift; undoing a
+    switch takes twice the hysteresis)."""
+    prof = synthetic_profile()
+    mixed = Phase("mixed", 1800, 1.0, 1536, 32, mix_share=0.5, mix_input_len=128,
+                  mix_output_len=384)
+    caps = Capacities(PerfModel(prof, Workload.from_pairs(mixed.workload_pairs()), SLO))
+    bp, bd = caps.best_split(8, (1, 7, 1, 7))
+    rate = 0.9 * caps.split(bp, bd)
+    trace = make_trace([Phase("mixed", 1800, rate, 1536, 32, mix_share=0.5, mix_input_len=128,
+                              mix_output_len=384)], seed=3)
+    cfg = PlannerConfig(interval_s=10, cooldown_s=30, max_engines=8, max_prefill=7, max_decode=7)
+    sim, decisions = run_controlled(prof, trace, 1800, 4, 4, SLO, cfg)
+    switches = [d.role for d in decisions if d.action == "switch" and d.at < 1800]
+    assert len(switches) <= 2 and len(set(switches)) <= 1, decisions
+    assert [d for d in decisions if d.at < 1800 and d.action == "scale_down"] == []
+
+
+def test_switch_and_new_engines_in_one_look_and_slow_scale_down():
+    """A shift from long prompts to long answers on 3 prefill and 1 decode engines with room
+    for 2 more: one look switches prefill engines to decode and starts new decode engines for
+    what the switch leaves short (the simulator counts engines switching to a role as its
+    own: no extra engines); an idle cluster loses an engine only after scale_down_after_s."""
+    prof = synthetic_profile()
+    sim = Simulator(prof, 1, 1)
+    sim.switch_role("prefill-0", "decode")  # idle: switching at once
+    sim.scale("decode", 2)  # the switching engine counts: nothing to start
+    assert len(sim.engines()) == 2
+    cfg = PlannerConfig(interval_s=10, cooldown_s=30, max_engines=6, max_prefill=5,
+                        max_decode=5, scale_down_after_s=120)
+    act = _Applying(3, 1)
+    ctl = Controller(prof, SLO, cfg, act)
+    for k in range(1, 7):
+        ctl.tick(Observation(k * 10.0, [(1536, 32)] * 4, []))
+    for k in range(7, 10):
+        ctl.tick(Observation(k * 10.0, [(128, 384)] * 200, []))
+    kinds = [c[0] for c in act.calls]
+    assert kinds[0] == "switch" and kinds[-1] == "scale", act.calls  # the same look
+    assert ("switch", "e0", "decode") in act.calls
+    role, count = act.calls[-1][1:]
+    assert count > sum(r == role for r in act.roles.values())  # engines added to the switched
+    idle = Controller(prof, SLO, cfg, _Applying(3, 3))
+    made = [idle.tick(Observation(k * 10.0, [(700, 100)], [])) for k in range(1, 30)]
+    downs = [d.at for d in made if d is not None and d.action == "scale_down"]
+    assert downs and downs[0] >= 120 and all(b - a >= 120 for a, b in zip(downs, downs[1:]))

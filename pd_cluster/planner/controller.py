@@ -1,30 +1,35 @@
 """The SLO controller: every interval it takes what the cluster measured (arrival rate,
-prompt and output lengths, TTFT and TPOT of finished requests) over a sliding window, predicts
-each role's per-engine capacity within the targets from the profile (perf_model.py), and makes
-at most one change through the Actuator: scale a role up (short of capacity, room in the
-budget), switch one engine to the role that limits the rate, or scale down (idle).
+prompt and output lengths, TTFT and TPOT of finished requests) from a window that restarts at a
+tested shift of the workload (window.py: a steady estimate of a mix, a shift followed at once),
+predicts what each count of engines of each role takes within the targets from the profile
+(capacity.py: the prefill engines as one M/G/k pool, as the least-queued routing makes them),
+and makes at most one change through the Actuator: switch engines to the split that takes the
+highest rate (and, in the same look, start new engines for a role still short after it, room in
+the budget), start new engines, or remove an idle one.
 
 It never flaps: a change must raise predicted capacity by ``hysteresis`` (twice that to undo
 a switch made within ten cooldowns; or answer a measured miss of one target while the other
-has room), the same change must be called for on two looks in a row, nothing happens during a
-switch or within ``cooldown_s`` of the last change, and a change is not undone within three
-cooldowns on a measured miss alone. Each decision is logged
-with its reason and handed to ``on_decision`` (the proxy counts it in /metrics)."""
+has room), the same change must be called for on two looks in a row (but for a switch right
+after a tested shift that at least doubles the capacity of an overloaded split), nothing
+happens during a switch or within ``cooldown_s`` of the last change, a change is not undone
+within three cooldowns on a measured miss alone, and an engine is removed only after
+``scale_down_after_s`` of room to spare. Each decision is logged with its reason and handed to
+``on_decision`` (the proxy counts it in /metrics)."""
 from __future__ import annotations
 
 import logging
 import math
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from pd_cluster.driver.messages import ROLE_DECODE, ROLE_PREFILL
 from pd_cluster.planner.actuator import Actuator, Observation, RequestSample
+from pd_cluster.planner.capacity import Capacities
 from pd_cluster.planner.perf_model import PerfModel, Slo
-from pd_cluster.planner.plan import best_split
 from pd_cluster.planner.profile_table import Profile
+from pd_cluster.planner.window import WorkloadWindow
 from pd_cluster.planner.workload import Workload
 from pd_cluster.serving.cluster.config_sections import PlannerConfig
 
@@ -51,54 +56,12 @@ class ControllerState:
     n_prefill: int = 0
     n_decode: int = 0
     rate: float = 0.0
-    prefill_capacity: float = 0.0  # req/s per engine within the TTFT target
+    prefill_capacity: float = 0.0  # req/s per engine within the TTFT target (pool / count)
     decode_capacity: float = 0.0
     measured_ttft: float | None = None
     measured_tpot: float | None = None
     last: Decision | None = None
     decisions: int = 0
-
-
-@dataclass
-class _Window:
-    """Looks of the last ``longest`` seconds; the workload is judged from the newest looks
-    covering ``span`` seconds and ``min_arrivals`` arrivals (at a low rate a short span holds
-    too few requests of a mixed workload: its capacities would swing by more than the
-    hysteresis from one look to the next)."""
-    span: float
-    longest: float
-    min_arrivals: int = 40
-    started: float = 0.0  # the time the oldest look kept covers from
-    looks: deque = field(default_factory=deque)  # (time, arrivals, finished samples)
-
-    def add(self, obs: Observation) -> None:
-        self.looks.append((obs.now, list(obs.arrived), list(obs.finished)))
-        while self.looks and self.looks[0][0] <= obs.now - self.longest:
-            self.started = self.looks.popleft()[0]  # the oldest look kept covers from here
-
-    def _recent(self, now: float) -> tuple[list, float]:
-        """The newest looks to judge from, and the seconds they cover."""
-        taken, count = [], 0
-        for look in reversed(self.looks):
-            if look[0] <= now - self.span and count >= self.min_arrivals:
-                break
-            taken.append(look)
-            count += len(look[1])
-        if not taken:
-            return [], 0.0
-        older = len(self.looks) - len(taken) - 1
-        since = self.looks[older][0] if older >= 0 else self.started
-        return taken, now - since
-
-    def rate(self, now: float) -> float:
-        taken, covered = self._recent(now)
-        return sum(len(t[1]) for t in taken) / covered if covered > 0 else 0.0
-
-    def lengths(self, now: float) -> list[tuple[int, int]]:
-        return [a for t in self._recent(now)[0] for a in t[1]]
-
-    def samples(self) -> list[RequestSample]:
-        return [x for t in self.looks for x in t[2]]
 
 
 class Controller:
@@ -108,19 +71,25 @@ class Controller:
         self.profile, self.slo, self.config, self.actuator = profile, slo, config, actuator
         self.max_num_seqs = max_num_seqs
         self.on_decision = on_decision
-        # Long enough for a steady estimate, short enough to see a shift within it.
-        self.window = _Window(max(2 * config.interval_s, 20.0),
-                              max(12 * config.interval_s, 120.0), started=started)
+        # The newest 20 s (two looks at least) are tested for a shift; without one the
+        # estimate takes up to 5 minutes (a mixed workload needs hundreds of requests).
+        self.window = WorkloadWindow(max(2 * config.interval_s, 20.0),
+                                     max(30 * config.interval_s, 300.0), min_arrivals=20,
+                                     started=started)
+        self._measured_s = max(12 * config.interval_s, 120.0)  # measured TTFT/TPOT: this long
         self.started = started
         self.last_action_at = -math.inf
         self.last: Decision | None = None
         self.pending: tuple[str, str] | None = None  # the change called for on the last look
+        self.idle_since: float | None = None  # room to spare on every look since then
+        self._decisive = False  # this look's switch follows a tested shift, far past noise
         self.looked_at: float | None = None  # the last look's time (`pd-cluster status`)
         self.state = ControllerState()
 
     # ---- one look ------------------------------------------------------------------------
     def tick(self, obs: Observation) -> Decision | None:
-        """Take one observation; make (and return) at most one change."""
+        """Take one observation; make (and return) at most one change (a switch and the new
+        engines the role it feeds still needs count as one: the first is returned)."""
         self.window.add(obs)
         self.looked_at = obs.now
         views = self.actuator.engines()
@@ -133,28 +102,36 @@ class Controller:
         rate = self.window.rate(obs.now)
         st = self.state
         st.n_prefill, st.n_decode, st.rate = n_p, n_d, rate
-        if len(lengths) < MIN_SAMPLES or n_p == 0 or n_d == 0:
+        if len(lengths) < MIN_SAMPLES or n_p == 0 or n_d == 0 or self.window.settling():
             return None
-        model = PerfModel(self.profile, Workload.from_pairs(lengths), self.slo,
-                          self.max_num_seqs)
-        c_p, c_d = model.prefill_capacity(), model.decode_capacity()
-        st.prefill_capacity, st.decode_capacity = c_p, c_d
+        caps = Capacities(PerfModel(self.profile, Workload.from_pairs(lengths), self.slo,
+                                    self.max_num_seqs))
+        st.prefill_capacity, st.decode_capacity = caps.prefill(n_p) / n_p, caps.per_decode
         # measured targets: only requests that arrived after the last change (the split in
         # force, not the backlog of the one before)
-        recent = [x for x in self.window.samples() if x.arrived_at >= self.last_action_at]
+        recent = [x for x in self.window.samples(self._measured_s, obs.now)
+                  if x.arrived_at >= self.last_action_at]
         st.measured_ttft, st.measured_tpot = self._measured(recent)
-        proposal = self._propose(n_p, n_d, rate, c_p, c_d, len(recent) >= MIN_SAMPLES,
-                                 obs.now)
-        if proposal is None or obs.now - self.last_action_at < self.config.cooldown_s:
-            self.pending = None if proposal is None else self.pending
+        changes = self._propose(n_p, n_d, rate, caps, len(recent) >= MIN_SAMPLES, obs.now)
+        if not changes or changes[0][0] != "scale_down":
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = obs.now
+        if changes and changes[0][0] == "scale_down" and \
+                obs.now - self.idle_since < self.config.scale_down_after_s:
+            changes = []  # not idle for long enough yet
+        if not changes or obs.now - self.last_action_at < self.config.cooldown_s:
+            self.pending = self.pending if changes else None
             return None
-        action, role, count, reason, detail = proposal
-        if self.pending != (action, role):
+        action, role, _, reason, _ = changes[0]
+        if self.pending != (action, role) and not self._decisive:
             self.pending = (action, role)  # act only when the next look agrees
             return None
         if self._undoes_last(action, role, reason, obs.now):
             return None
-        return self._act(action, role, count, reason, detail, obs.now, views)
+        moved = {ROLE_PREFILL: 0, ROLE_DECODE: 0}  # engines the changes before moved so far
+        made = [self._act(*change, obs.now, views, moved) for change in changes]
+        return made[0]
 
     def _measured(self, samples: list[RequestSample]) -> tuple[float | None, float | None]:
         q = self.slo.percentile / 100
@@ -163,52 +140,69 @@ class Controller:
         return (float(np.quantile(ttft, q)) if ttft else None,
                 float(np.quantile(tpot, q)) if tpot else None)
 
-    def _propose(self, n_p: int, n_d: int, rate: float, c_p: float, c_d: float,
-                 settled: bool, now: float) -> tuple[str, str, int, str, str] | None:
+    def _propose(self, n_p: int, n_d: int, rate: float, caps: Capacities, settled: bool,
+                 now: float) -> list[tuple[str, str, int, str, str]]:
+        """The changes called for: a switch (and new engines for the role still short after
+        it), new engines, a move on a measured miss, or an idle engine to remove."""
         cfg, h = self.config, self.config.hysteresis
+        self._decisive = False
         n = n_p + n_d
-        cap_p, cap_d = n_p * c_p, n_d * c_d
+        cap_p, cap_d = caps.prefill(n_p), caps.decode(n_d)
         cap = min(cap_p, cap_d)
         short = ROLE_PREFILL if cap_p <= cap_d else ROLE_DECODE
-        why = f"rate {rate:.3g}/s, capacity P {n_p}x{c_p:.3g} D {n_d}x{c_d:.3g} req/s"
+        why = f"rate {rate:.3g}/s, capacity P {n_p}: {cap_p:.3g}, D {n_d}: {cap_d:.3g} req/s"
         reason = "prefill_capacity" if short == ROLE_PREFILL else "decode_capacity"
-        # 1. short of capacity with room to grow: new engines for the limiting role
-        room = min(cfg.engine_budget - n, self._room(short, n_p, n_d))
-        if cap < rate * (1 + h) and room > 0:
-            per = c_p if short == ROLE_PREFILL else c_d
-            have = n_p if short == ROLE_PREFILL else n_d
-            need = math.ceil(rate * (1 + h) / per) - have if per > 0 else room
-            return "scale_up", short, max(1, min(need, room)), reason, why
-        # 2. a better split of the engines there are (all the way there in one change)
+        # 1. a better split of the engines there are, all the way there in one change (first:
+        # a switch serves after a drain, a new engine only once its weights are loaded)
         bounds = (cfg.min_prefill, cfg.max_prefill, cfg.min_decode, cfg.max_decode)
         try:
-            bp, bd = best_split(c_p, c_d, n, bounds)
+            bp, bd = caps.best_split(n, bounds)
         except ValueError:
-            return None
+            return []
         gain = ROLE_PREFILL if bp > n_p else ROLE_DECODE
         # undoing a recent switch takes twice the margin: a noisy estimate (few requests of
         # a mixed workload) must not swing engines back and forth
         margin = 2 * h if self._reverses(gain, now) else h
-        if bp != n_p and min(bp * c_p, bd * c_d) > cap * (1 + margin) and rate > 0:
-            return ("switch", gain, abs(bp - n_p), reason if gain == short else "rebalance",
-                    f"{why}; best split {bp}P:{bd}D")
+        best = caps.split(bp, bd)
+        changes = []
+        if bp != n_p and best > cap * (1 + margin) and rate > 0:
+            changes.append(("switch", gain, abs(bp - n_p),
+                            reason if gain == short else "rebalance",
+                            f"{why}; best split {bp}P:{bd}D"))
+            # the first change since the workload shifted (the window's test: 4 standard
+            # errors), the split in force overloaded and the best taking twice what it does:
+            # waiting a look to confirm would only add its delay to the backlog
+            shifts = self.window.shifts
+            self._decisive = (bool(shifts) and shifts[-1] > self.last_action_at
+                              and cap < rate and best > 2 * cap)
+            n_p, n_d, cap = bp, bd, best
+            short = ROLE_PREFILL if caps.prefill(bp) <= caps.decode(bd) else ROLE_DECODE
+        # 2. short of capacity with room to grow: new engines for the limiting role
+        room = min(cfg.engine_budget - n, self._room(short, n_p, n_d))
+        if cap < rate * (1 + h) and room > 0:
+            have = n_p if short == ROLE_PREFILL else n_d
+            need = caps.fewest(short, rate * (1 + h), have + room) - have
+            changes.append(("scale_up", short, max(1, min(need, room)),
+                            "prefill_capacity" if short == ROLE_PREFILL else "decode_capacity",
+                            why))
+        if changes:
+            return changes
         # 3. a measured miss of one target while the other has room
         miss = self._measured_miss() if settled else None
         p2, d2 = (n_p + 1, n_d - 1) if miss == ROLE_PREFILL else (n_p - 1, n_d + 1)
-        best = min(bp * c_p, bd * c_d)
-        if (miss is not None and self._can_move_to(miss, n_p, n_d, rate, c_p, c_d)
-                and min(p2 * c_p, d2 * c_d) * (1 + h) >= best):  # step 2 would not undo it
+        if (miss is not None and self._can_move_to(miss, n_p, n_d, rate, caps)
+                and caps.split(p2, d2) * (1 + h) >= best):  # step 2 would not undo it
             if n < cfg.engine_budget and self._room(miss, n_p, n_d) > 0:
-                return "scale_up", miss, 1, _MISS_REASON[miss], why
-            return "switch", miss, 1, _MISS_REASON[miss], why
+                return [("scale_up", miss, 1, _MISS_REASON[miss], why)]
+            return [("switch", miss, 1, _MISS_REASON[miss], why)]
         # 4. idle: one engine fewer still leaves twice the headroom
         if n > cfg.min_prefill + cfg.min_decode and miss is None:
             for role in (ROLE_PREFILL, ROLE_DECODE):
                 p2, d2 = (n_p - 1, n_d) if role == ROLE_PREFILL else (n_p, n_d - 1)
                 if (p2 >= cfg.min_prefill and d2 >= cfg.min_decode
-                        and min(p2 * c_p, d2 * c_d) > 2 * rate * (1 + 2 * h)):
-                    return "scale_down", role, 1, "idle", why
-        return None
+                        and caps.split(p2, d2) > 2 * rate * (1 + 2 * h)):
+                    return [("scale_down", role, 1, "idle", why)]
+        return []
 
     def _measured_miss(self) -> str | None:
         st, slo = self.state, self.slo
@@ -225,14 +219,14 @@ class Controller:
         cfg = self.config
         return cfg.max_prefill - n_p if role == ROLE_PREFILL else cfg.max_decode - n_d
 
-    def _can_move_to(self, role: str, n_p: int, n_d: int, rate: float, c_p: float,
-                     c_d: float) -> bool:
+    def _can_move_to(self, role: str, n_p: int, n_d: int, rate: float,
+                     caps: Capacities) -> bool:
         """Moving one engine to ``role`` keeps the other role within its predicted capacity."""
         cfg = self.config
         if role == ROLE_PREFILL:
-            return n_p < cfg.max_prefill and (n_d - 1 >= cfg.min_decode
-                                              and (n_d - 1) * c_d >= rate)
-        return n_d < cfg.max_decode and n_p - 1 >= cfg.min_prefill and (n_p - 1) * c_p >= rate
+            return (n_p < cfg.max_prefill and n_d - 1 >= cfg.min_decode
+                    and caps.decode(n_d - 1) >= rate)
+        return n_d < cfg.max_decode and n_p - 1 >= cfg.min_prefill and caps.prefill(n_p - 1) >= rate
 
     def _reverses(self, role: str, now: float) -> bool:
         """A switch to ``role`` would undo the last change (a switch the other way, within
@@ -251,9 +245,9 @@ class Controller:
 
     # ---- acting --------------------------------------------------------------------------
     def _act(self, action: str, role: str, count: int, reason: str, detail: str, now: float,
-             views: list) -> Decision:
+             views: list, moved: dict[str, int]) -> Decision:
         engine_ids: tuple[str, ...] = ()
-        have = sum(v.role == role for v in views)
+        have = sum(v.role == role for v in views) + moved[role]
         if action == "scale_up":
             self.actuator.scale(role, have + count)
         elif action == "scale_down":
@@ -264,10 +258,13 @@ class Controller:
             engine_ids = tuple(v.id for v in pool[:count])
             for engine_id in engine_ids:
                 self.actuator.switch_role(engine_id, role)
+            moved[role] += len(engine_ids)
+            moved[donor] -= len(engine_ids)
         decision = Decision(action, role, reason, detail, now, count, engine_ids)
         logger.info("planner: %s %d %s%s (%s): %s", action, count, role,
                     f" ({', '.join(engine_ids)})" if engine_ids else "", reason, detail)
         self.last, self.last_action_at, self.pending = decision, now, None
+        self.idle_since = None  # each removal waits for its own stretch of room to spare
         self.state.last = decision
         self.state.decisions += 1
         if self.on_decision is not None:

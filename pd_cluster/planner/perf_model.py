@@ -61,6 +61,7 @@ class PerfModel:
         self.transfer = np.array([profile.transfer_seconds(n) for n in workload.input_lens])
         self.ctx = workload.decode_context()
         self.q = 1 - slo.percentile / 100
+        self._service_q = float(np.quantile(self.service, 1 - self.q))
 
     # ---- prefill ---------------------------------------------------------------------------
     def _wait(self, lam: float) -> tuple[float, float]:
@@ -79,6 +80,35 @@ class PerfModel:
             return math.inf
         wait_q = 0.0 if q >= rho or rho == 0 else (wq / rho) * math.log(rho / q)
         return wait_q + float(np.quantile(self.service, 1 - q))
+
+    def pool_ttft(self, lam: float, engines: int) -> float:
+        """The percentile TTFT (s) when ``engines`` prefill engines share ``lam`` requests/s,
+        each request going to the engine with the least queued (the proxy's least_loaded and
+        cache_aware routing; the simulator's too): M/G/k, a request waits with the Erlang C
+        probability, then for an exponential time of mean (1 + cs^2) / 2 x E[S] / (k (1 -
+        rho)) (the M/M/k wait scaled for the service time's spread; at k = 1 exactly the
+        M/G/1 of ``ttft``). k engines in one pool take far more than k times one engine's
+        share within a TTFT target: a prompt rarely waits while another engine is free."""
+        if engines < 1:
+            return math.inf
+        a = lam * self.es
+        rho = a / engines
+        if rho >= 1:
+            return math.inf
+        wait_q = 0.0
+        if rho > 0:
+            waits = _erlang_c(engines, a)
+            mean = self.es2 / (2 * self.es * engines * (1 - rho))  # (1 + cs^2) / 2 x M/M/k
+            wait_q = 0.0 if self.q >= waits else mean * math.log(waits / self.q)
+        return wait_q + self._service_q
+
+    def pool_capacity(self, engines: int) -> float:
+        """Highest requests/s ``engines`` prefill engines take together within the TTFT target
+        at the percentile (routed to the least queued: ``pool_ttft``)."""
+        if engines < 1:
+            return 0.0
+        return _bisect(lambda lam: self.pool_ttft(lam, engines) <= self.slo.ttft_s,
+                       engines / self.es)
 
     def ttft_ok(self, lam: float) -> np.ndarray:
         """Per request of the sample: the probability its TTFT meets the target."""
@@ -136,6 +166,15 @@ class PerfModel:
         ok_t = self.ttft_ok(rate / n_prefill)
         ok_d = (self.tpots(rate / n_decode) <= self.slo.tpot_s).astype(float)
         return rate * float((ok_t * ok_d).mean())
+
+
+def _erlang_c(servers: int, load: float) -> float:
+    """The probability that an arrival waits in M/M/``servers`` at ``load`` erlangs (< servers),
+    through the Erlang B recursion (stable for any size)."""
+    b = 1.0
+    for k in range(1, servers + 1):
+        b = load * b / (k + load * b)
+    return b / (1 - load / servers * (1 - b))
 
 
 def _bisect(ok, hi: float, iters: int = 40) -> float:

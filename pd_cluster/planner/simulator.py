@@ -96,10 +96,13 @@ class Simulator:
     def scale(self, role: str, count: int) -> None:
         mine = [e for e in self._engines.values() if e.role == role and e.next_role is None
                 and not (e.state == "draining")]
-        for _ in range(count - len(mine)):
+        # engines switching to ``role`` count as its own (as on a live cluster, where a switch
+        # has finished when the call returns); they are not the ones to remove
+        coming = sum(e.next_role == role for e in self._engines.values())
+        for _ in range(count - len(mine) - coming):
             e = self._new_engine(role, "starting")
             self._at(self.now + self.start_s, self._started, e.id)
-        for e in sorted(mine, key=lambda e: e.load())[:max(len(mine) - count, 0)]:
+        for e in sorted(mine, key=lambda e: e.load())[:max(len(mine) + coming - count, 0)]:
             self._drain(e, None)
 
     def switch_role(self, engine_id: str, role: str) -> None:

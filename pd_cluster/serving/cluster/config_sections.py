@@ -260,6 +260,11 @@ class PlannerConfig(ConfigSection):
     # A change is made only when it raises the predicted capacity by this share at least
     # (and the same call came twice in a row): steady load near a threshold does not flap.
     hysteresis: float = Field(0.15, ge=0)
+    # An idle engine is removed only once the cluster has had room to spare for this long
+    # since the last change (one engine per such stretch): an engine removed takes its start
+    # (weights loaded) to come back when the load returns, a switch only its drain. Scale up
+    # at once, down slowly (Kubernetes' HPA waits 300 s the same way).
+    scale_down_after_s: float = Field(300.0, ge=0)
 
     @model_validator(mode="after")
     def _bounds(self) -> "PlannerConfig":
