@@ -83,3 +83,17 @@ def test_serve_startup_smoke() -> None:
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "prefill-0" in out.stdout and "engine ready 6.50" in out.stdout
+
+
+def test_the_kernel_build_thread_never_outranks_a_niced_server() -> None:
+    """Its level is relative (as the compile child's os.nice): a server started at nice 15 (or
+    more) builds at 19, not at 10, above its own engines (where it may: as root)."""
+    code = ("import os, threading; from pd_cluster.attention.background_kernels import "
+            "lower_this_thread as lower; out = []; t = threading.Thread(target=lambda: "
+            "out.append(lower(10))); t.start(); t.join(); "
+            "print(out[0], os.getpriority(os.PRIO_PROCESS, 0))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, preexec_fn=lambda: os.nice(15))
+    assert out.returncode == 0, out.stderr[-2000:]
+    thread, process = map(int, out.stdout.split())
+    assert thread == 19 and process >= 15  # the thread lowered (to the floor), never raised
