@@ -32,6 +32,8 @@ def _run(code: str, **env: str) -> str:
 def test_a_deferred_proxy_has_its_tokenizer_before_start(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(proxy_actor, "_restarted", lambda: False)
+    # no engines to look up (else Ray's list_named_actors starts a local Ray: ~10 s)
+    monkeypatch.setattr(proxy_actor, "current_engines", lambda launched, namespace: [])
     proxy: Any = ProxyActor(CONFIG, [], "unused", {}, False, True)
     try:
         assert proxy._tokenizer is not None  # loaded while the engines load
@@ -97,3 +99,15 @@ def test_the_kernel_build_thread_never_outranks_a_niced_server() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     thread, process = map(int, out.stdout.split())
     assert thread == 19 and process >= 15  # the thread lowered (to the floor), never raised
+
+
+def test_serve_startup_passes_flags_after_the_double_dash() -> None:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("serve_startup",
+                                                  ROOT / "scripts" / "serve_startup.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = script.parse_args(["bench-50m", "--runs", "2", "--", "--set", "cpu.x=false"])
+    assert (args.model, args.runs, args.extra) == ("bench-50m", 2, ["--set", "cpu.x=false"])
+    assert script.parse_args([]).extra == [] and script.parse_args([]).model == "tiny-llama"
