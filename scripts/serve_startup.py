@@ -170,7 +170,11 @@ def smoke() -> int:
     return 0
 
 
-def main() -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The options; what follows ``--`` goes to `serve` as is (argparse alone refuses
+    ``-- --set K=V`` after the optional model)."""
+    argv, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
+        else (argv, [])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default="tiny-llama")
     ap.add_argument("--runs", type=int, default=1, help="cold + warm pairs")
@@ -180,8 +184,13 @@ def main() -> int:
     ap.add_argument("--wait-switch", type=float, default=0.0, metavar="S",
                     help="then wait up to S s for both engines' switch to compiled")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("extra", nargs="*", help="after --: more serve flags")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.extra = extra
+    return args
+
+
+def main() -> int:
+    args = parse_args(sys.argv[1:])
     if args.smoke:
         return smoke()
     results: dict[str, list[float]] = defaultdict(list)

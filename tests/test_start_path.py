@@ -32,6 +32,8 @@ def _run(code: str, **env: str) -> str:
 def test_a_deferred_proxy_has_its_tokenizer_before_start(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(proxy_actor, "_restarted", lambda: False)
+    # no engines to look up (else Ray's list_named_actors starts a local Ray: ~10 s)
+    monkeypatch.setattr(proxy_actor, "current_engines", lambda launched, namespace: [])
     proxy: Any = ProxyActor(CONFIG, [], "unused", {}, False, True)
     try:
         assert proxy._tokenizer is not None  # loaded while the engines load
@@ -83,3 +85,29 @@ def test_serve_startup_smoke() -> None:
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "prefill-0" in out.stdout and "engine ready 6.50" in out.stdout
+
+
+def test_the_kernel_build_thread_never_outranks_a_niced_server() -> None:
+    """Its level is relative (as the compile child's os.nice): a server started at nice 15 (or
+    more) builds at 19, not at 10, above its own engines (where it may: as root)."""
+    code = ("import os, threading; from pd_cluster.attention.background_kernels import "
+            "lower_this_thread as lower; out = []; t = threading.Thread(target=lambda: "
+            "out.append(lower(10))); t.start(); t.join(); "
+            "print(out[0], os.getpriority(os.PRIO_PROCESS, 0))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, preexec_fn=lambda: os.nice(15))
+    assert out.returncode == 0, out.stderr[-2000:]
+    thread, process = map(int, out.stdout.split())
+    assert thread == 19 and process >= 15  # the thread lowered (to the floor), never raised
+
+
+def test_serve_startup_passes_flags_after_the_double_dash() -> None:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("serve_startup",
+                                                  ROOT / "scripts" / "serve_startup.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = script.parse_args(["bench-50m", "--runs", "2", "--", "--set", "cpu.x=false"])
+    assert (args.model, args.runs, args.extra) == ("bench-50m", 2, ["--set", "cpu.x=false"])
+    assert script.parse_args([]).extra == [] and script.parse_args([]).model == "tiny-llama"

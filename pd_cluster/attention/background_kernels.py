@@ -29,6 +29,16 @@ def needs_build(name: str, device: torch.device) -> bool:
     return not kernels_ready()
 
 
+def lower_this_thread(by: int) -> int:
+    """The calling thread ``by`` nice levels below where it is (19 at most), as the compile
+    child's ``os.nice``: an absolute level would raise it above a server started niced (a
+    root one may). Returns the thread's level now."""
+    tid = threading.get_native_id()
+    level = min(19, os.getpriority(os.PRIO_PROCESS, tid) + by)
+    os.setpriority(os.PRIO_PROCESS, tid, level)
+    return level
+
+
 class BackgroundKernels:
     """The attention backend a step uses: torch's until the C++ kernels are built."""
 
@@ -45,7 +55,7 @@ class BackgroundKernels:
         try:
             # Nice is per thread on Linux, and the compilers this thread starts inherit it:
             # the engine's steps go first.
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BUILD_NICE)
+            lower_this_thread(BUILD_NICE)
             from kernels.cpu_build import load_cpu_kernels
             if load_cpu_kernels():  # warns itself when it fails
                 self._next = create_backend("cpu", self._device)

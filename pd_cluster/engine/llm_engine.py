@@ -5,8 +5,6 @@ import logging
 import time
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from connectors.transfer_params import KVTransferParams, check_transfer_params
 from kernels.cpu_build import kernel_stats
 from pd_cluster import start_trace
@@ -26,6 +24,7 @@ from pd_cluster.models.generation_config import read_eos_token_ids
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.request import Request, RequestStatus
 from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.tokenizer_loader import load_tokenizer
 from pd_cluster.validation import InvalidRequest, check_prompt
 
 logger = logging.getLogger(__name__)
@@ -39,7 +38,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         hf_config = read_hf_config(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         start_trace.mark("engine", "tokenizer loaded")
         self.vocab_size = hf_config["vocab_size"]
         self.max_model_len = max_model_len_of(config, hf_config)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from pd_cluster.config import EngineConfig, SpeculativeConfig, read_hf_config
 from pd_cluster.engine.cache_engine import KVCacheSpec, allocate_kv_caches
@@ -26,6 +25,7 @@ from pd_cluster.engine.step_input import StepInput
 from pd_cluster.models.context import ForwardContext
 from pd_cluster.models.layers.cpu_gemm import prepare_model
 from pd_cluster.models.loader import load_model
+from pd_cluster.tokenizer_loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def check_draft(draft_dir: str, target: dict[str, Any], draft: dict[str, Any],
     if draft.get("vocab_size") != target.get("vocab_size"):
         raise ValueError(f"speculative.model: the draft's vocab_size {draft.get('vocab_size')} "
                          f"differs from the served model's {target.get('vocab_size')}")
-    tok = AutoTokenizer.from_pretrained(draft_dir)
+    tok = load_tokenizer(draft_dir)
     if tok.get_vocab() != target_tokenizer.get_vocab():
         raise ValueError("speculative.model: the draft's tokenizer differs from the served "
                          "model's (a draft must map text to the same token ids)")

@@ -29,9 +29,10 @@ MAX_CHOICES = 256  # prompts x n in one request
 def load_tokenizer(cfg: ClusterConfig) -> Any:
     """The tokenizer the proxy encodes prompts with (the engines' own: engine.tokenizer, else
     the model's). Seconds of transformers on a first load: a deferred proxy does it while the
-    engines load (cluster/proxy_actor.py)."""
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(cfg.engine.get("tokenizer") or resolve_model(cfg.model))
+    engines load (cluster/proxy_actor.py); without torch where the files allow
+    (pd_cluster/tokenizer_loader.py)."""
+    from pd_cluster.tokenizer_loader import load_tokenizer as load
+    return load(cfg.engine.get("tokenizer") or resolve_model(cfg.model))
 
 
 class ProxyState:

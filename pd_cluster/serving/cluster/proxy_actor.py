@@ -200,10 +200,10 @@ def _restarted() -> bool:
 
 
 def _load_serving_libraries() -> None:
-    """Import what serving needs (the web stack, the app, transformers' tokenizers): seconds
-    of Python that a deferred proxy spends while the engines load, not after."""
+    """Import what serving needs (the web stack, the app): seconds of Python that a deferred
+    proxy spends while the engines load, not after. The tokenizer's own imports come with it
+    (``_preload_tokenizer``): no torch where the model's files allow (tokenizer_loader.py)."""
     import uvicorn  # noqa: F401
-    from transformers import AutoTokenizer  # noqa: F401
 
     from pd_cluster.serving.api import app  # noqa: F401
 
