@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", type=Path, default=DEFAULT_PROFILE,
                    help="the controller's cost table (default: bench-50m measured here)")
-    p.add_argument("--per-phase", type=int, default=40, help="requests per phase")
+    p.add_argument("--per-phase", type=int, default=80, help="requests per phase")
     p.add_argument("--gap-s", type=float, default=0.25, help="s between arrivals")
     p.add_argument("--long-prompt", type=int, default=400)
     p.add_argument("--long-answer", type=int, default=64)
