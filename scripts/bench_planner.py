@@ -20,6 +20,8 @@ The last line: ``planner_goodput_vs_best_fixed=X`` (over the run, the smallest b
 
   python scripts/bench_planner.py                 # 8, 16 and 64 slots
   python scripts/bench_planner.py --smoke         # 8 slots, short phases (tests)
+  python scripts/bench_planner.py --real [--smoke]  # the controller on a real cluster
+                                                  # (scripts/bench_planner_real.py)
 """
 from __future__ import annotations
 
@@ -148,6 +150,11 @@ def bench(profile: Profile, slo: Slo, slots: int, args: argparse.Namespace) -> f
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--real" in argv:  # the mechanics on a real cluster: scripts/bench_planner_real.py
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_planner_real
+        return bench_planner_real.main([a for a in argv if a != "--real"])
     args = parse_args(argv)
     profile = Profile.load(args.profile)
     slo = Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.percentile)

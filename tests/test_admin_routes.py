@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from pd_cluster.serving.cluster.engine_starter import EngineStarter, ScaleError, missing
-from pd_cluster.serving.cluster.scaling import EngineView
+from pd_cluster.planner.actuator import EngineView  # the controller reads its load
 from tests.test_api_auth import _config, _run
 
 
@@ -24,7 +24,7 @@ def test_admin_routes_want_the_key() -> None:
                                                             "role": "decode"})).status_code == 401
         ok = await http.get("/admin/engines", headers=auth)
         assert ok.status_code == 200
-        assert ok.json()["engines"] == [{"id": engine.name, "role": "colocated",
+        assert ok.json()["engines"] == [{"id": engine.name, "role": "colocated", "load": 0.0,
                                          "state": "serving"}]
         bad = await http.post("/admin/scale", json={"colocated": 0}, headers=auth)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "colocated"

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Coroutine
 
 from pd_cluster.driver.messages import ROLE_DECODE, ROLE_PREFILL
+from pd_cluster.planner.actuator import EngineView
 from pd_cluster.serving.cluster.cluster_config import ClusterConfig
 from pd_cluster.serving.cluster.engine_starter import EngineStarter, ScaleError, kill
 from pd_cluster.serving.routing.decode_watch import DecodeWatch
@@ -37,13 +38,6 @@ logger = logging.getLogger(__name__)
 
 _STOP_TIMEOUT = 15.0  # s
 _SYNC_CALL_TIMEOUT = 1800.0  # s: the planner's blocking calls (engine loads included)
-
-
-@dataclass(frozen=True)
-class EngineView:
-    id: str
-    role: str
-    state: str  # serving | draining | starting
 
 
 class LiveActuator:
@@ -61,7 +55,9 @@ class LiveActuator:
 
     # ---- the controller's protocol (planner/actuator.py) ------------------------------------
     def engines(self) -> list[EngineView]:
-        return [EngineView(e.name, e.role, e.state) for e in list(self.pool.engines)]
+        # the planner's view (its switches pick the least loaded donor: load is needed)
+        return [EngineView(e.name, e.role, e.state, float(e.inflight))
+                for e in list(self.pool.engines)]
 
     def scale(self, role: str, count: int) -> None:
         """Blocking: ``count`` engines of ``role`` (from a thread other than the proxy's loop)."""
