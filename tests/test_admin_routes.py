@@ -5,6 +5,7 @@ not fit asks Ray's autoscaler where there is one, and fails clearly where there 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -101,8 +102,18 @@ class _FakeStatus:
         self.stats = type("Stats", (), {"autoscaler_version": version})()
 
 
+# Ray's v1 monitor status: a local instance (read-only provider, node types "node_<id>"),
+# and a `ray up` cluster's autoscaler (node types from its config)
+_V1_READONLY = json.dumps({"autoscaler_report": {"node_type_mapping": {
+    "6c6b3f": "node_6c6b3f", "a1b2c3": "node_a1b2c3"}, "legacy": True}}).encode()
+_V1_REAL = json.dumps({"autoscaler_report": {"node_type_mapping": {
+    "6c6b3f": "ray.head.default", "a1b2c3": "cpu-worker"}, "legacy": True}}).encode()
+
+
 @pytest.mark.parametrize("v1, v2_enabled, version, found", [
     (b"{}", False, None, True),  # v1: its monitor's status in the internal KV
+    (_V1_READONLY, False, None, False),  # v1's monitor with the read-only provider: none
+    (_V1_REAL, False, None, True),  # v1 with node types from a cluster config
     (None, True, "7", True),  # v2: no KV status, a state version reported to the GCS
     (None, True, "0", False),  # v2 enabled, but no autoscaler ever reported
     (None, False, "7", False),  # no autoscaler at all

@@ -29,7 +29,9 @@ pytestmark = pytest.mark.timeout(1200)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     yield from launched_cluster(tmp_path_factory, "local", "tp",
-                                prefill={"tensor_parallel_size": 2, "num_cpus": 1},
+                                # half a CPU a rank: Ray's 4 CPUs hold a second TP2 prefill
+                                # engine when the scaling test adds one
+                                prefill={"tensor_parallel_size": 2, "num_cpus": 0.5},
                                 decode={"replicas": 2, "num_cpus": 1},
                                 engine={"num_kv_blocks": 256, "max_model_len": 512,
                                         "collective_timeout": 10.0},
@@ -152,3 +154,74 @@ def test_the_tp2_engine_switches_role_under_load(cluster) -> None:
     assert leak_reports(cluster) == {}
     holds = ray.get([h.kv_holds.remote() for h in cluster.engines.values()], timeout=30)
     assert all(not any(h.values()) for h in holds), holds
+
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _no_leaks(namespace: str, names: list[str]) -> None:
+    """Every named engine (the ones scaling added too) holds no KV block and no KV hold."""
+    import ray
+    handles = [ray.get_actor(n, namespace=namespace) for n in names]
+    ray.get([h.check_no_leaks.remote() for h in handles], timeout=30)
+    holds = ray.get([h.kv_holds.remote() for h in handles], timeout=30)
+    assert all(not any(h.values()) for h in holds), holds
+
+
+def test_tp2_engines_come_and_go_under_load(cluster) -> None:
+    """Issue 40: a second TP2 prefill engine is added while requests run, then one TP2
+    prefill engine is drained and removed while requests run: outputs equal offline, the new
+    engine has two ranks, a third finds no room (an error, not a wait), the removed engine's
+    ranks exit, and nothing is held after."""
+    offline = LLM(model=resolve_model("tiny-llama"), num_kv_blocks=512, max_model_len=512)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    wait_until(lambda: all(e["healthy"] and e["state"] == "serving"
+                           for e in cluster_status(cluster.url)["engines"]), 300, "all serving")
+
+    async def scale_under_load(prompts: list[list[int]], count: int
+                               ) -> tuple[httpx.Response, list[list[int]]]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=300) as http:
+            tasks = [asyncio.create_task(_complete(http, p, 32)) for p in prompts]
+            deadline = asyncio.get_running_loop().time() + 60
+            while not (await http.get("/cluster/status")).json()["inflight"]:
+                assert asyncio.get_running_loop().time() < deadline, "nothing in flight"
+                await asyncio.sleep(0.05)
+            reply = await http.post("/admin/scale", json={"prefill": count})
+            return reply, await asyncio.gather(*tasks)
+
+    prompts = work(8, seed=5)
+    reply, got = asyncio.run(scale_under_load(prompts, 2))
+    assert reply.status_code == 200, reply.text
+    assert got == [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+    st = {e["name"]: e for e in wait_idle(cluster.url, timeout=60)["engines"]}
+    prefills = {n: e for n, e in st.items() if e["role"] == "prefill"}
+    assert len(prefills) == 2, list(st)
+    new = next(e for n, e in prefills.items() if n != "prefill-0")
+    assert new["stats"]["tensor_parallel_size"] == 2
+    assert len(new["stats"]["tp_pids"].split(",")) == 2
+    # no room for a third TP2 engine on this Ray (4 CPUs, no autoscaler): a clear error
+    r = httpx.post(f"{cluster.url}/admin/scale", json={"prefill": 3}, timeout=60)
+    assert r.status_code >= 400 and "no room" in r.json()["error"]["message"], r.text
+    more = work(8, seed=6)
+    assert _run(cluster.url, more, 32) == [o.outputs[0].token_ids
+                                           for o in offline.generate(more, params)]
+
+    reply, got = asyncio.run(scale_under_load(more, 1))
+    assert reply.status_code == 200, reply.text
+    assert got == [o.outputs[0].token_ids for o in offline.generate(more, params)]
+    after = {e["name"]: e for e in wait_idle(cluster.url, timeout=60)["engines"]}
+    left = [n for n, e in after.items() if e["role"] == "prefill"]
+    assert len(left) == 1, list(after)
+    removed = next(e for n, e in prefills.items() if n not in left)
+    pids = [int(p) for p in removed["stats"]["tp_pids"].split(",")]
+    wait_until(lambda: not any(_alive(p) for p in pids), 60, "the removed engine's ranks exit")
+    assert _run(cluster.url, prompts[:4], 32) == [o.outputs[0].token_ids for o in
+                                                  offline.generate(prompts[:4], params)]
+    wait_idle(cluster.url, timeout=60)
+    _no_leaks(cluster.namespace, list(after))

@@ -9,6 +9,7 @@ role's placement group (``strategy``) was sized at launch for its ``replicas``.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any, Callable
 
@@ -34,9 +35,21 @@ def autoscaler_present() -> bool:
 def _v1_autoscaler() -> bool:
     try:
         from ray.experimental.internal_kv import _internal_kv_get
-        return _internal_kv_get(_AUTOSCALING_KEY) is not None
+        raw = _internal_kv_get(_AUTOSCALING_KEY)
     except Exception:  # noqa: BLE001 - no GCS access: treat as none
         return False
+    return raw is not None and not _readonly_monitor(raw)
+
+
+def _readonly_monitor(raw: bytes) -> bool:
+    """Every Ray head runs the v1 monitor; without an autoscaling config (a local instance,
+    `ray start` by hand) it uses the read-only provider, which launches nothing and names
+    each node's type ``node_<node id>``. Such a monitor's status is not an autoscaler."""
+    try:
+        mapping = json.loads(raw)["autoscaler_report"]["node_type_mapping"] or {}
+    except (ValueError, KeyError, TypeError):
+        return False  # another layout: assume a real autoscaler (asking costs a bounded wait)
+    return bool(mapping) and all(t == f"node_{n}" for n, t in mapping.items())
 
 
 def _v2_autoscaler() -> bool:
