@@ -247,6 +247,39 @@ def test_live_loop_acts_through_the_actuator_and_counts(tmp_path):
         metrics.render().decode()
 
 
+def test_a_look_that_raises_is_counted_and_the_loop_goes_on(tmp_path):
+    """A look that raises (the live actuator once lacked a field every look needed) is
+    counted in pd_planner_look_failures_total{error}, and the loop keeps looking."""
+    import threading
+
+    from pd_cluster.planner.live import start_planner
+    from pd_cluster.serving.cluster.config_sections import SloConfig
+    from pd_cluster.serving.observability.metrics import ProxyMetrics
+    path = tmp_path / "p.json"
+    synthetic_profile().save(path)
+    cfg = PlannerConfig(enabled=True, profile=str(path), interval_s=0.02, cooldown_s=0,
+                        max_engines=4, max_prefill=3, max_decode=3)
+
+    class _Broken(_Applying):
+        def engines(self):
+            raise AttributeError("'EngineView' object has no attribute 'load'")
+    metrics = ProxyMetrics(lambda: [])
+    failed = threading.Semaphore(0)
+
+    def count_failure(error: str) -> None:
+        metrics.planner_look_failures.labels(error).inc()
+        failed.release()
+    loop, window = start_planner(cfg, SloConfig(ttft_ms=2000, tpot_ms=50), _Broken(1, 3), 256,
+                                 None, count_failure)
+    try:
+        for _ in range(200):
+            window.arrived(1536, 16)
+        assert failed.acquire(timeout=10) and failed.acquire(timeout=10), "no failed looks"
+    finally:
+        loop.stop()
+    assert 'pd_planner_look_failures_total{error="AttributeError"}' in metrics.render().decode()
+
+
 def test_window_rate_once_old_looks_are_dropped():
     """A steady 0.2 req/s seen for longer than the window keeps: the rate stays 0.2, the oldest
     look kept covering from the one dropped before it, not from the start; without a shift

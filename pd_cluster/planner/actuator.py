@@ -30,12 +30,14 @@ class Actuator(Protocol):
     def scale(self, role: str, count: int) -> None:
         """Make ``count`` the number of engines of ``role``: start new ones (state starting,
         then serving), or drain some (state draining: no new work, their work finishes or
-        moves, then they stop and leave the list). Returns at once; the change shows in
-        engines()."""
+        moves, then they stop and leave the list). The simulator returns at once (the change
+        shows in engines() as time passes); the live cluster's returns when it is done (the
+        controller runs on its own thread, and its next look sees the result)."""
 
     def switch_role(self, engine_id: str, role: str) -> None:
         """Drain the engine's work in its current role, then serve ``role`` (same weights).
-        Returns at once; the engine shows as draining, then starting, then serving ``role``."""
+        The engine shows as draining, then serving ``role``; returns at once (simulator) or
+        when the switch is done (live cluster), as ``scale``."""
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,10 @@ class RequestWindow:
 class PlannerLoop:
     """The controller's thread: ``start()``, ``stop()`` (bounded join)."""
 
-    def __init__(self, controller: Controller, window: RequestWindow, interval_s: float):
+    def __init__(self, controller: Controller, window: RequestWindow, interval_s: float,
+                 on_failure: Callable[[str], None] | None = None):
         self.controller, self.window, self.interval_s = controller, window, interval_s
+        self.on_failure = on_failure  # (the exception's type name): counted in /metrics
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pd-planner", daemon=True)
 
@@ -70,16 +72,20 @@ class PlannerLoop:
         while not self._stop.wait(self.interval_s):
             try:
                 self.controller.tick(self.window.observe())
-            except Exception:  # a failed look (an engine gone mid-switch) must not end it
+            except Exception as e:  # a failed look (an engine gone mid-switch) must not end it
                 logger.exception("planner: a look failed; trying again next interval")
+                if self.on_failure is not None:
+                    self.on_failure(type(e).__name__)
 
 
 def start_planner(planner_cfg, slo_cfg, actuator: Actuator, max_num_seqs: int,
-                  count: Callable[[str, str], None] | None = None
+                  count: Callable[[str, str], None] | None = None,
+                  count_failure: Callable[[str], None] | None = None
                   ) -> tuple[PlannerLoop, RequestWindow]:
     """The controller for a live cluster from its config's ``planner`` and ``proxy.slo``
     sections; ``count(action, reason)`` per decision (the proxy's
-    ``pd_planner_decisions_total``). The caller feeds the window and stops the loop."""
+    ``pd_planner_decisions_total``), ``count_failure(error)`` per look that raised
+    (``pd_planner_look_failures_total``). The caller feeds the window and stops the loop."""
     profile = Profile.load(planner_cfg.profile)
     slo = Slo(slo_cfg.ttft_ms / 1e3, slo_cfg.tpot_ms / 1e3, slo_cfg.percentile)
     window = RequestWindow()
@@ -89,6 +95,6 @@ def start_planner(planner_cfg, slo_cfg, actuator: Actuator, max_num_seqs: int,
             count(d.action, d.reason)
     ctl = Controller(profile, slo, planner_cfg, actuator, max_num_seqs, on_decision,
                      started=window.now())
-    loop = PlannerLoop(ctl, window, planner_cfg.interval_s)
+    loop = PlannerLoop(ctl, window, planner_cfg.interval_s, count_failure)
     loop.start()
     return loop, window

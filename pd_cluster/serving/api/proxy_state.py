@@ -87,11 +87,12 @@ class ProxyState:
         if not self.cfg.planner.enabled:
             return
         from pd_cluster.planner.live import start_planner
-        decisions = self.metrics.planner_decisions
+        decisions, failures = self.metrics.planner_decisions, self.metrics.planner_look_failures
         self._planner_loop, self.planner_window = start_planner(
             self.cfg.planner, self.cfg.proxy.slo, self.actuator,
             int(self.cfg.engine.get("max_num_seqs", 64)),
-            lambda action, reason: decisions.labels(action, reason).inc())
+            lambda action, reason: decisions.labels(action, reason).inc(),
+            lambda error: failures.labels(error).inc())
 
     def stop_planner(self) -> None:
         if self._planner_loop is not None:

@@ -98,6 +98,10 @@ class ProxyMetrics:
             "action (scale_up, scale_down, switch) and reason (prefill_capacity, "
             "decode_capacity, rebalance, measured_ttft, measured_tpot, idle)",
             ["action", "reason"], registry=r)
+        self.planner_look_failures = Counter(
+            "pd_planner_look_failures", "SLO controller looks that raised (logged in the "
+            "proxy's log), by the error's type: a controller that silently stopped acting "
+            "shows here", ["error"], registry=r)
         r.register(_EngineCollector(engines_snapshot))
         r.register(OffloadCollector(engines_snapshot, model_name))
 
