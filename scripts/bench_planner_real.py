@@ -79,7 +79,7 @@ def cluster_config(args: argparse.Namespace, namespace: str) -> Any:
 
 async def _one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int
                ) -> tuple[str, list[int], str | None]:
-    from tests.launch_helpers import stream_completion
+    from pd_cluster.serving.cluster.testing import stream_completion
     try:
         return await stream_completion(http, MODEL, prompt, max_tokens)
     except httpx.HTTPError as e:  # counted as lost, not a crash of the benchmark

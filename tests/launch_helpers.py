@@ -2,8 +2,6 @@
 the module-scoped cluster launched in the test process that the cluster tests share."""
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import queue
 import re
@@ -15,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import httpx
 import pytest
 
-from pd_cluster.serving.cluster.testing import REPO_ROOT, ensure_ray, local_config
+from pd_cluster.serving.cluster.testing import (REPO_ROOT, ensure_ray, local_config,
+                                                stream_completion)  # noqa: F401 (re-exported)
 
 URL_RE = re.compile(r"serving on (http://[0-9.]+:\d+)")
 
@@ -96,28 +94,3 @@ def launched_cluster(tmp_path_factory: pytest.TempPathFactory, config: str, name
             c.shutdown()
     finally:
         mp.undo()
-
-
-async def stream_completion(http: httpx.AsyncClient, model: str, prompt: list[int],
-                            max_tokens: int, started: asyncio.Event | None = None,
-                            seed: int | None = None) -> tuple[str, list[int], str | None]:
-    """('ok'|'error'|'http-<status>', token ids, error message) for one streamed completion
-    (greedy, or sampled at temperature 0.8 with ``seed``); sets ``started`` after 3 tokens."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
-    if seed is not None:
-        body.update(temperature=0.8, seed=seed)
-    ids: list[int] = []
-    async with http.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            return f"http-{resp.status_code}", ids, (await resp.aread()).decode()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                return "error", ids, data["error"]["message"]
-            ids.extend(data["choices"][0].get("token_ids") or [])
-            if started is not None and len(ids) >= 3:
-                started.set()
-    return "ok", ids, None

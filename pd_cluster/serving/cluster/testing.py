@@ -1,12 +1,17 @@
 """Helpers for serving tests and benchmarks: one shared local Ray, small clusters, polling."""
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pd_cluster.serving.cluster.cluster_config import ClusterConfig, load_config
+
+if TYPE_CHECKING:
+    import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = REPO_ROOT / "configs"
@@ -76,3 +81,28 @@ def leak_reports(cluster: Any, timeout: float = 30.0) -> dict[str, str]:
         except AssertionError as e:  # Ray's task error is also the cause's type
             out[name] = str(e)
     return out
+
+
+async def stream_completion(http: httpx.AsyncClient, model: str, prompt: list[int],
+                            max_tokens: int, started: asyncio.Event | None = None,
+                            seed: int | None = None) -> tuple[str, list[int], str | None]:
+    """('ok'|'error'|'http-<status>', token ids, error message) for one streamed completion
+    (greedy, or sampled at temperature 0.8 with ``seed``); sets ``started`` after 3 tokens."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    if seed is not None:
+        body.update(temperature=0.8, seed=seed)
+    ids: list[int] = []
+    async with http.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return f"http-{resp.status_code}", ids, (await resp.aread()).decode()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                return "error", ids, data["error"]["message"]
+            ids.extend(data["choices"][0].get("token_ids") or [])
+            if started is not None and len(ids) >= 3:
+                started.set()
+    return "ok", ids, None
