@@ -69,6 +69,20 @@ def _run(url: str, prompts: list[list[int]], max_tokens: int, during=None) -> li
     return asyncio.run(go())
 
 
+async def _admin_under_load(url: str, prompts: list[list[int]], max_tokens: int, path: str,
+                            body: dict) -> tuple[httpx.Response, list[list[int]]]:
+    """POST ``body`` to the admin ``path`` once the proxy has requests of ``prompts`` in
+    flight; the reply and every request's output tokens."""
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        tasks = [asyncio.create_task(_complete(http, p, max_tokens)) for p in prompts]
+        deadline = asyncio.get_running_loop().time() + 60
+        while not (await http.get("/cluster/status")).json()["inflight"]:
+            assert asyncio.get_running_loop().time() < deadline, "nothing in flight"
+            await asyncio.sleep(0.05)
+        reply = await http.post(path, json=body)
+        return reply, await asyncio.gather(*tasks)
+
+
 def test_tp2_prefill_to_tp1_decode_and_a_killed_worker(cluster) -> None:
     offline = LLM(model=resolve_model("tiny-llama"), num_kv_blocks=512, max_model_len=512)
     prompts = work(12, seed=1)
@@ -123,20 +137,10 @@ def test_the_tp2_engine_switches_role_under_load(cluster) -> None:
                        timeout=300)
         assert r.status_code == 200, r.text
 
-    async def under_load(prompts: list[list[int]]) -> tuple[httpx.Response, list[list[int]]]:
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=300) as http:
-            tasks = [asyncio.create_task(_complete(http, p, 48)) for p in prompts]
-            deadline = asyncio.get_running_loop().time() + 60
-            while not (await http.get("/cluster/status")).json()["inflight"]:
-                assert asyncio.get_running_loop().time() < deadline, "nothing in flight"
-                await asyncio.sleep(0.05)
-            reply = await http.post("/admin/switch_role",
-                                    json={"engine": "prefill-0", "role": "decode"})
-            return reply, await asyncio.gather(*tasks)
-
     switch("decode-1", "prefill")
     prompts = work(8, seed=3)
-    reply, got = asyncio.run(under_load(prompts))
+    reply, got = asyncio.run(_admin_under_load(cluster.url, prompts, 48, "/admin/switch_role",
+                                               {"engine": "prefill-0", "role": "decode"}))
     assert reply.status_code == 200, reply.text
     assert got == [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
     st = {e["name"]: e for e in wait_idle(cluster.url, timeout=60)["engines"]}
@@ -184,19 +188,9 @@ def test_tp2_engines_come_and_go_under_load(cluster) -> None:
     wait_until(lambda: all(e["healthy"] and e["state"] == "serving"
                            for e in cluster_status(cluster.url)["engines"]), 300, "all serving")
 
-    async def scale_under_load(prompts: list[list[int]], count: int
-                               ) -> tuple[httpx.Response, list[list[int]]]:
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=300) as http:
-            tasks = [asyncio.create_task(_complete(http, p, 32)) for p in prompts]
-            deadline = asyncio.get_running_loop().time() + 60
-            while not (await http.get("/cluster/status")).json()["inflight"]:
-                assert asyncio.get_running_loop().time() < deadline, "nothing in flight"
-                await asyncio.sleep(0.05)
-            reply = await http.post("/admin/scale", json={"prefill": count})
-            return reply, await asyncio.gather(*tasks)
-
     prompts = work(8, seed=5)
-    reply, got = asyncio.run(scale_under_load(prompts, 2))
+    reply, got = asyncio.run(_admin_under_load(cluster.url, prompts, 32, "/admin/scale",
+                                               {"prefill": 2}))
     assert reply.status_code == 200, reply.text
     assert got == [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
     st = {e["name"]: e for e in wait_idle(cluster.url, timeout=60)["engines"]}
@@ -212,7 +206,8 @@ def test_tp2_engines_come_and_go_under_load(cluster) -> None:
     assert _run(cluster.url, more, 32) == [o.outputs[0].token_ids
                                            for o in offline.generate(more, params)]
 
-    reply, got = asyncio.run(scale_under_load(more, 1))
+    reply, got = asyncio.run(_admin_under_load(cluster.url, more, 32, "/admin/scale",
+                                               {"prefill": 1}))
     assert reply.status_code == 200, reply.text
     assert got == [o.outputs[0].token_ids for o in offline.generate(more, params)]
     after = {e["name"]: e for e in wait_idle(cluster.url, timeout=60)["engines"]}
