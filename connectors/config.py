@@ -26,7 +26,7 @@ class KVTransferConfig(BaseModel):
     # memory usable (/dev/shm writable with room for the decode engine's host KV cache), else
     # zmq; the choice and its reason are logged and shown by `pd-cluster status`. Or a
     # registered pipe name (connectors/pipes/<name>_pipe.py): zmq, shm, nixl, gloo, nccl.
-    pipe: str = "zmq"
+    pipe: str = "auto"
     kv_transfer_timeout: float = Field(30.0, gt=0)  # a transfer's bound: fallback / free after
     max_staging_bytes: int = Field(256 * MiB, gt=0)  # consumer: early arrivals held at most
     # Producer: a finished request's blocks are held while the consumer renews this lease

@@ -32,7 +32,7 @@ def test_shipped_configs_parse(name: str) -> None:
 def test_shipped_config_shapes() -> None:
     local = load_config(CONFIGS / "local.yaml")
     assert (local.prefill.replicas, local.decode.replicas) == (1, 1)
-    assert local.kv_transfer.pipe == "zmq" and local.proxy.host == "127.0.0.1"
+    assert local.kv_transfer.pipe == "auto" and local.proxy.host == "127.0.0.1"
     assert [s.role for s in load_config(CONFIGS / "local-2p2d.yaml").engine_specs()] == [
         "prefill", "prefill", "decode", "decode"]
     colo = load_config(CONFIGS / "local-colocated.yaml")
@@ -138,7 +138,7 @@ def test_defaults_overrides_and_kv_pass_through() -> None:
     assert [s.name for s in specs] == ["prefill-0", "decode-0", "decode-1", "decode-2"]
     kv = specs[1].engine_args["kv_transfer"]
     # No address: each engine listens on its own node's address (filled in on that node).
-    assert kv == {"role": "consumer", "pipe": "zmq", "transport": "tcp",
+    assert kv == {"role": "consumer", "pipe": "auto", "transport": "tcp",
                   "kv_transfer_timeout": 30.0, "max_staging_bytes": 1024}
     assert parse_config({}).model_name == "tiny-llama"  # preset names are served as-is
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
