@@ -64,8 +64,11 @@ def drain(p: LLMEngine, d: LLMEngine, timeout: float = 60.0) -> None:
         time.sleep(0.005)  # pacing: the ACKs travel on the pipes' own threads
 
 
-def engine(model: str, role: str | None, timeout: float = 10.0, **args: Any) -> LLMEngine:
-    kv = kv_config(role, timeout) if role else None
+def engine(model: str, role: str | None, timeout: float = 10.0, pipe: str | None = None,
+           **args: Any) -> LLMEngine:
+    """An engine in this process; ``role`` producer/consumer/both (None: no KV transfer) over
+    ``pipe`` (default: kv_transfer's default, auto)."""
+    kv = kv_config(role, timeout, **({"pipe": pipe} if pipe else {})) if role else None
     return LLMEngine(EngineConfig(model=model, kv_transfer=kv, **args))
 
 

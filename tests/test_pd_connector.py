@@ -13,10 +13,16 @@ from connectors.pipes.base import HandshakeError
 from connectors.transfer_params import RecvKV, SendKV
 from pd_cluster import SamplingParams
 from pd_cluster.request import RequestStatus
-from tests.pd_helpers import (colocated_tokens, engine, prompts_of_lengths, run_in_process,
+from tests import pd_helpers
+from tests.pd_helpers import (colocated_tokens, prompts_of_lengths, run_in_process,
                               submit_pair)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def engine(model: str, role: str, **args):
+    """These tests are of the ZMQ pipe's messages (frames, FINs, ACKs): pinned to it."""
+    return pd_helpers.engine(model, role, pipe="zmq", **args)
 
 
 @pytest.fixture(scope="module")
@@ -229,8 +235,8 @@ def test_worker_pair_moves_blocks_exactly(src_blocks):
     from connectors.pd_connector import PDConnectorWorker
     info = {"model_id": "t", "dtype": "torch.float32", "block_size": 4, "num_layers": 2,
             "num_kv_heads": 2, "head_dim": 8}
-    cons = PDConnectorWorker(KVTransferConfig(role="consumer"), info)
-    prod = PDConnectorWorker(KVTransferConfig(role="producer"), info)
+    cons = PDConnectorWorker(KVTransferConfig(role="consumer", pipe="zmq"), info)
+    prod = PDConnectorWorker(KVTransferConfig(role="producer", pipe="zmq"), info)
     src = [torch.randn(2, 12, 4, 2, 8) for _ in range(2)]
     dst = [torch.zeros(2, 12, 4, 2, 8) for _ in range(2)]
     prod.register_kv_caches(src), cons.register_kv_caches(dst)
@@ -262,7 +268,8 @@ def test_long_runs_are_split_into_single_frame_messages():
     from connectors.pd_connector import PDConnectorWorker
     info = {"model_id": "t", "dtype": "torch.float32", "block_size": 4, "num_layers": 1,
             "num_kv_heads": 2, "head_dim": 8}  # 256 bytes per block and part
-    cfg = KVTransferConfig.from_dict({"role": "both", "max_frame_bytes": 1024})  # 4 blocks
+    cfg = KVTransferConfig.from_dict({"role": "both", "pipe": "zmq",
+                                      "max_frame_bytes": 1024})  # 4 blocks
     worker = PDConnectorWorker(cfg, info)
     src, dst = torch.randn(2, 40, 4, 2, 8), torch.zeros(2, 40, 4, 2, 8)
     worker.register_kv_caches([src])
@@ -301,7 +308,7 @@ def test_gathered_blocks_go_as_single_frame_messages(parts: int, first: int):
             "num_kv_heads": 2, "head_dim": 8}  # 256 bytes per block and part
     frame = 512 * parts  # two blocks of every part
     worker = PDConnectorWorker(KVTransferConfig.from_dict(
-        {"role": "both", "max_frame_bytes": frame}), info)
+        {"role": "both", "pipe": "zmq", "max_frame_bytes": frame}), info)
     src, dst = torch.randn(parts, 40, 4, 2, 8), torch.zeros(parts, 40, 4, 2, 8)
     worker.register_kv_caches([src])
     worker.receiver.kv_caches = [dst]

@@ -14,7 +14,8 @@ from connectors.metadata import FinHeader, FinishSpec, KVConnectorMetadata, Recv
 from connectors.pd_connector import PDConnectorWorker
 from connectors.pipes.base import PipeError
 from pd_cluster import SamplingParams
-from tests.pd_helpers import colocated_tokens, engine, prompts_of_lengths, run_in_process
+from tests import pd_helpers
+from tests.pd_helpers import colocated_tokens, prompts_of_lengths, run_in_process
 from tests.pd_helpers import submit_pair
 
 INFO = {"model_id": "t", "dtype": "torch.float32", "block_size": 4, "num_layers": 2,
@@ -22,10 +23,16 @@ INFO = {"model_id": "t", "dtype": "torch.float32", "block_size": 4, "num_layers"
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
 
+def engine(model: str, role: str, **args):
+    """These tests are of the ZMQ pipe's messages (frames, FINs, ACKs): pinned to it."""
+    return pd_helpers.engine(model, role, pipe="zmq", **args)
+
+
 def _pair(consumer_timeout: float = 30.0, lease: float = 30.0) -> tuple[Any, Any, list]:
-    cons = PDConnectorWorker(KVTransferConfig(role="consumer",
+    cons = PDConnectorWorker(KVTransferConfig(role="consumer", pipe="zmq",
                                               kv_transfer_timeout=consumer_timeout), INFO)
-    prod = PDConnectorWorker(KVTransferConfig(role="producer", lease_seconds=lease), INFO)
+    prod = PDConnectorWorker(KVTransferConfig(role="producer", pipe="zmq",
+                                              lease_seconds=lease), INFO)
     src = [torch.randn(2, 12, 4, 2, 8) for _ in range(2)]
     prod.register_kv_caches(src)
     cons.register_kv_caches([torch.zeros(2, 12, 4, 2, 8) for _ in range(2)])

@@ -181,10 +181,12 @@ def run_profile(setup: ProfileSetup, grid: ProfileGrid,
         d.check_no_leaks()
         cfg = d.config
         kv = setup.kv_transfer
+        # the pipe the link took (auto: shm on one host, else zmq), as measured
+        taken = ",".join(sorted(set((p.stats().get("kv_links") or {}).values())))
         key = ProfileKey(model=setup.model_name, dtype=str(d.runner.dtype).replace("torch.", ""),
                          tensor_parallel_size=setup.tensor_parallel_size,
                          device=_device_name(d, setup.decode_threads),
-                         pipe=f"{kv.get('pipe', 'zmq')}/{kv.get('transport', 'tcp')}")
+                         pipe=f"{taken or kv.get('pipe')}/{kv.get('transport', 'tcp')}")
         return Profile(key=key, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                        max_num_batched_tokens=cfg.max_num_batched_tokens, prefill=prefills,
                        decode=decodes, transfer=transfers)
