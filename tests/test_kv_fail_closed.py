@@ -29,8 +29,9 @@ PROMPTS = dict(zip(("flipped", "lost", "genuine", "curve"), prompts_of_lengths([
 
 
 def _engine(model: str, role: str, **kv: Any) -> LLMEngine:
+    # the tampering reaches into the ZMQ pipe's receive queue (shm's checks: test_shm_pipe)
     return LLMEngine(EngineConfig(model=model, block_size=8,
-                                  kv_transfer={**kv_config(role, 30.0), **kv}))
+                                  kv_transfer={**kv_config(role, 30.0, pipe="zmq"), **kv}))
 
 
 @pytest.fixture(scope="module")

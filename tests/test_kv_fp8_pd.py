@@ -58,8 +58,8 @@ def test_fp8_ships_a_quarter_of_fp32_plus_the_scale_rows(tiny_model) -> None:
 @pytest.fixture(scope="module")
 def pair(tiny_model) -> Iterator[tuple[LLMEngine, LLMEngine]]:
     model = tiny_model()
-    p = engine(model, "producer", 30.0, block_size=BS, **FP8)
-    d = engine(model, "consumer", 30.0, block_size=BS, **FP8)
+    p = engine(model, "producer", 30.0, block_size=BS, pipe="zmq", **FP8)  # ZMQ tampered
+    d = engine(model, "consumer", 30.0, block_size=BS, pipe="zmq", **FP8)
     yield p, d
     p.close(), d.close()
 

@@ -114,9 +114,12 @@ def test_consumer_gone_producer_frees_after_timeout(model):
         p.add_request("orphan", prompt, SamplingParams(temperature=0, max_tokens=1),
                       SendKV(to=d.kv_endpoint))
         _step_until_idle(p)
-        # Its send failed: at once when P saw the connection drop (the link ends: no longer a
-        # working peer), else when the send timed out. Either way nothing is held.
-        assert (p.stats()["kv_send_timeouts"] >= 1 or d.kv_endpoint not in p.kv_peers())
+        # Over ZMQ its send failed: at once when P saw the connection drop (the link ends: no
+        # longer a working peer), else when the send timed out. Over shm (the default on one
+        # host) P wrote into the shared cache the dead engine left, and its blocks are free.
+        # Either way nothing is held.
+        if p.stats()["kv_links"].get(d.kv_endpoint) != "shm":
+            assert (p.stats()["kv_send_timeouts"] >= 1 or d.kv_endpoint not in p.kv_peers())
         p.check_no_leaks()
     finally:
         p.close()
