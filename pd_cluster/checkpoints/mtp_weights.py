@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 MTP_SEED_OFFSET = 7919  # the MTP layers' generator: the target's seed + this
 
