@@ -68,7 +68,7 @@ class StructuredOutputsConfig(BaseModel):
         return value
 
 
-SPEC_METHODS = ("ngram", "draft_model")  # mtp: not built yet (issue 41)
+SPEC_METHODS = ("ngram", "draft_model", "mtp")
 
 
 class SpeculativeConfig(BaseModel):
@@ -77,7 +77,9 @@ class SpeculativeConfig(BaseModel):
     keep the longest accepted prefix plus one token (engine/spec/)."""
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    method: str = "ngram"  # ngram (prompt lookup, no model) | draft_model (a small model)
+    # ngram (prompt lookup, no model) | draft_model (a small model) | mtp (the served
+    # checkpoint's own MTP layer, DeepSeek-V3's num_nextn_predict_layers, chained k times)
+    method: str = "ngram"
     num_speculative_tokens: int = 4  # drafts per request per step at most
     prompt_lookup_min: int = 2  # shortest n-gram of the recent tokens looked up
     prompt_lookup_max: int = 5  # longest (tried first)
@@ -90,8 +92,7 @@ class SpeculativeConfig(BaseModel):
     @classmethod
     def _method(cls, value: str) -> str:
         if value not in SPEC_METHODS:
-            raise ValueError(f"must be one of {list(SPEC_METHODS)} (mtp is not available "
-                             f"yet), got {value!r}")
+            raise ValueError(f"must be one of {list(SPEC_METHODS)}, got {value!r}")
         return value
 
     @field_validator("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
@@ -108,6 +109,9 @@ class SpeculativeConfig(BaseModel):
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.model is not None and self.method == "ngram":
             raise ValueError("model: ngram proposes from the prompt and needs no model")
+        if self.model is not None and self.method == "mtp":
+            raise ValueError("model: mtp reads the served checkpoint's own MTP layers and "
+                             "needs no model")
         if self.method == "draft_model" and not self.model:
             raise ValueError("model: draft_model needs the draft's checkpoint (a directory or "
                              "a preset name)")
@@ -196,7 +200,7 @@ class EngineArgs(BaseModel):
     # tensor_parallel_size 1. In a cluster each engine uses <path>/<engine name> (its own
     # LRU and size; a restarted engine finds its files). None: no disk tier.
     kv_offloading_disk: KVOffloadingDiskConfig | None = None
-    # Speculative decoding ({method: ngram | draft_model, num_speculative_tokens,
+    # Speculative decoding ({method: ngram | draft_model | mtp, num_speculative_tokens,
     # prompt_lookup_min, prompt_lookup_max, model}, vLLM's --speculative-config keys); None: off. Lossless: greedy output
     # is the same, sampled output has the same distribution (engine/spec/).
     speculative: SpeculativeConfig | None = None
@@ -322,6 +326,23 @@ class EngineConfig(EngineArgs):
     """One engine's whole configuration, validated once (errors name the field)."""
     model: str
     kv_transfer: KVTransferConfig | None = None
+
+    @model_validator(mode="after")
+    def _mtp_here_only(self) -> "EngineConfig":
+        # The MTP layer reads the target's hidden state at every position; a decode engine
+        # receives the prompt's KV without them (P does not ship them yet), and the KV tiers
+        # restore prefix-cache blocks (prefix caching is off with mtp: llm_engine.py).
+        spec = self.speculative
+        if spec is None or spec.method != "mtp":
+            return self
+        if self.kv_transfer is not None:
+            raise ValueError("speculative.method: mtp does not work through P/D yet (the "
+                             "decode engine lacks the prompt's hidden states); unset "
+                             "kv_transfer or use ngram / draft_model")
+        if self.kv_offloading_size:
+            raise ValueError("speculative.method: mtp turns prefix caching off, which the KV "
+                             "tiers need; unset kv_offloading_size")
+        return self
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":

@@ -33,7 +33,7 @@ from .writer import (CHAT_TEMPLATE, MAKER_FILE, param_count,  # noqa: F401
 from .presets import ASSETS, PRESETS, TRAINED_PRESETS, preset_names, trained_model_path  # noqa: F401
 
 # Bump when anything that changes the generated files changes; cached presets are regenerated.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: tiny-deepseek-v3 has an MTP layer
 ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "deepseek_v3")
 # HF config class and architecture of each arch (Gemma 3: the text-only causal LM).
 _HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -180,9 +180,11 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, *
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     _init_weights(model, n_real, seed)
+    from .mtp_weights import mtp_tensors
     return save_checkpoint(model, tokenizer, out_dir,
                            dict(generator_version=GENERATOR_VERSION, arch=arch, seed=seed,
-                                tokenizer_trained_vocab=n_real), max_shard_size)
+                                tokenizer_trained_vocab=n_real), max_shard_size,
+                           mtp_tensors(model, n_real, seed, _init_weights))
 
 
 def build_config(tokenizer: Any, arch: str = "llama", *, vocab_size: int, hidden_size: int,

@@ -39,7 +39,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-olmo2": {"arch": "olmo2"},
     # DeepSeek-V3 in small (issue 20): latent attention with q LoRA (a latent of 64 + a rope
     # key of 16 = 80 cached values per token and layer), yarn RoPE with mscale, a dense first
-    # layer then MoE layers (shared expert, sigmoid group-limited routing over 2 groups).
+    # layer then MoE layers (shared expert, sigmoid group-limited routing over 2 groups),
+    # and one MTP layer (speculative method mtp; HF's DeepseekV3 skips it).
     "tiny-deepseek-v3": {"arch": "deepseek_v3", "hidden_size": 256, "num_layers": 4,
                          "num_heads": 8, "num_kv_heads": 8, "intermediate_size": 512,
                          "max_position_embeddings": 4096, "config_overrides": {
@@ -48,6 +49,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                              "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
                              "moe_intermediate_size": 128, "n_shared_experts": 1,
                              "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+                             "num_nextn_predict_layers": 1,
                              "rope_parameters": {
                                  "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                  "original_max_position_embeddings": 1024, "beta_fast": 32,

@@ -19,8 +19,11 @@ CHAT_TEMPLATE = (
 
 
 def save_checkpoint(model: Any, tokenizer: Any, out_dir: str | os.PathLike,
-                    meta: dict[str, Any], max_shard_size: str | None = None) -> Path:
-    """Atomically write model (fp32 safetensors), tokenizer and ``meta`` (+ num_params) to out_dir."""
+                    meta: dict[str, Any], max_shard_size: str | None = None,
+                    extra_tensors: dict[str, Any] | None = None) -> Path:
+    """Atomically write model (fp32 safetensors), tokenizer and ``meta`` (+ num_params) to
+    out_dir; ``extra_tensors``: tensors the model does not hold (DeepSeek's MTP layers),
+    stored beside its own (in model.safetensors, or a shard of their own in the index)."""
     from transformers import GenerationConfig
 
     cfg = model.config
@@ -40,6 +43,8 @@ def save_checkpoint(model: Any, tokenizer: Any, out_dir: str | os.PathLike,
     try:
         model.save_pretrained(tmp, safe_serialization=True,
                               **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+        if extra_tensors:
+            _add_tensors(tmp, extra_tensors)
         tokenizer.save_pretrained(tmp)
         _patch_config(tmp / "config.json", rope_theta)
         _patch_tokenizer_config(tmp / "tokenizer_config.json", cfg.max_position_embeddings)
@@ -54,6 +59,20 @@ def save_checkpoint(model: Any, tokenizer: Any, out_dir: str | os.PathLike,
             hf_logging.enable_progress_bar()
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _add_tensors(folder: Path, tensors: dict[str, Any]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        save_file(tensors, str(folder / "model-extra.safetensors"), metadata={"format": "pt"})
+        data = json.loads(index.read_text())
+        data["weight_map"].update({name: "model-extra.safetensors" for name in tensors})
+        index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        return
+    path = folder / "model.safetensors"
+    save_file({**load_file(str(path)), **tensors}, str(path), metadata={"format": "pt"})
 
 
 def _patch_config(path: Path, rope_theta: float | None) -> None:

@@ -74,6 +74,8 @@ def spec_state(config: EngineConfig) -> dict[str, Any] | None:
     spec = config.speculative
     if spec is None or spec.method == "ngram":
         return None
+    if spec.method == "mtp":  # the served checkpoint's own layer (refused with P/D: config.py)
+        return {"method": "mtp"}
     from connectors.hello import model_fingerprint
     from pd_cluster.engine.spec.draft_runner import draft_model_dir
     return {"method": spec.method, "model_id": model_fingerprint(draft_model_dir(spec))}

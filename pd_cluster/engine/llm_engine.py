@@ -15,7 +15,9 @@ from pd_cluster.engine.kv_tiers.manager import TierManager
 from pd_cluster.engine.kv_tiers.setup import create_disk_tier
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.scheduler import Scheduler
+from pd_cluster.engine.spec.hidden_head import target_rows
 from pd_cluster.engine.spec.ngram import NgramProposer
+from pd_cluster.engine.step_input import batch_order
 from pd_cluster.engine.stop_checker import eos_ids
 from pd_cluster.engine.structured.compiler import GrammarCompilerPool
 from pd_cluster.engine.structured.masks import split_broken
@@ -51,6 +53,12 @@ class LLMEngine:
         if config.enable_prefix_caching and not caching:
             logger.warning("prefix caching off: this model's RoPE depends on the sequence "
                            "length (longrope), so equal tokens need not have equal KV")
+        if caching and config.speculative is not None and config.speculative.method == "mtp":
+            # A prefix hit skips the target's forward there: no hidden states for the MTP
+            # layer's own KV at those positions (it is not in the prefix cache).
+            logger.warning("prefix caching off: speculative method mtp reads the target's "
+                           "hidden state at every position")
+            caching = False
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, caching,
                                           tiers=self._tier_manager(),
                                           groups=self.runner.kv_spec.kv_groups)
@@ -71,6 +79,10 @@ class LLMEngine:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec, self.max_model_len)
+        if spec.method == "mtp":
+            from pd_cluster.engine.spec.mtp_setup import mtp_proposer
+            return mtp_proposer(self.config, hf_config, self.runner, self.executor.num_blocks,
+                                self.max_model_len)
         from pd_cluster.engine.spec.draft_model import DraftModelProposer
         from pd_cluster.engine.spec.draft_runner import DraftRunner
         # As many tokens as the target's cache, plus each sequence's lookahead.
@@ -232,6 +244,9 @@ class LLMEngine:
         if cost is not None:  # a decode-only step: what its width cost (spec/step_cost.py)
             cost.record(sum(item.num_new_tokens for item in sched_out.scheduled),
                         time.perf_counter() - started)
+        capture = getattr(self.proposer, "capture", None)
+        if capture is not None and sched_out.scheduled:  # hidden-state heads (spec/hidden_head.py)
+            capture(target_rows(batch_order(sched_out.scheduled)), self.runner.last_hidden)
         updated = self.scheduler.update_from_output(sched_out, result)
         updated, broken = split_broken(updated)
         failed += self._end_broken_grammars(broken)

@@ -96,6 +96,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, after the cache exists
         self.connector: Any = None  # worker-side KV connector
         self.tier_store: Any = None  # this rank's KV host tier (kv_tiers/host_store.py)
+        # Hidden-state proposers (spec/hidden_head.py) read the last step's hidden states.
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     # ---- set-up --------------------------------------------------------------------------
     def _allocated(self) -> int:
@@ -228,6 +231,8 @@ class ModelRunner:
                                             t.meta.max_seq_len)
         else:
             hidden = self.forward_model(t.token_ids, t.positions, ctx)
+        if self.keep_hidden:
+            self.last_hidden = hidden
         out = []
         for group in step.logit_rows:
             if len(group) == 1:

@@ -68,8 +68,7 @@ def build_step(scheduled: list[ScheduledRequest], block_size: int,
     plan = StepPlan()
     if not scheduled:
         return StepInput([], [], [0], [], [], 0, [], kv_meta=kv_meta, tier_ops=tier_ops), plan
-    # Decodes first: backends batch the one-token queries at the front.
-    batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+    batch = batch_order(scheduled)
     tokens: list[int] = []
     positions: list[int] = []
     query_start = [0]
@@ -102,6 +101,12 @@ def build_step(scheduled: list[ScheduledRequest], block_size: int,
     step = StepInput(tokens, positions, query_start, seq_lens, tables, num_decodes,
                      prompt_lens, groups, kv_meta, tier_ops, group_tables)
     return step, plan
+
+
+def batch_order(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The step's order of its requests: decodes first (backends batch the one-token queries
+    at the front)."""
+    return sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
 
 
 def _padded(tables: list[list[int]]) -> list[list[int]]:

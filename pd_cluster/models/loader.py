@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -68,9 +68,12 @@ def _tensor_files(files: list[Path], model_dir: str) -> dict[str, Path]:
 
 
 def iter_checkpoint(model_dir: str, device: torch.device, fmt: QuantFormat | None = None,
-                    dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+                    dtype: torch.dtype = torch.float32,
+                    only: Callable[[str], bool] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) one at a time, each read straight onto ``device``; with a quantisation
-    ``fmt``, quantised tensors come dequantised to ``dtype`` and their scales do not come."""
+    ``fmt``, quantised tensors come dequantised to ``dtype`` and their scales do not come.
+    ``only``: the names wanted (the others are not read)."""
     dev = str(device) if device.type != "cuda" or device.index is not None else "cuda:0"
     files = checkpoint_files(model_dir)
     where = _tensor_files(files, model_dir) if fmt is not None else {}
@@ -78,6 +81,8 @@ def iter_checkpoint(model_dir: str, device: torch.device, fmt: QuantFormat | Non
     for path in files:
         with safe_open(str(path), framework="pt", device=dev) as f:
             for name in f.keys():
+                if only is not None and not only(name):
+                    continue
                 if fmt is None:
                     yield name, f.get_tensor(name)
                     continue
@@ -91,7 +96,8 @@ def iter_checkpoint(model_dir: str, device: torch.device, fmt: QuantFormat | Non
                     name, tensor = fmt.dequantize(name, tensor, extra, dtype)
                     del extra
                 yield name, tensor
-    orphans = sorted(n for n in where if fmt is not None and fmt.is_companion(n) and n not in used)
+    orphans = sorted(n for n in where if fmt is not None and only is None
+                     and fmt.is_companion(n) and n not in used)
     if orphans:
         raise ValueError(f"checkpoint {model_dir!r} has scales whose tensors are missing or "
                          f"not quantised: {orphans[:3]}")

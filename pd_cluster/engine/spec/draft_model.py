@@ -24,11 +24,10 @@ back at the next proposal or abort; a preempted request catches up again when it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from pd_cluster.config import SpeculativeConfig
-from pd_cluster.engine.spec.backoff import Backoff
 from pd_cluster.engine.spec.draft_runner import Chunk, DraftRunner
+from pd_cluster.engine.spec.pooled_proposer import PooledProposer
 from pd_cluster.request import Request
 
 
@@ -44,21 +43,11 @@ class _State:
     lost: float = 0.0
 
 
-class DraftModelProposer:
+class DraftModelProposer(PooledProposer):
     def __init__(self, config: SpeculativeConfig, runner: DraftRunner,
                  max_model_len: int) -> None:
-        self.k = config.num_speculative_tokens
-        self.runner = runner
-        self.max_model_len = max_model_len
-        self.states: dict[str, _State] = {}
-        self.backoff = Backoff()
-
-    def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """A verification's outcome, for the backoff (what was accepted shows in the request's
-        tokens: propose keeps the draft KV of those)."""
-        state = self.states.get(request.request_id)
-        if state is not None and state.request is request:
-            self.backoff.observe(state, num_drafts, num_accepted)
+        super().__init__(config.num_speculative_tokens, runner, max_model_len, _State)
+        self.runner: DraftRunner = runner
 
     def propose(self, requests: list[Request]) -> None:
         """Set ``spec_token_ids`` of each decoding request for the next step."""
@@ -106,40 +95,3 @@ class DraftModelProposer:
                 drafts[i].append(token)
         for (request, _, _), d in zip(active, drafts):
             request.spec_token_ids = [int(t) for t in d]
-
-    def _room(self, request: Request) -> int:
-        """Drafts this request may take: k, fewer near max_tokens or max_model_len."""
-        if not request.is_decoding or request.is_finished:
-            return 0
-        room = self.max_model_len - request.num_tokens - 1
-        params = request.sampling_params
-        if params.max_tokens is not None:
-            room = min(room, params.max_tokens - request.num_output_tokens - 1)
-        return min(self.k, room)
-
-    def _state(self, request: Request) -> _State:
-        state = self.states.get(request.request_id)
-        if state is not None and state.request is not request:
-            self.release([request.request_id])
-            state = None
-        if state is None:
-            state = self.states[request.request_id] = _State(request)
-        return state
-
-    def release(self, request_ids: list[str]) -> None:
-        """Give back the draft blocks of requests that left (finished, aborted, preempted)."""
-        for rid in request_ids:
-            state = self.states.pop(rid, None)
-            if state is not None:
-                self.runner.release(state.blocks)
-
-    def stats(self) -> dict[str, Any]:
-        return {"spec_draft_kv_blocks_total": self.runner.num_blocks,
-                "spec_draft_kv_blocks_free": self.runner.num_free_blocks}
-
-    def check_no_leaks(self) -> None:
-        """AssertionError unless no request holds draft blocks and all are free."""
-        if self.states or self.runner.num_free_blocks != self.runner.num_blocks:
-            raise AssertionError(f"draft KV blocks held: {sorted(self.states)[:10]}, "
-                                 f"{self.runner.num_blocks - self.runner.num_free_blocks} "
-                                 f"blocks not free")

@@ -21,6 +21,7 @@ import torch
 from pd_cluster.config import EngineConfig, SpeculativeConfig, read_hf_config
 from pd_cluster.engine.cache_engine import KVCacheSpec, allocate_kv_caches
 from pd_cluster.engine.input_buffers import InputBuffers
+from pd_cluster.engine.spec.block_pool import BlockPool
 from pd_cluster.engine.step_input import StepInput
 from pd_cluster.models.context import ForwardContext
 from pd_cluster.models.layers.cpu_gemm import prepare_model
@@ -60,7 +61,7 @@ def check_draft(draft_dir: str, target: dict[str, Any], draft: dict[str, Any],
                          f"max_model_len {max_model_len}")
 
 
-class DraftRunner:
+class DraftRunner(BlockPool):
     def __init__(self, config: EngineConfig, target_hf: dict[str, Any], target_tokenizer: Any,
                  max_model_len: int, num_blocks: int, backend: Any) -> None:
         spec = config.speculative
@@ -70,15 +71,13 @@ class DraftRunner:
             raise ValueError(f"speculative.model: {self.model_dir} has no config.json")
         hf = read_hf_config(self.model_dir)
         check_draft(self.model_dir, target_hf, hf, target_tokenizer, max_model_len)
+        super().__init__(num_blocks, config.block_size)
         self.device, dtype = config.torch_device, config.torch_dtype
-        self.block_size = config.block_size
         self.max_tokens = config.max_num_batched_tokens  # one draft forward's tokens at most
         self.model = load_model(self.model_dir, hf, dtype, self.device)
         prepare_model(self.model, dtype, self.device, config.cpu_gemm)
         self.kv_spec = KVCacheSpec(self.block_size, tuple(self.model.kv_cache_specs(dtype)))
-        self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes the lowest
         self.backend = backend  # the target's attention backend (a callable's result)
         self.inputs = InputBuffers(self.max_tokens, config.max_num_seqs,
                                    -(-max_model_len // self.block_size), self.block_size,
@@ -86,25 +85,6 @@ class DraftRunner:
         logger.info("draft model %s: %d layers, %d KV blocks (%.1f MiB)", self.model_dir,
                     self.kv_spec.num_layers, num_blocks,
                     num_blocks * self.kv_spec.block_bytes / 2**20)
-
-    # ---- blocks --------------------------------------------------------------------------
-    def grow(self, blocks: list[int], num_tokens: int) -> bool:
-        """Extend ``blocks`` (in place) to hold ``num_tokens``; False (unchanged) if the pool
-        cannot."""
-        need = -(-num_tokens // self.block_size) - len(blocks)
-        if need > len(self.free):
-            return False
-        for _ in range(max(need, 0)):
-            blocks.append(self.free.pop())
-        return True
-
-    def release(self, blocks: list[int]) -> None:
-        self.free.extend(reversed(blocks))
-        blocks.clear()
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free)
 
     # ---- forwards ------------------------------------------------------------------------
     @torch.inference_mode()
