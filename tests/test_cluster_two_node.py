@@ -14,8 +14,8 @@ import random
 import signal
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import openai
