@@ -165,7 +165,10 @@ else
     BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---smoke}
     # The logic of the GPU rows above, run on the CPU: the double-buffer/event discipline
     # against a fake late-running stream, graph buckets, capture agreed over two Gloo ranks.
-    pytest_row gpu_path_logic_cpu "not cuda and not two_gpu" tests/test_input_buffers.py \
+    # GPU_CHECK_CPU_K: a -k expression narrowing them (tests/test_gpu_check_cpu.py: the suite
+    # runs both files itself, so CI checks this row's logic on two of their tests).
+    pytest_row gpu_path_logic_cpu "not cuda and not two_gpu" \
+        ${GPU_CHECK_CPU_K:+-k "$GPU_CHECK_CPU_K"} tests/test_input_buffers.py \
         tests/test_cuda_graphs.py
 fi
 

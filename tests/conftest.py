@@ -32,6 +32,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The cluster secret the KV handshakes and proxy sessions prove (connectors/secret.py; a
 # launched cluster makes its own): one per test session, inherited by engine subprocesses.
 os.environ.setdefault("PD_CLUSTER_SECRET", __import__("secrets").token_hex(32))
+# Ray renices every worker by 15 (its worker_niceness): an engine actor then gets ~1/30 of a
+# core against any un-niced process on a shared 2-core machine, and a cluster's start-up took
+# 357 s instead of ~10 s in CI (ci8, test_offload_cluster; the proxy actor was as slow). The
+# test session's Ray workers (its own, the launcher's, the benchmarks') run at its priority.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import inspect  # noqa: E402
 import json  # noqa: E402

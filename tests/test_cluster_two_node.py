@@ -14,6 +14,7 @@ import random
 import signal
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -53,6 +54,14 @@ def _config(tmp: Path, namespace: str, replicas: int = 2, pipe: str = "zmq") -> 
     path = tmp / "two-node.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[TwoNodes]:
+    """The module's two nodes, started and stopped once: each test launches its own cluster
+    on them, in its own namespace (ci8: 62 s and 50 s, each with its own two nodes)."""
+    with TwoNodes() as two:
+        yield two
 
 
 def _nixl_unavailable() -> str | None:
@@ -116,8 +125,8 @@ def _idle_and_leak_free(url: str) -> bool:
         for e in st["engines"])
 
 
-def test_two_nodes_prefill_here_decode_there(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_nodes_prefill_here_decode_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             nodes: TwoNodes) -> None:
     path = resolve_model(MODEL)  # made once here; both "machines" share this disk
     offline = LLM(model=path, num_kv_blocks=1024, max_model_len=1024)
 
@@ -127,78 +136,78 @@ def test_two_nodes_prefill_here_decode_there(tmp_path: Path,
                 for o in offline.generate([p for p, _ in work], params)]
 
     ns = f"two-node-{os.getpid()}"
-    with TwoNodes() as nodes:
-        env = {**_env(tmp_path, monkeypatch), **nodes.client_env}
-        launcher = Launcher(["launch", "--config", str(_config(tmp_path, ns)), "--address",
-                             nodes.address, "--no-progress"], env)
-        url = ""
+    env = {**_env(tmp_path, monkeypatch), **nodes.client_env}
+    launcher = Launcher(["launch", "--config", str(_config(tmp_path, ns)), "--address",
+                         nodes.address, "--no-progress"], env)
+    url = ""
+    try:
+        url = launcher.wait_for_url(timeout=300)
+        st = _status(url)
+        assert st["proxy"]["node_ip"] == nodes.head_ip  # served where `launch` ran
+        nodes_of = {e["name"]: e["node_ip"] for e in st["engines"]}
+        assert nodes_of == {"prefill-0": nodes.head_ip, "prefill-1": nodes.head_ip,
+                            "decode-0": nodes.worker_ip, "decode-1": nodes.worker_ip}
+        assert all(e["kv_peers"] == 2 for e in _engines(url, "prefill"))  # linked at launch
+        assert all(e["kv_endpoint"].startswith(f"tcp://{nodes.worker_ip}:")
+                   for e in _engines(url, "decode"))
+        shown = _cli(["status", "--namespace", ns], env)
+        assert shown.returncode == 0, shown.stderr
+        assert nodes.head_ip in shown.stdout and nodes.worker_ip in shown.stdout
+        print("\n" + shown.stdout)
+
+        # 1. P/D across the nodes.
+        work = _workload(16, seed=3)
+        got, latencies = _send(url, work)
+        assert got == expected(work)
+        decodes = _engines(url, "decode")
+        assert all(e["stats"]["kv_bytes_received"] > 0 for e in decodes)
+        assert sum(e["stats"]["kv_fallbacks"] for e in decodes) == 0
+        kv_bytes = sum(e["stats"]["kv_bytes_received"] for e in decodes)
+        print(f"\ntwo-node P/D: 16 requests, latency p50 {statistics.median(latencies):.3f}s "
+              f"max {max(latencies):.3f}s, KV bytes received {kv_bytes}, fallbacks 0")
+        wait_until(lambda: _idle_and_leak_free(url), 30, "no KV block held")
+
+        # 2. The decode node dies: prefill engines serve whole requests.
+        nodes.kill_worker()
+        wait_until(lambda: not any(e["healthy"] for e in _engines(url, "decode")), 60,
+                   "the proxy to see the decode engines gone")
+        degraded_before = _metric(url, 'pd_degraded_requests_total{reason="no_decode"}')
+        work = _workload(6, seed=4)
+        got, _ = _send(url, work)
+        assert got == expected(work)
+        assert _metric(url, 'pd_degraded_requests_total{reason="no_decode"}') \
+            >= degraded_before + 6
+
+        # 3. The node rejoins: Ray restarts the decode engines there, P/D resumes.
+        nodes.start_worker()
+        wait_until(lambda: all(e["healthy"] for e in _engines(url, "decode"))
+                   and all(e["kv_peers"] == 2 for e in _engines(url, "prefill")), 180,
+                   "decode engines back and linked")
+        before = {e["name"]: e["stats"]["kv_bytes_received"] for e in _engines(url, "decode")}
+        work = _workload(8, seed=5)
+        got, _ = _send(url, work)
+        assert got == expected(work)
+        decodes = _engines(url, "decode")
+        assert sum(e["stats"]["kv_bytes_received"] - before[e["name"]] for e in decodes) > 0
+        assert sum(e["stats"]["kv_fallbacks"] for e in decodes) == 0
+        wait_until(lambda: _idle_and_leak_free(url), 30, "no KV block held")
+
+        os.killpg(launcher.proc.pid, signal.SIGINT)
+        assert launcher.proc.wait(timeout=60) == 0, "".join(launcher.output)
+    except BaseException:
+        print("".join(launcher.output)[-5000:], "\n", nodes.logs())
         try:
-            url = launcher.wait_for_url(timeout=300)
-            st = _status(url)
-            assert st["proxy"]["node_ip"] == nodes.head_ip  # served where `launch` ran
-            nodes_of = {e["name"]: e["node_ip"] for e in st["engines"]}
-            assert nodes_of == {"prefill-0": nodes.head_ip, "prefill-1": nodes.head_ip,
-                                "decode-0": nodes.worker_ip, "decode-1": nodes.worker_ip}
-            assert all(e["kv_peers"] == 2 for e in _engines(url, "prefill"))  # linked at launch
-            assert all(e["kv_endpoint"].startswith(f"tcp://{nodes.worker_ip}:")
-                       for e in _engines(url, "decode"))
-            shown = _cli(["status", "--namespace", ns], env)
-            assert shown.returncode == 0, shown.stderr
-            assert nodes.head_ip in shown.stdout and nodes.worker_ip in shown.stdout
-            print("\n" + shown.stdout)
-
-            # 1. P/D across the nodes.
-            work = _workload(16, seed=3)
-            got, latencies = _send(url, work)
-            assert got == expected(work)
-            decodes = _engines(url, "decode")
-            assert all(e["stats"]["kv_bytes_received"] > 0 for e in decodes)
-            assert sum(e["stats"]["kv_fallbacks"] for e in decodes) == 0
-            kv_bytes = sum(e["stats"]["kv_bytes_received"] for e in decodes)
-            print(f"\ntwo-node P/D: 16 requests, latency p50 {statistics.median(latencies):.3f}s "
-                  f"max {max(latencies):.3f}s, KV bytes received {kv_bytes}, fallbacks 0")
-            wait_until(lambda: _idle_and_leak_free(url), 30, "no KV block held")
-
-            # 2. The decode node dies: prefill engines serve whole requests.
-            nodes.kill_worker()
-            wait_until(lambda: not any(e["healthy"] for e in _engines(url, "decode")), 60,
-                       "the proxy to see the decode engines gone")
-            degraded_before = _metric(url, 'pd_degraded_requests_total{reason="no_decode"}')
-            work = _workload(6, seed=4)
-            got, _ = _send(url, work)
-            assert got == expected(work)
-            assert _metric(url, 'pd_degraded_requests_total{reason="no_decode"}') \
-                >= degraded_before + 6
-
-            # 3. The node rejoins: Ray restarts the decode engines there, P/D resumes.
-            nodes.start_worker()
-            wait_until(lambda: all(e["healthy"] for e in _engines(url, "decode"))
-                       and all(e["kv_peers"] == 2 for e in _engines(url, "prefill")), 180,
-                       "decode engines back and linked")
-            before = {e["name"]: e["stats"]["kv_bytes_received"] for e in _engines(url, "decode")}
-            work = _workload(8, seed=5)
-            got, _ = _send(url, work)
-            assert got == expected(work)
-            decodes = _engines(url, "decode")
-            assert sum(e["stats"]["kv_bytes_received"] - before[e["name"]] for e in decodes) > 0
-            assert sum(e["stats"]["kv_fallbacks"] for e in decodes) == 0
-            wait_until(lambda: _idle_and_leak_free(url), 30, "no KV block held")
-
-            os.killpg(launcher.proc.pid, signal.SIGINT)
-            assert launcher.proc.wait(timeout=60) == 0, "".join(launcher.output)
-        except BaseException:
-            print("".join(launcher.output)[-5000:], "\n", nodes.logs())
-            try:
-                print("status at failure:", _status(url))
-            except Exception as e:  # noqa: BLE001 - diagnostics only
-                print("no status:", e)
-            raise
-        finally:
-            launcher.kill()
+            print("status at failure:", _status(url))
+        except Exception as e:  # noqa: BLE001 - diagnostics only
+            print("no status:", e)
+        raise
+    finally:
+        launcher.kill()
 
 
 @pytest.mark.skipif(_nixl_unavailable() is not None, reason=_nixl_unavailable() or "")
-def test_two_nodes_over_nixl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_nodes_over_nixl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                             nodes: TwoNodes) -> None:
     """The nixl pipe between two nodes: P on the head writes into D's cache on the worker
     (NIXL/UCX over the veth pair), outputs equal the colocated engine, no block left."""
     path = resolve_model(MODEL)
@@ -208,29 +217,30 @@ def test_two_nodes_over_nixl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     expected = [list(o.outputs[0].token_ids)
                 for o in offline.generate([p for p, _ in work], params)]
     ns = f"two-node-nixl-{os.getpid()}"
-    with TwoNodes() as nodes:
-        env = {**_env(tmp_path, monkeypatch), **nodes.client_env}
-        launcher = Launcher(["launch", "--config", str(_config(tmp_path, ns, 1, "nixl")),
-                             "--address", nodes.address, "--no-progress"], env)
-        url = ""
-        try:
-            url = launcher.wait_for_url(timeout=300)
-            nodes_of = {e["name"]: e["node_ip"] for e in _status(url)["engines"]}
-            assert nodes_of == {"prefill-0": nodes.head_ip, "decode-0": nodes.worker_ip}
-            got, _ = _send(url, work)
-            assert got == expected
-            (decode,) = _engines(url, "decode")
-            assert decode["stats"]["kv_pipe"] == "nixl"
-            assert decode["stats"]["kv_bytes_received"] > 0
-            assert decode["stats"]["kv_fallbacks"] == 0
-            text = httpx.get(f"{url}/metrics", timeout=30).text
-            assert any(line.startswith("pd_engine_kv_bytes_received") and 'pipe="nixl"' in line
-                       and float(line.rsplit(" ", 1)[1]) > 0 for line in text.splitlines())
-            wait_until(lambda: _idle_and_leak_free(url), 30, "no KV block held")
-            os.killpg(launcher.proc.pid, signal.SIGINT)
-            assert launcher.proc.wait(timeout=60) == 0, "".join(launcher.output)
-        except BaseException:
-            print("".join(launcher.output)[-5000:], "\n", nodes.logs())
-            raise
-        finally:
-            launcher.kill()
+    if nodes.worker is None or nodes.worker.poll() is not None:
+        nodes.start_worker()  # the test before failed while its worker node was down
+    env = {**_env(tmp_path, monkeypatch), **nodes.client_env}
+    launcher = Launcher(["launch", "--config", str(_config(tmp_path, ns, 1, "nixl")),
+                         "--address", nodes.address, "--no-progress"], env)
+    url = ""
+    try:
+        url = launcher.wait_for_url(timeout=300)
+        nodes_of = {e["name"]: e["node_ip"] for e in _status(url)["engines"]}
+        assert nodes_of == {"prefill-0": nodes.head_ip, "decode-0": nodes.worker_ip}
+        got, _ = _send(url, work)
+        assert got == expected
+        (decode,) = _engines(url, "decode")
+        assert decode["stats"]["kv_pipe"] == "nixl"
+        assert decode["stats"]["kv_bytes_received"] > 0
+        assert decode["stats"]["kv_fallbacks"] == 0
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        assert any(line.startswith("pd_engine_kv_bytes_received") and 'pipe="nixl"' in line
+                   and float(line.rsplit(" ", 1)[1]) > 0 for line in text.splitlines())
+        wait_until(lambda: _idle_and_leak_free(url), 30, "no KV block held")
+        os.killpg(launcher.proc.pid, signal.SIGINT)
+        assert launcher.proc.wait(timeout=60) == 0, "".join(launcher.output)
+    except BaseException:
+        print("".join(launcher.output)[-5000:], "\n", nodes.logs())
+        raise
+    finally:
+        launcher.kill()
