@@ -199,7 +199,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                                          sliding_window, softcap, sinks)
         return res if out is None else out.copy_(res)
     bsz, num_q_heads, head_dim = query.shape
-    k_cache, v_cache, scales = cache_parts(kv_cache)
+    k_cache, v_cache, scales = cache_parts(kv_cache, query.shape[-1])
     block_size, num_kv_heads, cache_head_dim = k_cache.shape[1:]
     if num_q_heads % num_kv_heads or cache_head_dim != head_dim:
         raise ValueError(f"query heads {num_q_heads} x {head_dim} do not fit kv_cache heads "

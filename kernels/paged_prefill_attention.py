@@ -139,7 +139,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     if num_reqs <= 0 or max_query_len <= 0:
         return out
     num_q_heads, head_dim = query.shape[1], query.shape[2]
-    k_cache, v_cache, scales = cache_parts(kv_cache)
+    k_cache, v_cache, scales = cache_parts(kv_cache, query.shape[-1])
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_q_heads % num_kv_heads or k_cache.shape[3] != head_dim:
         raise ValueError(f"query heads {num_q_heads} x {head_dim} do not fit kv_cache heads "

@@ -154,7 +154,7 @@ class EngineArgs(BaseModel):
     # KV cache element type (vLLM's name and values): auto = the model's dtype; fp8_e4m3 /
     # fp8_e5m2 store K/V in FP8 with per-head scales in each block (the checkpoint's
     # k_scale/v_scale where it has them, else computed per block as it is written): about
-    # half the bytes held and shipped of bf16 (a quarter of fp32), one scale row per block more.
+    # half the bytes held and shipped of bf16 (a quarter of fp32), and 4 bytes per block and head.
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64  # requests in one step's batch at most
     max_num_batched_tokens: int = 2048  # tokens (prompt + decode) in one step at most

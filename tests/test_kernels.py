@@ -331,7 +331,7 @@ def test_triton_backend_fp8_cache(kv_dtype):
     q = torch.randn(locs[-1], hq, d, device=DEV)
     opts = AttentionOptions(d ** -0.5, sliding_window=50)
     got = TritonAttentionBackend(num_splits=2).forward(q, cache, meta, opts)
-    want = TorchAttentionBackend().forward(q, dequantize(cache, torch.float32), meta, opts)
+    want = TorchAttentionBackend().forward(q, dequantize(cache, torch.float32, d), meta, opts)
     _close(got, want, torch.float32)
 
 

@@ -27,7 +27,7 @@ def test_dynamic_scales_store_the_rule(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     bs, hkv, d = 8, 2, 16
     cache = _fp8_cache(dtype, 4, bs, hkv, d)
-    data, scales = split(cache)
+    data, scales = split(cache, d)
     top = fp8_max(dtype)
     k, v = torch.randn(5, hkv, d), torch.randn(5, hkv, d)
     write_fp8(k, v, cache, torch.tensor([8, 9, 10, 11, 12]))  # block 1, slots 0..4: fresh
@@ -62,7 +62,7 @@ def test_growing_scale_does_not_drift(dtype: torch.dtype) -> None:
     write_fp8(x, -x, at_once, torch.arange(bs) + bs)
     for i in range(bs):
         write_fp8(x[i:i + 1], -x[i:i + 1], by_token, torch.tensor([bs + i]))
-    assert torch.equal(split(by_token)[1][:, 1], split(at_once)[1][:, 1])
+    assert torch.equal(split(by_token, d)[1][:, 1], split(at_once, d)[1][:, 1])
     assert torch.equal(by_token[:, 1].view(torch.uint8), at_once[:, 1].view(torch.uint8))
 
 
@@ -73,12 +73,12 @@ def test_static_scales_and_round_trip(dtype: torch.dtype) -> None:
     k, v = torch.randn(20, 2, 16), torch.randn(20, 2, 16)
     slots = torch.tensor(list(range(20)) + [-1])  # a padding slot is skipped
     write_fp8(torch.cat([k, k[:1]]), torch.cat([v, v[:1]]), cache, slots, (0.02, 0.03))
-    data, scales = split(cache)
+    data, scales = split(cache, 16)
     top = fp8_max(dtype)
     assert torch.equal(scales[0, :3], torch.full((3, 2), 0.02))
     assert torch.equal(scales[1, :3], torch.full((3, 2), 0.03))
     assert torch.equal(data[1].flatten(0, 1)[:20], (v / 0.03).clamp(-top, top).to(dtype))
-    deq = dequantize(cache, torch.float32)[0].flatten(0, 1)[:20]
+    deq = dequantize(cache, torch.float32, 16)[0].flatten(0, 1)[:20]
     rel = 2.0 ** -3 if dtype == torch.float8_e4m3fn else 2.0 ** -2  # half an ulp, with margin
     assert ((deq - k).abs() <= rel * k.abs() + 0.02 * 2.0 ** -6 * 4).all()
 
@@ -125,16 +125,37 @@ def test_backend_reads_exactly_the_stored_values(dtype: torch.dtype, backend: st
         kw["sinks"] = torch.randn(query.shape[1])
     opts = AttentionOptions(scale=query.shape[-1] ** -0.5, **kw)
     # The reference: fp32 attention over a plain cache holding the dequantised values.
-    want = TorchAttentionBackend().forward(query, dequantize(cache, torch.float32), meta, opts)
+    plain = dequantize(cache, torch.float32, query.shape[-1])
+    want = TorchAttentionBackend().forward(query, plain, meta, opts)
     got = create_backend(backend, torch.device("cpu")).forward(query, cache, meta, opts)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
-def test_spec_bytes_include_the_scale_row() -> None:
-    fp32 = FullAttentionSpec(4, 64, torch.float32)
-    fp8 = FullAttentionSpec(4, 64, torch.float8_e4m3fn)
-    assert fp8.cache_shape(10, 16) == (2, 10, 17, 4, 64)
-    assert fp8.page_bytes(16) * 4 == fp32.page_bytes(16) * 17 // 16
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_fp8_blocks_are_half_of_bf16(head_dim: int) -> None:
+    """An FP8 block costs at most 0.51x a bf16 block at block size 16, small head dims too
+    (one fp32 scale per block and head; a whole scale row per block cost 17/32 = 0.531x)."""
+    bf16 = FullAttentionSpec(4, head_dim, torch.bfloat16)
+    fp8 = FullAttentionSpec(4, head_dim, torch.float8_e4m3fn)
+    assert fp8.cache_shape(10, 16) == (2, 10, 1, 4, 16 * head_dim + 4)
+    assert fp8.page_bytes(16) == 2 * 4 * (16 * head_dim + 4)
+    assert fp8.page_bytes(16) / bf16.page_bytes(16) <= 0.51
+
+
+def test_a_head_slice_carries_its_scales() -> None:
+    """Heads sit on dim 3 with their scales: a slice of heads (another TP size's share, as the
+    connector cuts it) copied into a cache of fewer heads dequantises to those heads' values."""
+    torch.manual_seed(4)
+    bs, d = 8, 16
+    full = _fp8_cache(torch.float8_e4m3fn, 3, bs, 4, d)
+    k, v = torch.randn(20, 4, d), 5 * torch.randn(20, 4, d)
+    write_fp8(k, v, full, torch.arange(20))
+    half = _fp8_cache(torch.float8_e4m3fn, 3, bs, 2, d)
+    half.view(torch.uint8).copy_(full[:, :, :, 2:4].view(torch.uint8))
+    assert torch.equal(dequantize(half, torch.float32, d),
+                       dequantize(full, torch.float32, d)[:, :, :, 2:4])
+    _, scales = split(half, d)
+    assert torch.equal(scales, split(full, d)[1][:, :, 2:4]) and bool((scales > 0).all())
 
 
 def test_config_names_the_field() -> None:

@@ -1,8 +1,8 @@
 """An FP8 KV cache through P/D (in process, a tiny model): D's tokens equal the FP8 colocated
-engine's token for token, the blocks shipped are FP8 with their scale rows (17/16 x 1 byte
-per value, against fp32's 4), a scale altered in flight fails closed (recomputed exactly), and
-a producer whose KV cache dtype differs is refused at the handshake with a clear reason. Leak
-checks after each."""
+engine's token for token, the blocks shipped are FP8 with their scales (1 byte per value and 4
+per block and head, against fp32's 4 per value), a scale altered in flight fails closed
+(recomputed exactly), and a producer whose KV cache dtype differs is refused at the handshake
+with a clear reason. Leak checks after each."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -15,12 +15,14 @@ from pd_cluster import SamplingParams
 from pd_cluster.engine.llm_engine import LLMEngine
 from tests.pd_helpers import (colocated_tokens, drain, engine, pd_tokens, prompts_of_lengths,
                               run_in_process, submit_pair)
+from kernels.kv_quant import row_bytes
 from tests.test_kv_fail_closed import _tampered
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = prompts_of_lengths([37, 53, 29])
 FP8 = dict(kv_cache_dtype="fp8_e4m3")
 BS = 8
+D = 16  # the tiny model's head dim
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def test_fp8_through_pd_equals_fp8_colocated(tiny_model, expected) -> None:
     assert got == expected[:2]
 
 
-def test_fp8_ships_a_quarter_of_fp32_plus_the_scale_rows(tiny_model) -> None:
+def test_fp8_ships_a_quarter_of_fp32_plus_the_scales(tiny_model) -> None:
     model = tiny_model()
     sent = {}
     for name, args in (("auto", {}), ("fp8", FP8)):
@@ -51,8 +53,34 @@ def test_fp8_ships_a_quarter_of_fp32_plus_the_scale_rows(tiny_model) -> None:
             p.check_no_leaks(), d.check_no_leaks()
         finally:
             p.close(), d.close()
-    # fp32 (the CPU's auto) holds 4 bytes a value; FP8 1, and one scale row per 8-token block.
-    assert sent["fp8"] * 4 * BS == sent["auto"] * (BS + 1)
+    # fp32 (the CPU's auto) holds 4 bytes a value; FP8 1, and a 4-byte scale per block and head.
+    assert sent["fp8"] * 4 * BS * D == sent["auto"] * row_bytes(BS, D) == sent["auto"] * (
+        BS * D + 4)
+
+
+@pytest.mark.parametrize("p_size, d_size", [(2, 1), (1, 2)])
+def test_fp8_across_tp_sizes_equals_fp8_colocated(tiny_model, expected, p_size: int,
+                                                  d_size: int) -> None:
+    """P and D of different TP sizes: each consumer rank gets a head slice of every block, the
+    heads' scales with them (they sit on the heads axis); D's tokens equal the TP1 FP8
+    colocated engine's and every head of every block arrives once, scales included."""
+    model = tiny_model()
+    args = dict(collective_timeout=20.0, block_size=BS, num_kv_blocks=64, **FP8)
+    p = engine(model, "producer", 20.0, tensor_parallel_size=p_size, **args)
+    d = engine(model, "consumer", 20.0, tensor_parallel_size=d_size, **args)
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            submit_pair(p, d, f"r{i}", prompt, GREEDY, d.kv_endpoint())
+        done = run_in_process(p, d)
+        assert [done[f"r{i}"] for i in range(len(PROMPTS))] == expected
+        assert d.stats()["kv_fallbacks"] == 0
+        blocks = sum(-(-len(prompt) // BS) for prompt in PROMPTS)
+        want = blocks * 2 * 2 * 2 * row_bytes(BS, D)  # layers x K,V x heads x (tokens, scale)
+        assert d.stats()["kv_bytes_received"] == p.stats()["kv_bytes_sent"] == want
+        drain(p, d)
+        p.check_no_leaks(), d.check_no_leaks()
+    finally:
+        p.close(), d.close()
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +100,9 @@ def test_a_scale_altered_in_flight_fails_closed_and_recomputes(pair, expected) -
         if altered or header["layer"] != 1:
             return t
         t = t.clone()
-        # The first block's scale row (row BS), head 0: the fp32 scale's top byte.
+        # The first block's head 0: its last byte is the top byte of its fp32 scale.
         rows = t.view(torch.uint8)
-        (rows[0, 0] if rows.dim() == 5 else rows[0])[BS, 0, 3] ^= 0x01
+        (rows[0, 0] if rows.dim() == 5 else rows[0])[0, 0, -1] ^= 0x01
         altered.append(1)
         return t
     fallbacks = d.stats()["kv_fallbacks"]
@@ -121,13 +149,14 @@ def test_stats_metrics_and_status_say_kv_bytes_per_token(tiny_model, monkeypatch
             e.check_no_leaks()
         finally:
             e.close()
-    # tiny model: 2 layers x K,V x 2 heads x 16 dims; fp32 4 bytes, FP8 1 and a scale row / 8
-    assert per_token == {"auto": 512.0, "fp8_e4m3": 144.0}
-    stats = {"kv_cache_dtype": "fp8_e4m3", "kv_bytes_per_token": 144.0}
+    # tiny model: 2 layers x K,V x 2 heads x 16 dims; fp32 4 bytes, FP8 1 and 4 per block+head
+    assert per_token == {"auto": 512.0, "fp8_e4m3": 2 * 2 * 2 * (BS * D + 4) / BS} == {
+        "auto": 512.0, "fp8_e4m3": 132.0}
+    stats = {"kv_cache_dtype": "fp8_e4m3", "kv_bytes_per_token": 132.0}
     engines = [SimpleNamespace(name="decode-0", role="decode", healthy=True, inflight=0,
                                stats=stats)]
     text = ProxyMetrics(lambda: engines, "m").render().decode()
-    assert 'pd_engine_kv_bytes_per_token{engine="decode-0",role="decode"} 144.0' in text
+    assert 'pd_engine_kv_bytes_per_token{engine="decode-0",role="decode"} 132.0' in text
     body = {"mode": "disaggregated", "model": "tiny", "inflight": 0, "proxy": {},
             "engines": [{"name": "decode-0", "role": "decode", "healthy": True, "inflight": 0,
                          "restarts": 0, "pid": 7, "stats": stats}]}
@@ -135,7 +164,7 @@ def test_stats_metrics_and_status_say_kv_bytes_per_token(tiny_model, monkeypatch
                                                                        json=lambda: body))
     assert run_status(argparse.Namespace(url="http://proxy", namespace="t", config=None,
                                          json=False)) == 0
-    assert "decode-0 KV cache: fp8_e4m3, 144 bytes/token" in capsys.readouterr().out
+    assert "decode-0 KV cache: fp8_e4m3, 132 bytes/token" in capsys.readouterr().out
 
 
 def test_host_tier_keeps_fp8_blocks_with_their_scales(tiny_model) -> None:
@@ -144,7 +173,7 @@ def test_host_tier_keeps_fp8_blocks_with_their_scales(tiny_model) -> None:
     from pd_cluster import LLM
     from tests.conftest import random_prompt
     model = tiny_model()
-    block_bytes = 2 * 2 * (BS + 1) * 2 * 16  # layers x K,V x rows x heads x dims, 1 byte
+    block_bytes = 2 * 2 * 2 * row_bytes(BS, D)  # layers x K,V x heads x (tokens, scale)
     turn1 = random_prompt(40, seed=1)
     fillers = [random_prompt(60, seed=s) for s in (2, 3, 4)]
     outs = {}
@@ -194,7 +223,8 @@ def test_checkpoint_kv_scales_are_the_static_scales(tiny_model, tmp_path) -> Non
         assert [layer.self_attn.kv_scales for layer in layers] == [
             (pytest.approx(0.05), pytest.approx(0.07)), (pytest.approx(0.03),) * 2]
         llm.generate([PROMPTS[2]], [GREEDY])
-        _, scales = split(llm.engine.runner.kv_caches[1])
+        layer = llm.engine.runner.kv_spec.layers[1]
+        _, scales = split(llm.engine.runner.kv_caches[1], layer.head_dim)
         used = scales[0].flatten()[scales[0].flatten() != 0]
         assert used.numel() and torch.allclose(used, torch.tensor(0.03))
         llm.engine.check_no_leaks()

@@ -78,7 +78,7 @@ class CpuAttentionBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 opts: AttentionOptions) -> torch.Tensor:
         if is_fp8(kv_cache.dtype):  # the kernel reads FP8 and applies each block's scales
-            data, scales = split(kv_cache)
+            data, scales = split(kv_cache, query.shape[-1])
             out = paged_attention(query, data[0], data[1], meta, opts,
                                   scales=(scales[0], scales[1]))
         elif cpu_prefill.applies(query, kv_cache[0], kv_cache[1], opts):

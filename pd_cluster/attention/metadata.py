@@ -2,8 +2,10 @@
 
 KV cache layout, per layer (pd_cluster/engine/kv_spec.py): standard attention's
 ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = K, 1 = V); latent
-attention's ``[1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``. Token ``p``
-of a request lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
+attention's ``[1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``; an FP8
+cache packs each head's tokens and scale (kernels/kv_quant.py ``split`` views it as the
+first). Token ``p`` of a request lives in slot
+``block_table[p // block_size] * block_size + p % block_size``.
 
 The batch is ordered decodes first: the first ``num_decodes`` requests have exactly one query
 token each, so the first ``num_decodes`` tokens are decode tokens. The rest are prefill chunks.

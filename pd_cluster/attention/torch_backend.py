@@ -24,25 +24,25 @@ def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int,
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, width: int,
               dtype: torch.dtype | None = None, first_block: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's K and V from block ``first_block`` to token ``length`` as dense
-    [tokens, H, D] tensors (blocks before it are not read at all)."""
-    block_size = block_size_of(kv_cache)
+    """One request's K and V (head dim ``width``) from block ``first_block`` to token
+    ``length`` as dense [tokens, H, D] tensors (blocks before it are not read at all)."""
+    block_size = block_size_of(kv_cache, width)
     blocks = block_table[first_block: -(-length // block_size)].long()
     n = length - first_block * block_size
-    k = read_blocks(kv_cache, 0, blocks, dtype).flatten(0, 1)[:n]
-    v = read_blocks(kv_cache, 1, blocks, dtype).flatten(0, 1)[:n]
+    k = read_blocks(kv_cache, 0, blocks, dtype, width).flatten(0, 1)[:n]
+    v = read_blocks(kv_cache, 1, blocks, dtype, width).flatten(0, 1)[:n]
     return k, v
 
 
 def read_blocks(kv_cache: torch.Tensor, part: int, blocks: torch.Tensor,
-                dtype: torch.dtype | None) -> torch.Tensor:
+                dtype: torch.dtype | None, width: int) -> torch.Tensor:
     """Blocks of one part [n, block_size, heads, width]: FP8 ones dequantised per block into
     ``dtype`` (the query's), others as stored."""
     if is_fp8(kv_cache.dtype):
-        return dequant_blocks(kv_cache, part, blocks, dtype or torch.float32)
+        return dequant_blocks(kv_cache, part, blocks, dtype or torch.float32, width)
     return kv_cache[part].index_select(0, blocks)
 
 
@@ -111,7 +111,8 @@ def torch_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
 def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, max_len: int, opts: AttentionOptions,
                   value_dim: int | None = None) -> torch.Tensor:
-    n, block_size = query.shape[0], block_size_of(kv_cache)
+    n, width = query.shape[0], query.shape[-1]
+    block_size = block_size_of(kv_cache, width)
     # A window's blocks only: those before the earliest query's window are never read (a
     # decode engine may not even have received them, connectors/window_shipping.py).
     first = 0 if opts.sliding_window is None else max(
@@ -119,8 +120,9 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     # index_select on the leading (block) dim copies whole blocks: several times faster on
     # CPU than advanced indexing, which gathers element-wise.
     flat = block_tables[:, first: -(-max_len // block_size)].long().flatten()
-    k = read_blocks(kv_cache, 0, flat, query.dtype).view(n, -1, *kv_cache.shape[-2:])
-    v = read_blocks(kv_cache, 1, flat, query.dtype).view(n, -1, *kv_cache.shape[-2:])
+    k = read_blocks(kv_cache, 0, flat, query.dtype, width)
+    v = read_blocks(kv_cache, 1, flat, query.dtype, width)
+    k, v = k.view(n, -1, *k.shape[-2:]), v.view(n, -1, *v.shape[-2:])
     if value_dim is not None:
         v = v[..., :value_dim]
     k_pos = first * block_size + torch.arange(k.shape[1], device=query.device)[None, :]
@@ -158,7 +160,7 @@ def torch_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: A
         seq_len, q_len = meta.seq_lens_cpu[i], end - start
         q = query[start:end].transpose(0, 1)  # [Hq, q_len, D]
         if q_len == seq_len and opts.plain:
-            k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len, query.dtype)
+            k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len, q.shape[-1], query.dtype)
             o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1),
                                                is_causal=True, scale=opts.scale, enable_gqa=True)
         else:
@@ -166,8 +168,9 @@ def torch_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: A
             # window are never visible, so they are not read at all.
             first = 0 if opts.sliding_window is None else max(
                 0, seq_len - q_len - opts.sliding_window + 1)
-            bs = block_size_of(kv_cache)
-            k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len, query.dtype, first // bs)
+            bs = block_size_of(kv_cache, q.shape[-1])
+            k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len, q.shape[-1], query.dtype,
+                             first // bs)
             skip = first - first // bs * bs
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             k_pos = torch.arange(first, seq_len, device=query.device)

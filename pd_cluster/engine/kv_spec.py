@@ -2,10 +2,11 @@
 
 Every layer's cache is one tensor ``[parts, num_blocks, block_size, heads, width]``: standard
 attention caches K and V (parts 2, this rank's KV heads x head_dim), latent attention one
-vector per token (parts 1, one "head" of kv_lora_rank + qk_rope_head_dim). The cache engine
-sizes blocks from the sum of the layers' page bytes; the block manager and the scheduler never
-see shapes, and the connector moves ``[parts, n, block_size, heads, width]`` slices whatever
-they hold. ``describe()`` is the msgpack-able form P and D compare at handshake time.
+vector per token (parts 1, one "head" of kv_lora_rank + qk_rope_head_dim); an FP8 cache is
+``[parts, num_blocks, 1, heads, bytes]``, each head's tokens then its scale (kernels/kv_quant.py).
+The cache engine sizes blocks from the sum of the layers' page bytes; the block manager and the
+scheduler never see shapes, and the connector moves ``[parts, n, ...]`` slices (heads on dim 3)
+whatever they hold. ``describe()`` is the msgpack-able form P and D compare at handshake time.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any, Union
 
 import torch
 
-from kernels.kv_quant import is_fp8
+from kernels.kv_quant import SCALE_BYTES, is_fp8, row_bytes
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -30,15 +31,15 @@ class _Paged:
     dtype: torch.dtype
 
     def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        # FP8: one row more per block holds its per-head scales (kernels/kv_quant.py)
-        rows = block_size + (1 if is_fp8(self.dtype) else 0)
-        return (self.parts, num_blocks, rows, self.heads, self.width)
+        if is_fp8(self.dtype):  # each head's tokens then its scale, as bytes (kv_quant.py)
+            return (self.parts, num_blocks, 1, self.heads, row_bytes(block_size, self.width))
+        return (self.parts, num_blocks, block_size, self.heads, self.width)
 
     def page_bytes(self, block_size: int) -> int:
         """Bytes one block of this layer occupies (an FP8 block's scales included)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        _, _, rows, heads, width = self.cache_shape(1, block_size)
-        return self.parts * rows * heads * width * elem
+        parts, _, rows, heads, width = self.cache_shape(1, block_size)
+        return parts * rows * heads * width * elem
 
 
 @dataclass(frozen=True)
@@ -115,13 +116,14 @@ def attention_spec(num_kv_heads: int, head_dim: int, dtype: torch.dtype,
 def check_kv_dtype(spec: "Any", kv_cache_dtype: str) -> None:
     """ValueError naming ``kv_cache_dtype`` where an FP8 cache cannot hold these layers
     (``spec``: a KVCacheSpec): latent attention reads its cache in ways that have no FP8 path
-    yet, and a block's scales need head dims of at least 4."""
+    yet, and a block's fp32 scales need its tokens' bytes to be a multiple of 4."""
     if kv_cache_dtype == "auto":
         return
     for i, layer in enumerate(spec.layers):
         if layer.kind == "latent":
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype}: layer {i} uses latent "
                              f"attention, which has no FP8 KV cache here; use auto")
-        if layer.width < 4 or layer.width % 4:
+        if (spec.block_size * layer.width) % SCALE_BYTES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype}: layer {i}'s head dim "
-                             f"{layer.width} is too small for FP8 blocks' scales; use auto")
+                             f"{layer.width} x block_size {spec.block_size} does not align "
+                             f"FP8 blocks' scales; use auto or a larger block_size")

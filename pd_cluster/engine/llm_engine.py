@@ -311,7 +311,7 @@ class LLMEngine:
 
     def _kv_bytes(self) -> dict[str, Any]:
         """What the engine's KV cache holds per token over all its ranks (an FP8 cache's
-        scale rows included), and its element type."""
+        scales included), and its element type."""
         spec = self.runner.kv_spec
         per_token = spec.token_bytes * self.config.tensor_parallel_size
         return {"kv_cache_dtype": self.config.kv_cache_dtype, "kv_bytes_per_token": per_token}
