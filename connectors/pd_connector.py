@@ -21,6 +21,7 @@ import torch
 
 from connectors.base import FinishedTransfers, KVConnectorBase_Worker
 from connectors.config import KVTransferConfig
+from connectors.draft_layers import DraftLayers
 from connectors.factory import ConnectorPair, register_connector
 from connectors.hello import make_hello
 from connectors.kv_receiver import KVReceiver
@@ -49,7 +50,7 @@ logger = logging.getLogger(__name__)
 _SKIP_ALL = 1 << 62  # "held" tokens after a NACK: the consumer wants nothing of the request
 
 
-class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
+class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker):
     def __init__(self, config: KVTransferConfig, engine_info: dict[str, Any]):
         self.config = config
         # Tensor parallelism: this rank's place; num_kv_heads in the hello is the model's total.
@@ -97,6 +98,10 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
         self._deferred: dict[str, list[tuple[int, SendSpec]]] = {}
         self._waiting_fins: dict[str, FinishSpec] = {}
         self.bytes_sent = 0
+        # A draft model's layers after the target's (draft_layers.py): none until registered.
+        self.num_target_layers, self.num_draft_layers = engine_info["num_layers"], 0
+        self._draft_sent: set[str] = set()  # producer: requests whose draft layers went
+        self.draft_bytes_sent = 0
         self.num_send_timeouts = 0
         self.last_layer_times: OrderedDict[str, float] = OrderedDict()
         self._running = True
@@ -273,6 +278,9 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
                 "kv_integrity_failures": pipe.get("integrity_failures", 0),
                 "kv_prefix_hit_tokens": self.receiver.prefix_hit_tokens,
                 "kv_bytes_skipped": self.receiver.bytes_skipped,
+                # of kv_bytes_sent / _received: a draft model's layers (draft_layers.py)
+                "kv_draft_bytes_sent": self.draft_bytes_sent,
+                "kv_draft_bytes_received": self.receiver.draft_bytes_received,
                 # Words, not series: the /metrics label pipe= of the kv_* series above, and
                 # `pd-cluster status`'s per-link column (every link of an engine uses its pipe).
                 "kv_pipe": self._pipe_label(),

@@ -1,0 +1,84 @@
+"""The draft model's KV through P/D (speculative ``draft_model``, issue 41), the worker's side.
+
+The prefill engine runs the draft's prefill too (pd_cluster/engine/spec/draft_pd.py) and its
+layers travel after the target's on the same pipe and links: layer indices num_layers ..
+num_layers + M - 1, over the draft's own block ids (SendSpec / RecvSpec ``draft_block_ids``),
+in the same messages as any layer, so the same integrity tags, in-flight budget, staging bound,
+lease and byte counters cover them. The decode engine counts a request in once the draft's
+layers landed as well (the FIN says whether they come); then its proposer starts from the
+prompt's draft KV instead of running the draft's prefill.
+
+Every draft block goes, whatever the decode engine's prefix cache holds: the draft's pool has
+no prefix cache, so a hit on the target's blocks says nothing of the draft's.
+
+Shipped only where one producer rank feeds one consumer rank whole (the draft runs unsharded
+on rank 0: TP 1 on both sides) over a pipe that carries messages (zmq, gloo, nccl); elsewhere
+(tensor parallelism, pipes that write in place: shm, nixl) the FIN says "no draft" and the
+decode engine runs the draft's prefill itself, as before: nothing is lost either way.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from connectors.metadata import SendSpec
+from connectors.tp_topology import split_endpoint
+
+logger = logging.getLogger("connectors.pd_connector")
+
+
+class DraftLayers:
+    """Mixed into PDConnectorWorker (its __init__ sets num_target_layers, num_draft_layers,
+    _draft_sent, draft_bytes_sent)."""
+
+    kv_caches: list[torch.Tensor]
+    receiver: Any
+    tp_size: int
+    num_target_layers: int
+    num_draft_layers: int
+    _draft_sent: set[str]
+    _failed_sends: set[str]
+
+    def register_draft_caches(self, caches: list[torch.Tensor]) -> None:
+        """The draft model's per-layer caches, addressed as layers after the target's."""
+        self.num_target_layers = self.receiver.num_layers
+        self.num_draft_layers = len(caches)
+        self.kv_caches = [*self.kv_caches[:self.num_target_layers], *caches]
+        self.receiver.kv_caches = self.kv_caches
+        self.receiver.num_draft_layers = len(caches)
+
+    def ships_draft_to(self, peer: str) -> bool:
+        """Whether a request's draft KV can go to ``peer`` (see the module's last paragraph)."""
+        return (self.num_draft_layers > 0 and self.tp_size == 1
+                and len(split_endpoint(peer)) == 1 and not self._writes(peer))
+
+    def takes_draft(self) -> bool:
+        """Consumer: whether this rank takes a draft's KV (TP 1, a pipe of messages)."""
+        return (self.num_draft_layers > 0 and self.tp_size == 1
+                and not getattr(self, "_in_place", False))
+
+    def save_draft_layers(self, sends: list[SendSpec], caches: list[torch.Tensor]) -> None:
+        """Producer, after the draft's prefill of this step: ship its layers of each send that
+        has draft blocks (the blocks' KV is final: the draft computed up to the send's end)."""
+        for spec in sends:
+            rid = spec.request_id
+            if not spec.draft_block_ids or rid in self._failed_sends:
+                continue
+            if not self._usable(spec.peer):
+                self._failed_sends.add(rid)
+                continue
+            for j, cache in enumerate(caches):
+                self._send_unheld(spec, self.num_target_layers + j, cache, 0)
+            self._draft_sent.add(rid)
+
+    def take_draft_landed(self, request_id: str) -> bool:
+        """Consumer: whether the request's draft KV arrived with its target KV (asked once,
+        when the request starts decoding)."""
+        return self.receiver.take_draft_landed(request_id)
+
+    def _draft_spec(self, spec: SendSpec) -> SendSpec:
+        """The send over the draft's blocks."""
+        import dataclasses
+        return dataclasses.replace(spec, block_ids=spec.draft_block_ids)
