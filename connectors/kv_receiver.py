@@ -31,8 +31,9 @@ from connectors.kv_staging import Staging
 
 logger = logging.getLogger(__name__)
 Ack = tuple[str, str, bool]  # (producer peer, request id, ok)
-# (producer peer, request id, prompt tokens held here, the blocks granted after them)
-Hold = tuple[str, str, int, tuple[int, ...]]
+# (producer peer, request id, prompt tokens held here, the blocks granted after them, the
+# draft model's blocks granted: draft_layers.py)
+Hold = tuple[str, str, int, tuple[int, ...], tuple[int, ...]]
 
 
 @dataclass
@@ -229,10 +230,9 @@ class KVReceiver:
             state = self._active.get(header.request_id)
             if state is None:
                 return None
-            ids = state.spec.block_ids[:len(state.block_index)]
+            ids, held = self._table(state, header.layer)
         try:
-            return state, check_written(header, self.kv_caches, ids,
-                                        state.spec.num_cached_tokens // self.block_size, peer,
+            return state, check_written(header, self.kv_caches, ids, held, peer,
                                         self.check_written)
         except ValueError as e:
             return state, e
@@ -245,8 +245,10 @@ class KVReceiver:
         state.peers.add(peer)
         if isinstance(header, OfferHeader):
             held = state.spec.num_cached_tokens // self.block_size
+            draft = state.spec.draft_block_ids[:len(state.block_index)] \
+                if state.draft_index is not None else ()
             self._holds.append((peer, rid, state.spec.num_cached_tokens,
-                                state.spec.block_ids[held:len(state.block_index)]))
+                                state.spec.block_ids[held:len(state.block_index)], draft))
             return []
         state.first_arrival = state.first_arrival or time.monotonic()
         if isinstance(header, FinHeader):
@@ -351,16 +353,26 @@ class KVReceiver:
                       checked: int | ValueError | None) -> None:
         """``checked``: the bytes verified, or why not, by _check_unlocked; None: check now
         (a notification staged before its request was registered)."""
+        if header.layer >= self.num_layers and state.draft_index is None:
+            return  # a draft layer this request takes none of (its FIN said so first)
         if isinstance(checked, ValueError):
             raise checked
-        if header.layer >= self.num_layers:
-            raise ValueError("a draft model's layers are never written in place")
         nbytes = checked if checked is not None else check_written(
-            header, self.kv_caches, state.spec.block_ids[:len(state.block_index)],
-            state.spec.num_cached_tokens // self.block_size, peer, self.check_written)
+            header, self.kv_caches, *self._table(state, header.layer), peer,
+            self.check_written)
         end = header.first_block + header.num_blocks
         state.written[header.layer, :, header.first_block:end] = True  # every part and head
         self.bytes_received += nbytes
+        if header.layer >= self.num_layers:
+            self.draft_bytes_received += nbytes
+
+    def _table(self, state: _Receiving, layer: int) -> tuple[tuple[int, ...], int]:
+        """A layer's prompt blocks and how many of them this engine held (never granted):
+        the target's, or a draft model's (all granted: no prefix cache there)."""
+        n = len(state.block_index)
+        if layer >= self.num_layers:
+            return (state.spec.draft_block_ids[:n] if state.draft_index is not None else ()), 0
+        return state.spec.block_ids[:n], state.spec.num_cached_tokens // self.block_size
 
     def _skip_held(self, state: _Receiving, header: KVLayerHeader, tensor: torch.Tensor | None
                    ) -> tuple[KVLayerHeader | None, torch.Tensor | None]:

@@ -113,6 +113,9 @@ class HoldHeader(msgspec.Struct, frozen=True, tag="hold", tag_field="kind"):
     # the request's prompt blocks after the held ones (table index num_tokens // block_size
     # onwards). Empty for the pipes that carry messages.
     block_ids: tuple[_Count, ...] = ()
+    # The same, of a draft model's own blocks (every prompt block, from table index 0:
+    # connectors/draft_layers.py); empty when this consumer takes no draft KV in place.
+    draft_block_ids: tuple[_Count, ...] = ()
 
 
 class KVWrittenHeader(msgspec.Struct, frozen=True, tag="kvw", tag_field="kind"):

@@ -64,6 +64,7 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         # Pipes that write into the consumer's blocks (nixl): granted_writes.py.
         self._in_place = self.writes_in_place = getattr(self.pipe, "writes_in_place", False)
         self.grants = Grants(config.kv_transfer_timeout / 2)
+        self.draft_grants = Grants(config.kv_transfer_timeout / 2)  # draft_layers.py
         self.receiver = KVReceiver(engine_info["num_layers"], engine_info["block_size"],
                                    config.kv_transfer_timeout, config.max_staging_bytes,
                                    config.record_timings, self.windows,
@@ -101,6 +102,8 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         # A draft model's layers after the target's (draft_layers.py): none until registered.
         self.num_target_layers, self.num_draft_layers = engine_info["num_layers"], 0
         self._draft_sent: set[str] = set()  # producer: requests whose draft layers went
+        self._draft_dropped: set[str] = set()  # ... save where the consumer granted none
+        self._draft_in_place = False  # consumer: its in-place pipe has the draft's layers
         self.draft_bytes_sent = 0
         self.num_send_timeouts = 0
         self.last_layer_times: OrderedDict[str, float] = OrderedDict()
@@ -226,6 +229,9 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
                 if self._in_place:  # before the hold: the engine thread writes once it sees it
                     self.grants.record(peer, header.request_id,
                                        header.num_tokens // self.block_size, header.block_ids)
+                    if header.draft_block_ids:  # a draft model's blocks (draft_layers.py)
+                        self.draft_grants.record(peer, header.request_id, 0,
+                                                 header.draft_block_ids)
                 self._record_hold(header.request_id, header.num_tokens)
             elif isinstance(header, RenewHeader):
                 self.leases.renew(list(header.request_ids))
@@ -237,8 +243,9 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
 
     def _send_holds(self) -> None:
         """Consumer: answer producers' offers with the prompt tokens held here."""
-        for peer, rid, num_tokens, granted in self.receiver.take_holds():
-            hold = HoldHeader(rid, num_tokens, granted if self._in_place else ())
+        for peer, rid, num_tokens, granted, draft in self.receiver.take_holds():
+            hold = HoldHeader(rid, num_tokens, granted if self._in_place else (),
+                              draft if self._in_place else ())
             try:
                 self.pipe.send_tensor(peer, encode_header(hold), None)
             except PipeError as e:

@@ -116,6 +116,8 @@ class PDProducer:
         """Pipes that write in place: the layer's blocks into the ones the consumer granted
         (granted_writes.py); no grant (or past its cutoff) fails the request: recomputed."""
         rid = spec.request_id
+        if layer >= self.num_target_layers:
+            return self._write_draft_layer(spec, layer, endpoint, kv_layer)
         try:
             if not route_is_whole(route, kv_layer):
                 raise ValueError("a write carries whole blocks: both engines need the same KV "
@@ -238,8 +240,11 @@ class PDProducer:
     def _send_fin(self, fin: Any) -> None:
         ok = fin.request_id not in self._failed_sends and fin.first_token is not None
         ttft_trace.mark(fin.request_id, "fin")
-        draft = fin.request_id in self._draft_sent  # its draft layers went too
+        # its draft layers went too (all of them: none dropped for want of a grant)
+        draft = fin.request_id in self._draft_sent and fin.request_id not in self._draft_dropped
         self._draft_sent.discard(fin.request_id)
+        self._draft_dropped.discard(fin.request_id)
+        self.draft_grants.drop(fin.request_id)
         self._failed_sends.discard(fin.request_id)
         self._offered.pop(fin.request_id, None)
         self.grants.drop(fin.request_id)

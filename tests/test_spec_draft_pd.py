@@ -14,8 +14,11 @@ import pytest
 from connectors.pipes.base import HandshakeError
 from pd_cluster import SamplingParams
 from pd_cluster.checkpoints.truncate import truncate_layers
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine.llm_engine import LLMEngine
 from tests.conftest import random_prompt
-from tests.pd_helpers import colocated_tokens, drain, engine, run_in_process, submit_pair
+from tests.pd_helpers import (colocated_tokens, drain, engine, kv_config, run_in_process,
+                              submit_pair)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -65,6 +68,34 @@ def test_p_ships_the_drafts_kv_and_d_runs_no_draft_prefill(model: str, pair: Any
     # The draft is the target: every proposal is kept only if the draft KV that came is right.
     assert 0 < s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"]
     p.check_no_leaks(), d.check_no_leaks()  # target and draft pools, both engines
+
+
+def test_shm_pipe_writes_the_drafts_kv_into_blocks_d_granted(model: str) -> None:
+    """The shm pipe writes in place: D's shared cache holds the draft's layers too and its
+    HOLD grants the draft's blocks (all of them, a prefix hit on the target's included)."""
+    def shm(role: str, **args: Any) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=model, block_size=8, speculative=_spec(model),
+                                      kv_transfer=kv_config(role, pipe="shm"), **args))
+    d = shm("consumer")
+    p = shm("producer", max_num_batched_tokens=16)
+    try:
+        shared = random_prompt(16, seed=5)
+        prompts = [shared + random_prompt(11, seed=6), shared + random_prompt(4, seed=8)]
+        want = colocated_tokens(model, prompts, [GREEDY] * 2, block_size=8)
+        got: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            submit_pair(p, d, f"s{i}", prompt, GREEDY, d.kv_endpoint())
+            got.update(run_in_process(p, d))
+        drain(p, d)
+        assert [got["s0"], got["s1"]] == want
+        s, sp = d.stats(), p.stats()
+        assert s["kv_fallbacks"] == 0 and s["kv_prefix_hit_tokens"] >= 16
+        assert s["spec_draft_prefill_tokens"] == 0
+        assert 0 < sp["kv_draft_bytes_sent"] == s["kv_draft_bytes_received"]
+        assert 0 < s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"]
+        p.check_no_leaks(), d.check_no_leaks()
+    finally:
+        p.close(), d.close()
 
 
 def test_request_moved_mid_speculation_continues_exactly(model: str, pair: Any) -> None:
