@@ -7,6 +7,8 @@ is in when every (layer, K/V, block, head) was written and every feeder's FIN ar
 Blocks this engine's prefix cache already holds (RecvSpec.num_cached_tokens) count as written
 from the start and are never written over: producers are told to skip them (a HoldHeader
 answering their OfferHeader), and any that arrive anyway are dropped.
+A draft model's layers (layers num_layers.., into RecvSpec.draft_block_ids: draft_layers.py)
+count too when the FIN says they come; every one of their blocks is written (no prefix cache).
 """
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ from connectors.kv_staging import Staging
 
 logger = logging.getLogger(__name__)
 Ack = tuple[str, str, bool]  # (producer peer, request id, ok)
-# (producer peer, request id, prompt tokens held here, the blocks granted after them)
-Hold = tuple[str, str, int, tuple[int, ...]]
+# (producer peer, request id, prompt tokens held here, the blocks granted after them, the
+# draft model's blocks granted: draft_layers.py)
+Hold = tuple[str, str, int, tuple[int, ...], tuple[int, ...]]
 
 
 @dataclass
@@ -42,6 +45,7 @@ class _Receiving:
     fins: list[FinHeader] = field(default_factory=list)
     peers: set[str] = field(default_factory=set)
     first_layer_time: float | None = None
+    draft_index: torch.Tensor | None = None  # the draft's blocks (None: no draft KV taken)
     first_arrival: float | None = None  # monotonic, for kv_recv_seconds
 
 
@@ -58,7 +62,10 @@ class KVReceiver:
         self.check_written: Checker | None = None
         self.fin_grace = fin_grace
         self.timeout, self.max_staging_bytes = timeout, max_staging_bytes
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []  # the target's layers, then a draft's
+        self.num_draft_layers = 0  # layers num_layers.. of kv_caches: a draft model's
+        self._draft_landed: OrderedDict[str, bool] = OrderedDict()  # taken once, bounded
+        self.draft_bytes_received = 0
         self._lock = threading.Lock()
         self._active: dict[str, _Receiving] = {}
         self._staging = Staging(max_staging_bytes)  # early arrivals, bounded per peer
@@ -86,7 +93,11 @@ class KVReceiver:
         blocks = -(-spec.num_prompt_tokens // self.block_size)
         state = _Receiving(spec, torch.tensor(spec.block_ids[:blocks], dtype=torch.long),
                            time.monotonic() + self.timeout, self._unwritten(blocks))
-        state.written[:, :, :spec.num_cached_tokens // self.block_size] = True
+        state.written[:self.num_layers, :, :spec.num_cached_tokens // self.block_size] = True
+        if self.num_draft_layers and len(spec.draft_block_ids) >= blocks:
+            state.draft_index = torch.tensor(spec.draft_block_ids[:blocks], dtype=torch.long)
+        else:  # no draft KV taken: its layers are not waited for (and dropped if they come)
+            state.written[self.num_layers:] = True
         for layer, window in enumerate(self.windows):  # not shipped: nothing to wait for
             first = first_shipped_token(spec.num_prompt_tokens, window, self.block_size)
             state.written[layer, :, :first // self.block_size] = True
@@ -155,6 +166,11 @@ class KVReceiver:
             holds, self._holds = self._holds, []
             return holds
 
+    def take_draft_landed(self, request_id: str) -> bool:
+        """Whether the request's draft KV landed with its target KV (once per request)."""
+        with self._lock:
+            return self._draft_landed.pop(request_id, False)
+
     def take_nacks(self) -> list[tuple[str, str, bool]]:
         """(peer, request id, False) for receives given up since the last call."""
         with self._lock:
@@ -214,10 +230,9 @@ class KVReceiver:
             state = self._active.get(header.request_id)
             if state is None:
                 return None
-            ids = state.spec.block_ids[:len(state.block_index)]
+            ids, held = self._table(state, header.layer)
         try:
-            return state, check_written(header, self.kv_caches, ids,
-                                        state.spec.num_cached_tokens // self.block_size, peer,
+            return state, check_written(header, self.kv_caches, ids, held, peer,
                                         self.check_written)
         except ValueError as e:
             return state, e
@@ -230,8 +245,10 @@ class KVReceiver:
         state.peers.add(peer)
         if isinstance(header, OfferHeader):
             held = state.spec.num_cached_tokens // self.block_size
+            draft = state.spec.draft_block_ids[:len(state.block_index)] \
+                if state.draft_index is not None else ()
             self._holds.append((peer, rid, state.spec.num_cached_tokens,
-                                state.spec.block_ids[held:len(state.block_index)]))
+                                state.spec.block_ids[held:len(state.block_index)], draft))
             return []
         state.first_arrival = state.first_arrival or time.monotonic()
         if isinstance(header, FinHeader):
@@ -241,16 +258,25 @@ class KVReceiver:
                 self._done[rid] = None
                 self._cancelled[rid] = time.monotonic()  # the other feeders' FINs: NACKed
                 return [(p, rid, False) for p in sorted(state.peers - {peer})]
+            if len(state.fins) >= state.fins[0].num_fins and not all(
+                    f.draft for f in state.fins):  # no draft KV comes: D runs its prefill
+                state.written[self.num_layers:] = True
+                state.draft_index = None
         elif isinstance(header, KVWrittenHeader):
             try:
                 self._mark_written(state, header, peer, checked)
             except ValueError as e:
                 return self._fail_closed(state, f"layer {header.layer}: {e}", peer, {peer})
+        elif header.layer >= self.num_layers:  # a draft model's layer: all its blocks
+            try:
+                self._write_draft_layer(state, header, tensor)
+            except ValueError as e:
+                return self._fail_closed(state, f"draft layer {header.layer}: {e}", peer, {peer})
         else:
             try:
                 header, tensor = self._skip_held(state, header, tensor)
                 if header is not None:
-                    self._write_layer(state, header, tensor)
+                    self._write_layer(state, header, tensor, state.block_index)
             except ValueError as e:  # e.g. blocks the request does not own
                 return self._fail_closed(state, f"layer {header.layer}: {e}", peer, {peer})
         if state.fins and len(state.fins) >= state.fins[0].num_fins and not state.written.all():
@@ -262,13 +288,29 @@ class KVReceiver:
                 and state.written.all()):
             del self._active[rid]
             self._done[rid] = state.fins[0].first_token
+            if state.draft_index is not None:
+                self._draft_landed[rid] = True
+                while len(self._draft_landed) > 4096:  # requests that ended before decoding
+                    self._draft_landed.popitem(last=False)
             self.recv_seconds += time.monotonic() - state.first_arrival
             return [(p, rid, True) for p in sorted(state.peers)]
         return []
 
+    def _write_draft_layer(self, state: _Receiving, header: KVLayerHeader,
+                           tensor: torch.Tensor | None) -> None:
+        """A draft layer into the draft's blocks; dropped when this request takes none."""
+        if state.draft_index is None:
+            self.bytes_skipped += tensor.nbytes if tensor is not None else 0
+            return
+        if header.head_start:
+            raise ValueError("a draft layer comes whole (no head slices)")
+        self._write_layer(state, header, tensor, state.draft_index)
+        self.draft_bytes_received += tensor.nbytes
+
     def _write_layer(self, state: _Receiving, header: KVLayerHeader,
-                     tensor: torch.Tensor | None) -> None:
-        if not 0 <= header.layer < self.num_layers or tensor is None:
+                     tensor: torch.Tensor | None, index: torch.Tensor) -> None:
+        """``index``: the block ids of the layer's table (the target's or the draft's)."""
+        if not 0 <= header.layer < len(self.kv_caches) or tensor is None:
             raise ValueError("bad layer index or missing payload")
         cache = self.kv_caches[header.layer]
         both = header.part == 2  # every part of the layer (K and V, or the one latent)
@@ -283,9 +325,9 @@ class KVReceiver:
             raise ValueError(f"payload {tuple(tensor.shape)} {tensor.dtype} does not match "
                              f"the cache layout {expected} {cache.dtype}")
         end = header.first_block + n
-        if end > len(state.block_index):
+        if end > len(index):
             raise ValueError(f"blocks {header.first_block}..{end - 1} are past the prompt")
-        targets = state.block_index[header.first_block:end]
+        targets = index[header.first_block:end]
         if header.descending:
             targets = targets.flip(0)
         parts = range(cache.shape[0]) if both else (header.part,)
@@ -311,14 +353,26 @@ class KVReceiver:
                       checked: int | ValueError | None) -> None:
         """``checked``: the bytes verified, or why not, by _check_unlocked; None: check now
         (a notification staged before its request was registered)."""
+        if header.layer >= self.num_layers and state.draft_index is None:
+            return  # a draft layer this request takes none of (its FIN said so first)
         if isinstance(checked, ValueError):
             raise checked
         nbytes = checked if checked is not None else check_written(
-            header, self.kv_caches, state.spec.block_ids[:len(state.block_index)],
-            state.spec.num_cached_tokens // self.block_size, peer, self.check_written)
+            header, self.kv_caches, *self._table(state, header.layer), peer,
+            self.check_written)
         end = header.first_block + header.num_blocks
         state.written[header.layer, :, header.first_block:end] = True  # every part and head
         self.bytes_received += nbytes
+        if header.layer >= self.num_layers:
+            self.draft_bytes_received += nbytes
+
+    def _table(self, state: _Receiving, layer: int) -> tuple[tuple[int, ...], int]:
+        """A layer's prompt blocks and how many of them this engine held (never granted):
+        the target's, or a draft model's (all granted: no prefix cache there)."""
+        n = len(state.block_index)
+        if layer >= self.num_layers:
+            return (state.spec.draft_block_ids[:n] if state.draft_index is not None else ()), 0
+        return state.spec.block_ids[:n], state.spec.num_cached_tokens // self.block_size
 
     def _skip_held(self, state: _Receiving, header: KVLayerHeader, tensor: torch.Tensor | None
                    ) -> tuple[KVLayerHeader | None, torch.Tensor | None]:
@@ -344,7 +398,7 @@ class KVReceiver:
         receive (layers may differ in parts and heads: what they lack counts as written)."""
         caches = self.kv_caches or [torch.empty(2, 0, 0, 1, 0)] * self.num_layers
         parts, heads = max(c.shape[0] for c in caches), max(c.shape[3] for c in caches)
-        written = np.ones((self.num_layers, parts, blocks, heads), dtype=bool)
+        written = np.ones((len(caches), parts, blocks, heads), dtype=bool)
         for layer, cache in enumerate(caches):
             written[layer, :cache.shape[0], :, :cache.shape[3]] = False
         return written

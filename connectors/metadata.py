@@ -19,6 +19,10 @@ class SendSpec:
     # The prompt's length: a sliding-window layer ships only the blocks the consumer's
     # decodes can read (window_shipping.py); 0: unknown, every block goes.
     num_prompt_tokens: int = 0
+    # The same blocks of the draft model's own cache (speculative draft_model, issue 41): its
+    # layers ship after the target's as layers num_layers.. (pd_cluster/engine/spec/draft_pd.py);
+    # empty: no draft KV goes with this request.
+    draft_block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,9 @@ class RecvSpec:
     block_ids: tuple[int, ...]
     num_prompt_tokens: int
     num_cached_tokens: int = 0
+    # The draft model's blocks for the prompt (its layers arrive as layers num_layers..); every
+    # one is written: the draft's pool has no prefix cache. Empty: no draft KV is taken.
+    draft_block_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -75,6 +82,9 @@ class FinHeader(msgspec.Struct, frozen=True, tag="fin", tag_field="kind"):
     lease_seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     # producer ranks that feed this consumer rank: the request is in when all their FINs are
     num_fins: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # The draft model's KV went too (its layers after the target's): the request is in only
+    # once they landed as well. False: the consumer runs the draft's prefill itself.
+    draft: bool = False
 
 
 class AckHeader(msgspec.Struct, frozen=True, tag="ack", tag_field="kind"):
@@ -103,6 +113,9 @@ class HoldHeader(msgspec.Struct, frozen=True, tag="hold", tag_field="kind"):
     # the request's prompt blocks after the held ones (table index num_tokens // block_size
     # onwards). Empty for the pipes that carry messages.
     block_ids: tuple[_Count, ...] = ()
+    # The same, of a draft model's own blocks (every prompt block, from table index 0:
+    # connectors/draft_layers.py); empty when this consumer takes no draft KV in place.
+    draft_block_ids: tuple[_Count, ...] = ()
 
 
 class KVWrittenHeader(msgspec.Struct, frozen=True, tag="kvw", tag_field="kind"):

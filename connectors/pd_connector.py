@@ -21,6 +21,7 @@ import torch
 
 from connectors.base import FinishedTransfers, KVConnectorBase_Worker
 from connectors.config import KVTransferConfig
+from connectors.draft_layers import DraftLayers
 from connectors.factory import ConnectorPair, register_connector
 from connectors.hello import make_hello
 from connectors.kv_receiver import KVReceiver
@@ -49,7 +50,7 @@ logger = logging.getLogger(__name__)
 _SKIP_ALL = 1 << 62  # "held" tokens after a NACK: the consumer wants nothing of the request
 
 
-class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
+class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker):
     def __init__(self, config: KVTransferConfig, engine_info: dict[str, Any]):
         self.config = config
         # Tensor parallelism: this rank's place; num_kv_heads in the hello is the model's total.
@@ -63,6 +64,7 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
         # Pipes that write into the consumer's blocks (nixl): granted_writes.py.
         self._in_place = self.writes_in_place = getattr(self.pipe, "writes_in_place", False)
         self.grants = Grants(config.kv_transfer_timeout / 2)
+        self.draft_grants = Grants(config.kv_transfer_timeout / 2)  # draft_layers.py
         self.receiver = KVReceiver(engine_info["num_layers"], engine_info["block_size"],
                                    config.kv_transfer_timeout, config.max_staging_bytes,
                                    config.record_timings, self.windows,
@@ -97,6 +99,12 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
         self._deferred: dict[str, list[tuple[int, SendSpec]]] = {}
         self._waiting_fins: dict[str, FinishSpec] = {}
         self.bytes_sent = 0
+        # A draft model's layers after the target's (draft_layers.py): none until registered.
+        self.num_target_layers, self.num_draft_layers = engine_info["num_layers"], 0
+        self._draft_sent: set[str] = set()  # producer: requests whose draft layers went
+        self._draft_dropped: set[str] = set()  # ... save where the consumer granted none
+        self._draft_in_place = False  # consumer: its in-place pipe has the draft's layers
+        self.draft_bytes_sent = 0
         self.num_send_timeouts = 0
         self.last_layer_times: OrderedDict[str, float] = OrderedDict()
         self._running = True
@@ -221,6 +229,9 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
                 if self._in_place:  # before the hold: the engine thread writes once it sees it
                     self.grants.record(peer, header.request_id,
                                        header.num_tokens // self.block_size, header.block_ids)
+                    if header.draft_block_ids:  # a draft model's blocks (draft_layers.py)
+                        self.draft_grants.record(peer, header.request_id, 0,
+                                                 header.draft_block_ids)
                 self._record_hold(header.request_id, header.num_tokens)
             elif isinstance(header, RenewHeader):
                 self.leases.renew(list(header.request_ids))
@@ -232,8 +243,9 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
 
     def _send_holds(self) -> None:
         """Consumer: answer producers' offers with the prompt tokens held here."""
-        for peer, rid, num_tokens, granted in self.receiver.take_holds():
-            hold = HoldHeader(rid, num_tokens, granted if self._in_place else ())
+        for peer, rid, num_tokens, granted, draft in self.receiver.take_holds():
+            hold = HoldHeader(rid, num_tokens, granted if self._in_place else (),
+                              draft if self._in_place else ())
             try:
                 self.pipe.send_tensor(peer, encode_header(hold), None)
             except PipeError as e:
@@ -273,6 +285,9 @@ class PDConnectorWorker(PDRoles, PDProducer, KVConnectorBase_Worker):
                 "kv_integrity_failures": pipe.get("integrity_failures", 0),
                 "kv_prefix_hit_tokens": self.receiver.prefix_hit_tokens,
                 "kv_bytes_skipped": self.receiver.bytes_skipped,
+                # of kv_bytes_sent / _received: a draft model's layers (draft_layers.py)
+                "kv_draft_bytes_sent": self.draft_bytes_sent,
+                "kv_draft_bytes_received": self.receiver.draft_bytes_received,
                 # Words, not series: the /metrics label pipe= of the kv_* series above, and
                 # `pd-cluster status`'s per-link column (every link of an engine uses its pipe).
                 "kv_pipe": self._pipe_label(),

@@ -41,7 +41,8 @@ class PDProducer:
             return
         if self._deferred:
             self._flush_deferred()
-        if layer in (0, len(self.kv_caches) - 1) and ttft_trace.enabled():
+        last = self.num_target_layers - 1  # the draft's layers go later (draft_layers.py)
+        if layer in (0, last) and ttft_trace.enabled():
             for spec in self._meta.sends:
                 ttft_trace.mark(spec.request_id, f"layer{'0' if layer == 0 else 'N'}")
         for spec in self._meta.sends:
@@ -67,7 +68,7 @@ class PDProducer:
                 self._deferred.setdefault(spec.request_id, []).append((layer, spec))
                 continue
             self._send_unheld(spec, layer, kv_layer, held)
-        if layer == len(self.kv_caches) - 1 and self.config.record_timings:
+        if layer == last and self.config.record_timings:
             now = time.time()
             for spec in self._meta.sends:
                 self.last_layer_times[spec.request_id] = now
@@ -77,9 +78,13 @@ class PDProducer:
     def _send_unheld(self, spec: SendSpec, layer: int, kv_layer: torch.Tensor,
                      held: int) -> None:
         """Send ``layer`` of the spec's blocks the consumer's cache does not hold, and of a
-        sliding-window layer only those its decodes can read (window_shipping.py)."""
+        sliding-window layer only those its decodes can read (window_shipping.py). A draft
+        model's layer (draft_layers.py) sends every one of its own blocks, to one rank whole."""
+        draft = layer >= self.num_target_layers
+        if draft:
+            spec, held = self._draft_spec(spec), 0
         held = max(held, first_shipped_token(spec.num_prompt_tokens, self.windows[layer],
-                                             self.block_size))
+                                             self.block_size)) if not draft else 0
         skip = max(0, held // self.block_size - spec.first_block)
         if skip >= len(spec.block_ids):
             return
@@ -91,7 +96,8 @@ class PDProducer:
                 if not self._write_layer(spec, layer, endpoint, r, kv_layer):
                     break
             elif not self._send_layer(spec, layer, endpoint,
-                                      self.sender.layer_messages(spec, layer, kv_layer,
+                                      self.sender.layer_messages(spec, layer, kv_layer, None
+                                                                 if draft else
                                                                  (r.src, r.count, r.dst))):
                 break
 
@@ -110,6 +116,8 @@ class PDProducer:
         """Pipes that write in place: the layer's blocks into the ones the consumer granted
         (granted_writes.py); no grant (or past its cutoff) fails the request: recomputed."""
         rid = spec.request_id
+        if layer >= self.num_target_layers:
+            return self._write_draft_layer(spec, layer, endpoint, kv_layer)
         try:
             if not route_is_whole(route, kv_layer):
                 raise ValueError("a write carries whole blocks: both engines need the same KV "
@@ -194,6 +202,8 @@ class PDProducer:
             self._step_futures.append((spec.request_id, spec.peer, future))
             self.leases.sending(spec.request_id)
             self.bytes_sent += msg.tensor.nbytes
+            if layer >= self.num_target_layers:
+                self.draft_bytes_sent += msg.tensor.nbytes
         return True
 
     def wait_for_save(self) -> None:
@@ -230,6 +240,11 @@ class PDProducer:
     def _send_fin(self, fin: Any) -> None:
         ok = fin.request_id not in self._failed_sends and fin.first_token is not None
         ttft_trace.mark(fin.request_id, "fin")
+        # its draft layers went too (all of them: none dropped for want of a grant)
+        draft = fin.request_id in self._draft_sent and fin.request_id not in self._draft_dropped
+        self._draft_sent.discard(fin.request_id)
+        self._draft_dropped.discard(fin.request_id)
+        self.draft_grants.drop(fin.request_id)
         self._failed_sends.discard(fin.request_id)
         self._offered.pop(fin.request_id, None)
         self.grants.drop(fin.request_id)
@@ -245,7 +260,8 @@ class PDProducer:
         for endpoint, r in routes:
             header = FinHeader(fin.request_id, fin.first_token if ok else None,
                                fin.num_prompt_tokens, self.config.lease_seconds, num_feeders(
-                                   r.dst_rank, self.tp_size, n_ranks, self.hello["num_kv_heads"]))
+                                   r.dst_rank, self.tp_size, n_ranks, self.hello["num_kv_heads"]),
+                               draft)
             try:
                 self.sender.send(endpoint, encode_header(header), None)
             except PipeError as e:

@@ -7,7 +7,7 @@ tokens; only the rest is external and comes from P.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from connectors.base import KVConnectorBase_Scheduler
 from connectors.metadata import FinishSpec, KVConnectorMetadata, RecvSpec, SendSpec
@@ -28,6 +28,11 @@ class PDConnectorScheduler(KVConnectorBase_Scheduler):
         self._finishes: list[FinishSpec] = []
         self._cancels: list[str] = []
         self._sent_upto: dict[str, int] = {}  # producer: prompt tokens already planned to send
+        # Speculative draft_model (issue 41): the draft's blocks for a request's prompt, from
+        # the engine (pd_cluster/engine/spec/draft_pd.py), () when its draft KV does not move;
+        # None: no draft model here.
+        self.draft_blocks: Callable[[Any], tuple[int, ...]] | None = None
+        self._draft_ids: dict[str, tuple[int, ...]] = {}  # producer: per request, once
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
@@ -41,7 +46,8 @@ class PDConnectorScheduler(KVConnectorBase_Scheduler):
         if isinstance(request.kv_transfer_params, RecvKV):
             self._recvs.append(RecvSpec(
                 request.request_id, tuple(block_ids), request.num_prompt_tokens,
-                request.num_prompt_tokens - num_external_tokens))
+                request.num_prompt_tokens - num_external_tokens,
+                self.draft_blocks(request) if self.draft_blocks is not None else ()))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         sends = []
@@ -59,9 +65,13 @@ class PDConnectorScheduler(KVConnectorBase_Scheduler):
                 continue
             self._sent_upto[request.request_id] = end
             first, last = start // self.block_size, -(-end // self.block_size)
+            draft = self._draft_ids.get(request.request_id)
+            if draft is None and self.draft_blocks is not None:  # first plan: the whole prompt's
+                draft = self._draft_ids[request.request_id] = self.draft_blocks(request)
             sends.append(SendSpec(request.request_id, params.to,
                                   tuple(request.block_ids[first:last]), first,
-                                  params.expect_held, request.num_prompt_tokens))
+                                  params.expect_held, request.num_prompt_tokens,
+                                  tuple(draft[first:last]) if draft else ()))
         meta = KVConnectorMetadata(sends, self._finishes, self._recvs, self._cancels)
         self._finishes, self._recvs, self._cancels = [], [], []
         return meta
@@ -81,6 +91,7 @@ class PDConnectorScheduler(KVConnectorBase_Scheduler):
         if not isinstance(params, SendKV):
             return False
         sent = self._sent_upto.pop(request.request_id, 0)
+        self._draft_ids.pop(request.request_id, None)
         complete = sent >= request.num_prompt_tokens and request.output_token_ids
         first = request.output_token_ids[0] if complete and request.finish_reason != "abort" \
             else None

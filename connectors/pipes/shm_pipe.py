@@ -78,6 +78,9 @@ class ShmPipe(WrittenCheck, ZmqPipe):
     notif_label = _NOTIF_LABEL  # the key of its write notifications' MACs
 
     control_on_ipc = True  # the auto pipe keeps tcp: producers on other hosts reach it too
+    # register_kv_caches may come again with more layers (a draft model's, before any
+    # handshake: connectors/draft_layers.py): the cache is shared afresh.
+    adds_caches = True
 
     def __init__(self, config: PipeConfig) -> None:
         if self.control_on_ipc and "transport" not in config.model_fields_set:  # one host
@@ -101,9 +104,13 @@ class ShmPipe(WrittenCheck, ZmqPipe):
     # ---- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, caches: Sequence[torch.Tensor]) -> None:
         """A consumer moves its cache into shared memory (once) and answers handshakes with
-        where it is; a producer only records its layout (compared at the handshake)."""
+        where it is; a producer only records its layout (compared at the handshake). Again
+        with more layers: shared afresh (the tensors keep their identity and contents)."""
         self._layout = CacheLayout.of(caches)
         self._caches = list(caches)
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
         self._share()
 
     def listen(self) -> str:
@@ -154,7 +161,11 @@ class ShmPipe(WrittenCheck, ZmqPipe):
             if theirs.get("host") != self._host:
                 raise ValueError("it runs on another host (kv_transfer.pipe: shm needs one)")
             layout = CacheLayout.decode(theirs.get("layout"))
-            why = self._layout.mismatch(layout)
+            # Layers past the other's: a draft model's (draft_layers.py; the target's layer
+            # count is the hello's), each checked when written to.
+            n = min(len(layout.layers), len(self._layout.layers))
+            why = CacheLayout(self._layout.mem, self._layout.layers[:n]).mismatch(
+                CacheLayout(layout.mem, layout.layers[:n]))
             if why is not None:
                 raise ValueError(f"its KV cache differs: {why}")
             size = theirs.get("size")

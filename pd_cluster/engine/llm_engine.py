@@ -66,6 +66,7 @@ class LLMEngine:
                                    self.executor.scheduler_connector)
         self.proposer = self._proposer(hf_config)
         self.scheduler.proposer = self.proposer
+        self.draft_pd = self._draft_pd()  # the draft's KV through P/D (spec/draft_pd.py)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.grammars = GrammarCompilerPool(config.structured_outputs, self.tokenizer,
                                             self.vocab_size, list(eos_ids(self.eos_token_id)))
@@ -91,6 +92,16 @@ class LLMEngine:
         runner = DraftRunner(self.config, hf_config, self.tokenizer, self.max_model_len, blocks,
                              lambda: self.runner.backend)
         return DraftModelProposer(spec, runner, self.max_model_len)
+
+    def _draft_pd(self) -> Any:
+        """With a draft model and the P/D connector: its KV ships with the target's."""
+        from pd_cluster.engine.spec.draft_model import DraftModelProposer
+        worker = self.runner.connector
+        if not isinstance(self.proposer, DraftModelProposer) or worker is None \
+                or not hasattr(worker, "register_draft_caches"):
+            return None
+        from pd_cluster.engine.spec.draft_pd import DraftKVThroughPD
+        return DraftKVThroughPD(self.proposer, worker, self.executor.scheduler_connector)
 
     def _tier_manager(self) -> TierManager | None:
         store = self.runner.tier_store
@@ -213,6 +224,8 @@ class LLMEngine:
         aborted += self.scheduler.abort(list(request_ids))
         if self.proposer is not None:
             self.proposer.release(list(request_ids))  # its per-request state (draft KV)
+        if self.draft_pd is not None:
+            self.draft_pd.sweep(self.scheduler.requests)
         return [self.outputs.finished_output(r) for r in aborted]
 
     def has_unfinished_requests(self) -> bool:
@@ -247,12 +260,16 @@ class LLMEngine:
         capture = getattr(self.proposer, "capture", None)
         if capture is not None and sched_out.scheduled:  # hidden-state heads (spec/hidden_head.py)
             capture(target_rows(batch_order(sched_out.scheduled)), self.runner.last_hidden)
+        if self.draft_pd is not None:  # P: the draft's prefill of the chunks it ships
+            self.draft_pd.after_forward(sched_out)
         updated = self.scheduler.update_from_output(sched_out, result)
         updated, broken = split_broken(updated)
         failed += self._end_broken_grammars(broken)
         outputs, to_finish = self.outputs.process(updated)
         for request, status in to_finish:
             self.scheduler.finish(request, status)
+        if self.draft_pd is not None:
+            self.draft_pd.sweep(self.scheduler.requests)
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         return failed + outputs
@@ -328,6 +345,8 @@ class LLMEngine:
         """AssertionError unless no request is left, every KV block is free and no KV tier
         op is pending (no host slot pinned)."""
         self.scheduler.check_no_leaks()
+        if self.draft_pd is not None:
+            self.draft_pd.check_no_leaks()
         if self.proposer is not None:
             self.proposer.check_no_leaks()
         if self.compiling:

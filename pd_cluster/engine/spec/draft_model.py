@@ -7,8 +7,11 @@ was fed last step (d1..d(k-1) at positions base..). Before proposing again, the 
 the request's tokens now confirm stay (their KV is the accepted tokens' KV); the rest is rolled
 back (``computed`` moves back; those slots are simply written again). Then one forward catches
 the draft up on whatever the request gained: the whole prompt and first token when it starts
-decoding here (its own prefill: also for requests whose target KV came from a prefill engine,
-which ships no draft KV), the accepted tokens and the target's token after them later.
+decoding here (its own prefill), the accepted tokens and the target's token after them later.
+Through P/D (draft_pd.py) a request's draft blocks are reserved when it is admitted to wait for
+its KV, and a prefill engine with the same draft ships the prompt's draft KV into them: the
+catch-up then starts after the prompt (only where it did not come does the draft run its
+prefill here).
 
 Lossless for sampling too, with the verifier's point-mass rule (rejection.py with q = None): the
 greedy draft d(j+1) is a function of the tokens before it, so at each position the proposal is
@@ -24,6 +27,7 @@ back at the next proposal or abort; a preempted request catches up again when it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from pd_cluster.config import SpeculativeConfig
 from pd_cluster.engine.spec.draft_runner import Chunk, DraftRunner
@@ -41,6 +45,7 @@ class _State:
     cooldown: int = 0
     kept: float = 0.0
     lost: float = 0.0
+    receiving: bool = False  # reserved for draft KV coming from a prefill engine (draft_pd.py)
 
 
 class DraftModelProposer(PooledProposer):
@@ -48,16 +53,39 @@ class DraftModelProposer(PooledProposer):
                  max_model_len: int) -> None:
         super().__init__(config.num_speculative_tokens, runner, max_model_len, _State)
         self.runner: DraftRunner = runner
+        # Through P/D (draft_pd.py): whether a request's draft KV landed with its KV.
+        self.landed: Callable[[str], bool] = lambda request_id: False
+        self.prefill_tokens = 0  # prompt tokens the draft ran here (its own prefills)
+
+    def reserve(self, request: Request) -> tuple[int, ...]:
+        """Draft blocks for the prompt of a request whose KV comes from a prefill engine
+        (its draft KV may come with it: draft_pd.py), kept while it waits; () when the pool
+        lacks them (the draft then runs its prefill here)."""
+        self.release([request.request_id])
+        state = _State(request, receiving=True)
+        if not self.runner.grow(state.blocks, request.num_prompt_tokens):
+            return ()
+        self.states[request.request_id] = state
+        return tuple(state.blocks)
+
+    def _sweep(self, live: set[str]) -> None:
+        """Give back the blocks of requests that left the running set (a reserved one only
+        once it finished: it may still be waiting for its KV)."""
+        self.release([rid for rid, s in self.states.items() if rid not in live
+                      and not (s.receiving and not s.request.is_finished)])
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "spec_draft_prefill_tokens": self.prefill_tokens}
 
     def propose(self, requests: list[Request]) -> None:
         """Set ``spec_token_ids`` of each decoding request for the next step."""
         live = {r.request_id for r in requests}
         if self.backoff.skip(len(requests)):  # drafts do not pay at this batch size (backoff.py)
-            self.release([rid for rid in self.states if rid not in live])
+            self._sweep(live)
             for request in requests:
                 request.spec_token_ids = []
             return
-        self.release([rid for rid in self.states if rid not in live])
+        self._sweep(live)
         active: list[tuple[Request, _State, int]] = []
         for request in requests:
             request.spec_token_ids = []
@@ -65,6 +93,10 @@ class DraftModelProposer(PooledProposer):
             if k < 1:
                 continue
             state = self._state(request)
+            if state.receiving:  # its first proposal: did the prompt's draft KV come?
+                state.receiving = False
+                if self.landed(request.request_id):
+                    state.computed = request.num_prompt_tokens
             if self.backoff.resting(state):
                 continue
             k = min(k, self.backoff.width(state, k, len(requests)))  # fewer draft forwards too
@@ -83,6 +115,7 @@ class DraftModelProposer(PooledProposer):
             return
         chunks: list[Chunk] = [(s.blocks, s.computed, r.token_ids_range(s.computed, r.num_tokens),
                                 r.num_prompt_tokens, True) for r, s, _ in active]
+        self.prefill_tokens += sum(max(0, r.num_prompt_tokens - s.computed) for r, s, _ in active)
         drafts = [[t] for t in self.runner.next_tokens(chunks)]
         for r, s, _ in active:
             s.computed = r.num_tokens

@@ -31,7 +31,8 @@ NOT_SERIES = {"tp_pids", "cpu_kernels", "kv_cache_dtype", "kv_pipe",
 PIPE_SERIES = {"kv_bytes_sent", "kv_bytes_received", "kv_send_seconds", "kv_recv_seconds",
                "kv_send_timeouts", "kv_dropped_messages", "kv_digest_failures",
                "kv_refused_messages", "kv_auth_failures", "kv_integrity_failures",
-               "kv_prefix_hit_tokens", "kv_bytes_skipped"}
+               "kv_prefix_hit_tokens", "kv_bytes_skipped", "kv_draft_bytes_sent",
+               "kv_draft_bytes_received"}
 
 ENGINE_SERIES: dict[str, EngineSeries] = {
     "num_waiting_for_remote_kv": EngineSeries(
@@ -75,6 +76,15 @@ ENGINE_SERIES: dict[str, EngineSeries] = {
         "shipped", counter=True),
     "kv_bytes_skipped": EngineSeries(
         "KV bytes not shipped because the decode engine already held them", counter=True),
+    "kv_draft_bytes_sent": EngineSeries(
+        "Of kv_bytes_sent: a speculative draft model's KV, shipped after the target's so the "
+        "decode engine need not run the draft's prefill", counter=True),
+    "kv_draft_bytes_received": EngineSeries(
+        "Of kv_bytes_received: a speculative draft model's KV from prefill engines",
+        counter=True),
+    "spec_draft_prefill_tokens": EngineSeries(
+        "Prompt tokens the engine ran through its speculative draft model itself (on a decode "
+        "engine: requests whose draft KV did not come with their KV)", counter=True),
     "kv_auth_failures": EngineSeries(
         "KV peers refused: no valid proof of the cluster secret", counter=True),
     "kv_digest_failures": EngineSeries(

@@ -1,0 +1,101 @@
+"""The draft model's KV through P/D (speculative ``draft_model``, issue 41), the engine's side;
+the wire (layers after the target's, who ships where) is connectors/draft_layers.py.
+
+Prefill engine (requests with SendKV): when the connector first plans a request's send, the
+draft's blocks for its whole prompt are taken (all or none: a request ships all of its prompt's
+draft KV or none of it, never a part the decode engine would have to complete). After each
+step's forward the draft runs the step's prompt chunk of each such request (positions it has
+not run yet: P's prefix-cache hits too, the draft's pool has none) and the connector ships its
+layers. The blocks go back once the request left the scheduler (its send acknowledged).
+
+Decode engine (requests with RecvKV): the proposer reserves the prompt's draft blocks when the
+request is admitted to wait for its KV (RecvSpec.draft_block_ids); at its first proposal it
+starts after the prompt if the draft KV landed, else it runs the draft's prefill itself (a
+producer that sent none, a failed transfer, a full draft pool): nothing is lost either way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from connectors.transfer_params import RecvKV, SendKV
+from pd_cluster.engine.spec.draft_model import DraftModelProposer
+from pd_cluster.engine.spec.draft_runner import Chunk
+from pd_cluster.request import Request
+
+
+@dataclass
+class _Shipping:
+    request: Request  # identity: a request id used again is another request
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # prompt positions whose draft KV is in ``blocks``
+
+
+class DraftKVThroughPD:
+    def __init__(self, proposer: DraftModelProposer, worker: Any, scheduler_connector: Any
+                 ) -> None:
+        self.proposer, self.runner, self.worker = proposer, proposer.runner, worker
+        worker.register_draft_caches(self.runner.kv_caches)
+        scheduler_connector.draft_blocks = self.draft_blocks
+        proposer.landed = worker.take_draft_landed
+        self.shipping: dict[str, _Shipping] = {}
+
+    def draft_blocks(self, request: Request) -> tuple[int, ...]:
+        """The draft's blocks for the request's prompt (the connector asks once per request):
+        reserved on a decode engine, taken for the draft's prefill on a prefill engine; ()
+        when its draft KV does not move."""
+        params = request.kv_transfer_params
+        if isinstance(params, RecvKV):
+            return self.proposer.reserve(request) if self.worker.takes_draft() else ()
+        if not isinstance(params, SendKV) or not self.worker.ships_draft_to(params.to):
+            return ()
+        self._drop(request.request_id)
+        state = _Shipping(request)
+        if not self.runner.grow(state.blocks, request.num_prompt_tokens):
+            return ()
+        self.shipping[request.request_id] = state
+        return tuple(state.blocks)
+
+    def after_forward(self, out: Any) -> None:
+        """Prefill engine, after the step's forward: the draft's prefill of the step's chunks
+        of requests whose draft KV ships, then its layers to the consumers."""
+        meta = out.kv_connector_metadata
+        sends = [s for s in meta.sends if s.draft_block_ids] if meta is not None else []
+        if not sends:
+            return
+        planned = {s.request_id for s in sends}
+        chunks: list[Chunk] = []
+        ran: list[tuple[_Shipping, int]] = []
+        for item in out.scheduled:
+            request = item.request
+            state = self.shipping.get(request.request_id)
+            if state is None or state.request is not request or request.request_id not in planned:
+                continue
+            # As the connector planned the send (pd_scheduler.build_connector_meta).
+            end = min(request.num_computed_tokens + item.num_new_tokens,
+                      request.num_prompt_tokens)
+            if end > state.computed:
+                chunks.append((state.blocks, state.computed,
+                               request.token_ids_range(state.computed, end),
+                               request.num_prompt_tokens, False))
+                ran.append((state, end))
+        if chunks:
+            self.runner.next_tokens(chunks)
+        for state, end in ran:
+            self.proposer.prefill_tokens += end - state.computed
+            state.computed = end
+        self.worker.save_draft_layers(sends, self.runner.kv_caches)
+
+    def sweep(self, requests: dict[str, Request]) -> None:
+        """Give back the draft blocks of requests that left the scheduler (sent, aborted)."""
+        for rid in [rid for rid, s in self.shipping.items() if requests.get(rid) is not s.request]:
+            self._drop(rid)
+
+    def _drop(self, request_id: str) -> None:
+        state = self.shipping.pop(request_id, None)
+        if state is not None:
+            self.runner.release(state.blocks)
+
+    def check_no_leaks(self) -> None:
+        if self.shipping:
+            raise AssertionError(f"draft blocks held for shipping: {sorted(self.shipping)[:10]}")
