@@ -25,9 +25,7 @@ from typing import Any
 
 import torch
 
-from connectors.granted_writes import granted_targets, written_head
-from connectors.metadata import KVWrittenHeader, SendSpec
-from connectors.pipes.base import PipeError
+from connectors.metadata import SendSpec
 from connectors.tp_topology import split_endpoint
 
 logger = logging.getLogger("connectors.pd_connector")
@@ -107,22 +105,9 @@ class DraftLayers:
         if grant is None:
             self._draft_dropped.add(rid)
             return True
-        try:
-            header = KVWrittenHeader(rid, layer, spec.first_block, len(spec.block_ids))
-            future = self.pipe.write_blocks(endpoint, layer, kv_layer, spec.block_ids,
-                                            granted_targets(grant, spec.first_block,
-                                                            len(spec.block_ids)),
-                                            written_head(header))
-        except (ValueError, PipeError) as e:
-            logger.error("write of %s draft layer %d failed: %s", rid, layer, e)
-            self._failed_sends.add(rid)
-            if isinstance(e, PipeError):
-                self._broken.add(spec.peer)
+        nbytes = self._write_into(spec, layer, endpoint, kv_layer, grant, "draft layer")
+        if nbytes is None:
             return False
-        self._step_futures.append((rid, spec.peer, future))
-        self.leases.sending(rid)
-        nbytes = kv_layer[:, 0].nbytes * len(spec.block_ids)
-        self.bytes_sent += nbytes
         self.draft_bytes_sent += nbytes
         return True
 

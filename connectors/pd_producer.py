@@ -118,28 +118,44 @@ class PDProducer:
         rid = spec.request_id
         if layer >= self.num_target_layers:
             return self._write_draft_layer(spec, layer, endpoint, kv_layer)
+        if not route_is_whole(route, kv_layer):
+            return self._write_failed(spec, f"layer {layer}", ValueError(
+                "a write carries whole blocks: both engines need the same KV heads per rank "
+                "(TP size)"))
+        grant = self.grants.get(endpoint, rid)
+        if grant is None:
+            return self._write_failed(spec, f"layer {layer}", ValueError(
+                "no grant from the consumer (or its cutoff passed)"))
+        return self._write_into(spec, layer, endpoint, kv_layer, grant, "layer") is not None
+
+    def _write_into(self, spec: SendSpec, layer: int, endpoint: str, kv_layer: torch.Tensor,
+                    grant: Any, what: str) -> int | None:
+        """Write ``spec``'s blocks of ``layer`` into the consumer's ``grant``
+        (granted_writes.py): the bytes written, or None when the write failed (the request
+        is failed: recomputed)."""
+        rid = spec.request_id
         try:
-            if not route_is_whole(route, kv_layer):
-                raise ValueError("a write carries whole blocks: both engines need the same KV "
-                                 "heads per rank (TP size)")
-            grant = self.grants.get(endpoint, rid)
-            if grant is None:
-                raise ValueError("no grant from the consumer (or its cutoff passed)")
             header = KVWrittenHeader(rid, layer, spec.first_block, len(spec.block_ids))
             future = self.pipe.write_blocks(endpoint, layer, kv_layer, spec.block_ids,
                                             granted_targets(grant, spec.first_block,
                                                             len(spec.block_ids)),
                                             written_head(header))
         except (ValueError, PipeError) as e:
-            logger.error("write of %s layer %d failed: %s", rid, layer, e)
-            self._failed_sends.add(rid)
-            if isinstance(e, PipeError):
-                self._broken.add(spec.peer)
-            return False
+            self._write_failed(spec, f"{what} {layer}", e)
+            return None
         self._step_futures.append((rid, spec.peer, future))
         self.leases.sending(rid)
-        self.bytes_sent += kv_layer[:, 0].nbytes * len(spec.block_ids)
-        return True
+        nbytes = kv_layer[:, 0].nbytes * len(spec.block_ids)
+        self.bytes_sent += nbytes
+        return nbytes
+
+    def _write_failed(self, spec: SendSpec, what: str, error: Exception) -> bool:
+        """A write that failed fails its request (recomputed); a pipe error breaks the link."""
+        logger.error("write of %s %s failed: %s", spec.request_id, what, error)
+        self._failed_sends.add(spec.request_id)
+        if isinstance(error, PipeError):
+            self._broken.add(spec.peer)
+        return False
 
     # ---- producer: what the consumer holds (decode-side prefix reuse) --------------------
     def _offer(self, spec: SendSpec) -> None:
