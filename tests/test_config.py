@@ -65,6 +65,7 @@ def test_onprem_cluster_file_pins_roles_with_labels() -> None:
     for role, cmd in (("prefill", head), ("decode", worker)):
         (key, value), = multi.roles[role].node_labels.items()
         assert f'"{key}": "{value}"' in cmd
+        assert "RAY_worker_niceness=0" in cmd  # engines at normal priority (ray_runtime.py)
 
 
 def test_ray_up_cluster_file() -> None:
@@ -73,6 +74,8 @@ def test_ray_up_cluster_file() -> None:
     setup = " ".join(data["setup_commands"])
     assert "torch==" in setup and "pd-cluster" in setup
     assert "PLACEHOLDER" in yaml.safe_dump(data["provider"])  # clearly marked, not real
+    for cmds in (data["head_start_ray_commands"], data["worker_start_ray_commands"]):
+        assert "RAY_worker_niceness=0 ray start" in " ".join(cmds)
 
 
 @pytest.mark.parametrize("data, key", [

@@ -21,3 +21,31 @@ def test_ray_workers_run_at_the_drivers_niceness() -> None:
         return os.nice(0)
 
     assert ray.get(niceness.remote(), timeout=120) == os.nice(0)
+
+
+@pytest.mark.timeout(300)
+def test_the_ray_we_start_runs_workers_at_our_priority(tmp_path) -> None:
+    """`pd-cluster serve` / `launch` without an address start Ray themselves (ray_runtime.py):
+    its workers must not be reniced, whatever the test session's own environment says."""
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent("""
+        import os, pathlib, ray
+        from pd_cluster.serving.cluster.ray_runtime import start_ray
+        runtime = start_ray(None, "niceness", 1, None, False, pathlib.Path(%r))
+        try:
+            @ray.remote(num_cpus=0)
+            def niceness():
+                return os.nice(0)
+            print("NICE", ray.get(niceness.remote(), timeout=120), os.nice(0))
+        finally:
+            runtime.disconnect()
+    """ % str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=240)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("NICE ")), None)
+    assert line is not None, out.stderr[-2000:]
+    worker, driver = map(int, line.split()[1:])
+    assert worker == driver
