@@ -1,6 +1,7 @@
 """Speculation through P/D (issue 41): the decode engine speculates on requests whose prompt KV
 came from a producer (ngram has no proposer state to ship: the drafts are a function of the
-tokens; draft_model's draft runs its own prefill on D), and the output equals the colocated run
+tokens; draft_model's draft KV comes from P, or D runs the draft's prefill where none came:
+tests/test_spec_draft_pd.py), and the output equals the colocated run
 without speculation; a producer with another draft config is refused at handshake."""
 from __future__ import annotations
 
