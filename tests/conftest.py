@@ -50,6 +50,13 @@ from typing import Any, Callable, Iterator, Sequence  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    # @triton.jit reads TRITON_INTERPRET when a kernel is defined, triton's own tl.zeros & co.
+    # at `import triton`: whichever test module imported triton first fixed it for the session
+    # (test_kv_fp8 before test_kernels made test_kernels' interpreted kernels call compiled
+    # library functions). Set once here, before any test module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tests.script_runs import MARK, ScriptRuns, selected_specs  # noqa: E402
 from tests.shared_cluster import SharedCluster, last_user_items  # noqa: E402
 
