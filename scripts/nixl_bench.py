@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from pipe_raw import bench_context
+
 TIMEOUT_S = 120.0
 
 
@@ -61,13 +63,11 @@ def _descs(base: int, first: int, per: int, block: int, order: Any) -> Any:
     return rows.astype(np.uint64)
 
 
-def raw_nixl_write(nbytes: int, layers: int, repeats: int, blocks: tuple[int, ...] = (0,)
-                   ) -> list[float]:
+def raw_nixl_write(nbytes: int, layers: int, repeats: int, block: int = 0) -> float:
     """Best bytes/s of ``nbytes`` written as ``layers`` WRITEs between two processes' agents
-    (UCX), each notified, per entry of ``blocks``: 0, one contiguous descriptor per layer; else
-    one per block of that many bytes into shuffled destination blocks, as the connector's
-    writes are. One pair of agents serves every entry (a pair costs seconds to start)."""
-    ctx = mp.get_context("spawn")
+    (UCX), each notified: one contiguous descriptor per layer, or (``block``) one per block
+    of that many bytes into shuffled destination blocks, as the connector's writes are."""
+    ctx = bench_context()
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_raw_target, args=(there, nbytes), daemon=True)
     proc.start()
@@ -80,39 +80,33 @@ def raw_nixl_write(nbytes: int, layers: int, repeats: int, blocks: tuple[int, ..
         md, dst = here.recv()
         remote = agent.add_remote_agent(md)
         remote = remote.decode() if isinstance(remote, bytes) else remote
-        return [_raw_rounds(agent, remote, here, src, dst, nbytes, layers, repeats, block)
-                for block in blocks]
+        per = nbytes // layers
+        import numpy as np
+        best = 0.0
+        for _ in range(repeats + 1):  # the first round connects and warms up
+            here.send(layers)
+            t0 = time.perf_counter()
+            handles = []
+            n = per // block if block else 1
+            for i in range(layers):
+                local = _descs(src.data_ptr(), i * per, per, block, np.arange(n))
+                far = _descs(dst, i * per, per, block, np.random.permutation(n))
+                h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
+                                          agent.get_xfer_descs(far, "DRAM"), remote, b"l%d" % i)
+                agent.transfer(h)
+                handles.append(h)
+            deadline = time.monotonic() + TIMEOUT_S
+            for h in handles:
+                while agent.check_xfer_state(h) == "PROC" and time.monotonic() < deadline:
+                    pass
+            assert here.poll(TIMEOUT_S) and here.recv() == layers, "raw NIXL: notifications lost"
+            best = max(best, layers * per / (time.perf_counter() - t0))
+            for h in handles:
+                agent.release_xfer_handle(h)
+        return best
     finally:
         here.send(None)
         proc.join(timeout=30)
-
-
-def _raw_rounds(agent: Any, remote: str, here: Any, src: torch.Tensor, dst: int, nbytes: int,
-                layers: int, repeats: int, block: int) -> float:
-    import numpy as np
-    per = nbytes // layers
-    best = 0.0
-    for _ in range(repeats + 1):  # the first round connects and warms up
-        here.send(layers)
-        t0 = time.perf_counter()
-        handles = []
-        n = per // block if block else 1
-        for i in range(layers):
-            local = _descs(src.data_ptr(), i * per, per, block, np.arange(n))
-            far = _descs(dst, i * per, per, block, np.random.permutation(n))
-            h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
-                                      agent.get_xfer_descs(far, "DRAM"), remote, b"l%d" % i)
-            agent.transfer(h)
-            handles.append(h)
-        deadline = time.monotonic() + TIMEOUT_S
-        for h in handles:
-            while agent.check_xfer_state(h) == "PROC" and time.monotonic() < deadline:
-                pass
-        assert here.poll(TIMEOUT_S) and here.recv() == layers, "raw NIXL: notifications lost"
-        best = max(best, layers * per / (time.perf_counter() - t0))
-        for h in handles:
-            agent.release_xfer_handle(h)
-    return best
 
 
 def part_nixl(sizes: list[int], repeats: int, pair: Callable, throughput: Callable,
@@ -135,7 +129,8 @@ def part_nixl(sizes: list[int], repeats: int, pair: Callable, throughput: Callab
     try:
         for n in sizes:
             ours, nbytes = throughput(n, producer, here, peer, repeats)
-            raw, raw_blocks = raw_nixl_write(nbytes, num_layers, repeats, (0, block))
+            raw = raw_nixl_write(nbytes, num_layers, repeats)
+            raw_blocks = raw_nixl_write(nbytes, num_layers, repeats, block)
             ratios.append(ours / raw)
             same.append(ours / raw_blocks)
             print(f"{n:>7} {nbytes / 2**20:>8.1f} {ours / 1e9:>10.2f} {raw / 1e9:>9.2f} "

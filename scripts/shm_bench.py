@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from pipe_raw import bench_context
+
 TIMEOUT_S = 120.0
 
 
@@ -46,7 +48,7 @@ def raw_shm_copy(nbytes: int, repeats: int, ways: tuple[tuple[int, int], ...]) -
     from connectors.pipes.shm_arena import shm_folder
     path = str(shm_folder("/dev/shm") / f"raw-bench-{os.getpid()}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    ctx = mp.get_context("spawn")
+    ctx = bench_context()
     here, there = ctx.Pipe()
     proc = None
     try:
