@@ -16,9 +16,10 @@ raw WRITE in the same run, per size (scripts/nixl_bench.py; skipped, saying why,
 NIXL), printing `nixl_efficiency=X`. Part 6 (issue 42): the shm pipe end to end (integrity mac,
 then none) against a raw memcpy into another process's shared buffer in the same run, per size
 (scripts/shm_bench.py), printing `shm_efficiency=X`. Prints `kv_transfer_efficiency=X` (ours / raw, median
-over sizes) last. ``--smoke``: one small transfer, a 1P1D run of each part-3 model on a short prompt, and
-part 4's none and mac on zmq tcp and gloo, a few seconds (CI: interfaces still fit; no
-colocated runs, no TTFT ratios).
+over sizes) last. ``--smoke``: one small transfer per pipe, a 1P1D run of each part-3 model on a
+short prompt (both pairs at once, beside the other parts; their lines come after part 6), and
+part 4's mac on gloo, under 20 s (CI: interfaces still fit; no colocated runs, no TTFT
+ratios).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from connectors.pd_connector import PDConnectorWorker  # noqa: E402
 from connectors.transfer_params import RecvKV, SendKV  # noqa: E402
 from kv_integrity_modes import PIPES, SECURITY_MODES, part4  # noqa: E402
 from nixl_bench import part_nixl  # noqa: E402
+from pipe_raw import bench_context  # noqa: E402
 from shm_bench import part_shm  # noqa: E402
 
 SHAPE = {"num_layers": 12, "num_kv_heads": 4, "head_dim": 64, "block_size": 16}  # bench-50m
@@ -110,7 +112,7 @@ def transfer_throughput(n_tokens: int, producer: PDConnectorWorker, conn, peer: 
 def _pair(max_tokens: int, transport: str, extra: dict | None = None):
     """(producer, pipe to the consumer process, the process, the consumer's endpoint)."""
     num_blocks = 2 * -(-max_tokens // SHAPE["block_size"])
-    ctx = mp.get_context("spawn")
+    ctx = bench_context()
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_consumer, args=(there, num_blocks, transport, extra), daemon=True)
     proc.start()
@@ -130,9 +132,11 @@ def part1(sizes: list[int], transport: str, repeats: int) -> list[float]:
     print(f"{'tokens':>7} {'KV MiB':>8} {'frame MiB':>9} {'ours GB/s':>10} {'raw GB/s':>9} {'ratio':>6}")
     for n in sizes:
         ours, nbytes = transfer_throughput(n, producer, here, peer, repeats)
-        # Our messages: one layer's K (or V) of the request, split by the pipe at 8 MiB.
+        # Our messages: one layer's K (or V) of the request, split by the pipe at 8 MiB. The
+        # raw moves the same bytes (it moved at least 64 MiB until issue 42's review, which
+        # spread its fixed costs over more bytes than ours at 1k tokens).
         frame = min(nbytes // (2 * SHAPE["num_layers"]), 8 << 20)
-        raw = raw_zmq_throughput(frame, max(nbytes, 64 << 20), transport, repeats=repeats)
+        raw = raw_zmq_throughput(frame, nbytes, transport, repeats=repeats)
         ratios.append(ours / raw)
         print(f"{n:>7} {nbytes / 2**20:>8.1f} {frame / 2**20:>9.2f} {ours / 1e9:>10.2f} "
               f"{raw / 1e9:>9.2f} {ours / raw:>6.2f}")
@@ -213,23 +217,32 @@ def kv_bytes_per_token(model_name: str) -> float:
 
 
 def part3(prompt_tokens: int, repeats: int, mla_model: str, gqa_model: str,
-          colocated: bool = True) -> None:
-    runs = {"mla": ttft_runs(mla_model, prompt_tokens, repeats, colocated),
-            "gqa": ttft_runs(gqa_model, prompt_tokens, repeats, colocated)}
-    print(f"MLA {mla_model} vs GQA {gqa_model}, {prompt_tokens}-token prompt:")
-    print(f"{'':>4} {'KV B/token':>10} {'analytical':>10} {'TTFT colo ms':>12} "
-          f"{'TTFT 1P1D ms':>12}")
-    for kind, name in (("mla", mla_model), ("gqa", gqa_model)):
+          colocated: bool = True) -> list[str]:
+    """Part 3's lines (printed by the caller: under --smoke it runs beside parts 1, 4-6)."""
+    models = {"mla": mla_model, "gqa": gqa_model}
+    if colocated:  # timed: one pair at a time
+        runs = {k: ttft_runs(m, prompt_tokens, repeats, colocated) for k, m in models.items()}
+    else:  # --smoke (no TTFT read): both pairs at once, their start-ups and waits overlap
+        with ThreadPoolExecutor(2) as pool:
+            futures = {k: pool.submit(ttft_runs, m, prompt_tokens, repeats, colocated)
+                       for k, m in models.items()}
+            runs = {k: f.result() for k, f in futures.items()}
+    out = [f"MLA {mla_model} vs GQA {gqa_model}, {prompt_tokens}-token prompt:",
+           f"{'':>4} {'KV B/token':>10} {'analytical':>10} {'TTFT colo ms':>12} "
+           f"{'TTFT 1P1D ms':>12}"]
+    for kind, name in models.items():
         t = runs[kind]
-        print(f"{kind:>4} {t['kv_bytes_per_token']:>10.1f} {kv_bytes_per_token(name):>10.1f} "
-              f"{t['colocated'] * 1e3:>12.1f} {t['pd'] * 1e3:>12.1f}")
+        out.append(f"{kind:>4} {t['kv_bytes_per_token']:>10.1f} "
+                   f"{kv_bytes_per_token(name):>10.1f} {t['colocated'] * 1e3:>12.1f} "
+                   f"{t['pd'] * 1e3:>12.1f}")
     mla, gqa = runs["mla"]["kv_bytes_per_token"], runs["gqa"]["kv_bytes_per_token"]
-    print(f"mla_kv_bytes_per_token={mla:.1f} gqa_kv_bytes_per_token={gqa:.1f} "
-          f"kv_bytes_ratio_gqa_over_mla={gqa / mla:.3f}")
+    out.append(f"mla_kv_bytes_per_token={mla:.1f} gqa_kv_bytes_per_token={gqa:.1f} "
+               f"kv_bytes_ratio_gqa_over_mla={gqa / mla:.3f}")
     if colocated:
         ratios = {k: t["pd"] / t["colocated"] for k, t in runs.items()}
-        print(f"mla_ttft_ratio_pd_over_colocated={ratios['mla']:.3f} "
-              f"gqa_ttft_ratio_pd_over_colocated={ratios['gqa']:.3f}")
+        out.append(f"mla_ttft_ratio_pd_over_colocated={ratios['mla']:.3f} "
+                   f"gqa_ttft_ratio_pd_over_colocated={ratios['gqa']:.3f}")
+    return out
 
 
 def _timed(times: list[float], rep: int, proc, submit, rid: str, consumer=None) -> None:
@@ -275,18 +288,24 @@ def main() -> None:
         install(new_secret())
     if args.smoke:
         args.sizes, args.repeats, args.ttft_prompt, args.skip_ttft = [256], 1, 64, True
-        args.security_tokens, args.security_pipes = 256, ["zmq-tcp", "gloo"]
-        args.security_modes = ["none", "mac"]
+        # zmq (mac) ran in part 1; part 4 adds gloo with mac (each mode is a process pair)
+        args.security_tokens, args.security_pipes = 256, ["gloo"]
+        args.security_modes = ["mac"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    part3_args = (args.ttft_prompt, args.repeats, args.mla_model, args.gqa_model, not args.smoke)
+    beside = None
+    if args.smoke and not args.skip_mla:  # its engines start while parts 1, 4-6 run; its
+        beside = ThreadPoolExecutor(1)     # lines come after part 6
+        part3_lines = beside.submit(part3, *part3_args)
     ratios = part1(args.sizes, args.transport, args.repeats)
     if not args.skip_ttft:
         part2(args.ttft_prompt, args.repeats, args.ttft_model, tuple(args.ttft_pipes))
-    if not args.skip_mla:
-        part3(args.ttft_prompt, args.repeats, args.mla_model, args.gqa_model,
-              colocated=not args.smoke)
+    if not args.skip_mla and beside is None:
+        print("\n".join(part3(*part3_args)))
     if not args.skip_security:
-        modes = ["none"] + [m for m in args.security_modes if m != "none"]
+        modes = ([] if args.smoke else ["none"]) + [m for m in args.security_modes
+                                                    if m != "none"]
         part4(args.security_tokens, args.repeats, args.security_pipes, modes, _pair,
               transfer_throughput, SHAPE["block_size"])
     if not args.skip_nixl:
@@ -294,6 +313,9 @@ def main() -> None:
     if not args.skip_shm:
         part_shm(args.sizes, args.repeats, _pair, transfer_throughput, SHAPE["num_layers"],
                  ("mac",) if args.smoke else ("mac", "none"))
+    if beside is not None:
+        print("\n".join(part3_lines.result(timeout=300)))
+        beside.shutdown()
     print(f"kv_transfer_efficiency={statistics.median(ratios):.3f}")
 
 

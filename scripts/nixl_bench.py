@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from pipe_raw import bench_context
+
 TIMEOUT_S = 120.0
 
 
@@ -65,7 +67,7 @@ def raw_nixl_write(nbytes: int, layers: int, repeats: int, block: int = 0) -> fl
     """Best bytes/s of ``nbytes`` written as ``layers`` WRITEs between two processes' agents
     (UCX), each notified: one contiguous descriptor per layer, or (``block``) one per block
     of that many bytes into shuffled destination blocks, as the connector's writes are."""
-    ctx = mp.get_context("spawn")
+    ctx = bench_context()
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_raw_target, args=(there, nbytes), daemon=True)
     proc.start()

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from pipe_raw import bench_context
+
 TIMEOUT_S = 120.0
 
 
@@ -38,14 +40,15 @@ def _raw_target(conn: Any, path: str, nbytes: int) -> None:
         conn.send(int(buf[-1]))  # touch it, as a consumer would
 
 
-def raw_shm_copy(nbytes: int, layers: int, repeats: int, block: int = 0) -> float:
-    """Best bytes/s of ``nbytes`` copied as ``layers`` copies (or, with ``block``, one per
-    block of that many bytes into shuffled blocks) into a buffer another process maps, plus
-    one round trip to it."""
+def raw_shm_copy(nbytes: int, repeats: int, ways: tuple[tuple[int, int], ...]) -> list[float]:
+    """Per (layers, block) of ``ways``, the best bytes/s of ``nbytes`` copied as ``layers``
+    copies (or, with ``block`` not 0, one per block of that many bytes into shuffled blocks
+    of each of the ``layers`` parts) into a buffer another process maps, plus one round trip
+    to it. One target process serves every way (each costs a second to start)."""
     from connectors.pipes.shm_arena import shm_folder
     path = str(shm_folder("/dev/shm") / f"raw-bench-{os.getpid()}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    ctx = mp.get_context("spawn")
+    ctx = bench_context()
     here, there = ctx.Pipe()
     proc = None
     try:
@@ -56,33 +59,39 @@ def raw_shm_copy(nbytes: int, layers: int, repeats: int, block: int = 0) -> floa
         if not here.poll(TIMEOUT_S) or here.recv() != "mapped":
             raise TimeoutError("raw shm target did not start")
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        src_np, dst_np = src.numpy(), dst.numpy()
-        per = nbytes // layers
-        n = per // block if block else 1
-        best = 0.0
-        for _ in range(repeats + 1):  # the first round faults the pages in
-            order = torch.randperm(n).tolist()
-            t0 = time.perf_counter()
-            for i in range(layers):
-                base = i * per
-                if not block:
-                    dst[base:base + per].copy_(src[base:base + per])
-                    continue
-                for j, k in enumerate(order):  # numpy slices, as the pipe copies blocks
-                    dst_np[base + k * block:base + (k + 1) * block] = \
-                        src_np[base + j * block:base + (j + 1) * block]
-            here.send("done")
-            if not here.poll(TIMEOUT_S):
-                raise TimeoutError("raw shm target did not answer")
-            here.recv()
-            best = max(best, layers * per / (time.perf_counter() - t0))
-        return best
+        return [_raw_rounds(here, src, dst, layers, repeats, block) for layers, block in ways]
     finally:
         if proc is not None:
             here.send(None)
             proc.join(timeout=30)
         os.close(fd)
         os.unlink(path)
+
+
+def _raw_rounds(here: Any, src: torch.Tensor, dst: torch.Tensor, layers: int, repeats: int,
+                block: int) -> float:
+    nbytes = src.numel()
+    src_np, dst_np = src.numpy(), dst.numpy()
+    per = nbytes // layers
+    n = per // block if block else 1
+    best = 0.0
+    for _ in range(repeats + 1):  # the first round faults the pages in
+        order = torch.randperm(n).tolist()
+        t0 = time.perf_counter()
+        for i in range(layers):
+            base = i * per
+            if not block:
+                dst[base:base + per].copy_(src[base:base + per])
+                continue
+            for j, k in enumerate(order):  # numpy slices, as the pipe copies blocks
+                dst_np[base + k * block:base + (k + 1) * block] = \
+                    src_np[base + j * block:base + (j + 1) * block]
+        here.send("done")
+        if not here.poll(TIMEOUT_S):
+            raise TimeoutError("raw shm target did not answer")
+        here.recv()
+        best = max(best, layers * per / (time.perf_counter() - t0))
+    return best
 
 
 def part_shm(sizes: list[int], repeats: int, pair: Callable, throughput: Callable,
@@ -107,8 +116,8 @@ def part_shm(sizes: list[int], repeats: int, pair: Callable, throughput: Callabl
             for n in sizes:
                 ours, nbytes = throughput(n, producer, here, peer, repeats)
                 if n not in raws:
-                    raws[n] = (raw_shm_copy(nbytes, num_layers, repeats),
-                               raw_shm_copy(nbytes, 2 * num_layers, repeats, block))
+                    raws[n] = raw_shm_copy(nbytes, repeats, ((num_layers, 0),
+                                                             (2 * num_layers, block)))
                 raw, raw_blocks = raws[n]
                 ratios[mode].append(ours / raw)
                 if mode == modes[0]:
