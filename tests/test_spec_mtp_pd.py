@@ -208,7 +208,7 @@ def test_a_wrong_hidden_state_shows_and_a_wrong_length_fails_closed(
     assert tokens == reference[0][0] and trace != reference[0][1]
     monkeypatch.setattr(mtp_pd, "encode_hidden", lambda row, dtype: real(row, dtype)[:-4])
     failed = d.stats()["kv_digest_failures"]
-    tokens, trace, on_d, _ = _through(p, d, probe, "w1", 1, reference)
+    tokens, trace, _, _ = _through(p, d, probe, "w1", 1, reference)
     assert d.stats()["kv_digest_failures"] == failed + 1
     assert (tokens, trace) == reference[1][:2]  # recomputed on D, speculating as colocated
     p.check_no_leaks(), d.check_no_leaks()
