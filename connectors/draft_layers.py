@@ -1,4 +1,5 @@
-"""The draft model's KV through P/D (speculative ``draft_model``, issue 41), the worker's side.
+"""A proposer's KV through P/D (speculative ``draft_model`` and ``mtp``, issue 41), the worker's
+side: a draft model's layers, or the MTP layer's (one layer; "draft" below means either).
 
 The prefill engine runs the draft's prefill too (pd_cluster/engine/spec/draft_pd.py) and its
 layers travel after the target's on the same pipe and links: layer indices num_layers ..
@@ -17,6 +18,12 @@ shm pipe (and auto's links): a consumer's shared cache then holds the draft's la
 its HOLD grants the draft's blocks beside the target's. Elsewhere (tensor parallelism, nixl,
 a consumer that granted no draft blocks) the FIN says "no draft" and the decode engine runs
 the draft's prefill itself, as before: nothing is lost either way.
+
+A hidden-state proposer (mtp) needs one thing more at its first proposal: the target's hidden
+state at the prompt's last position. It rides in the FIN (``FinHeader.draft_state``, under the
+frame's MAC, counted in the draft bytes); the consumer checks its length (``draft_state_bytes``)
+and fails the transfer closed when it is wrong. Without it (FIN "no draft") the decode engine
+has no hidden states for the prompt: that request decodes without drafts (mtp_pd.py).
 """
 from __future__ import annotations
 
@@ -46,14 +53,17 @@ class DraftLayers:
     _in_place: bool
     _failed_sends: set[str]
     _deferred: dict[str, list[tuple[int, SendSpec]]]
+    _draft_states: dict[str, bytes]
 
-    def register_draft_caches(self, caches: list[torch.Tensor]) -> None:
-        """The draft model's per-layer caches, addressed as layers after the target's."""
+    def register_draft_caches(self, caches: list[torch.Tensor], state_bytes: int = 0) -> None:
+        """The proposer's per-layer caches, addressed as layers after the target's;
+        ``state_bytes``: the length of the state its FIN carries (mtp's hidden state; 0)."""
         self.num_target_layers = self.receiver.num_layers
         self.num_draft_layers = len(caches)
         self.kv_caches = [*self.kv_caches[:self.num_target_layers], *caches]
         self.receiver.kv_caches = self.kv_caches
         self.receiver.num_draft_layers = len(caches)
+        self.receiver.draft_state_bytes = state_bytes
         if self._in_place and self.tp_size == 1 and getattr(self.pipe, "adds_caches", False):
             self.pipe.register_kv_caches(self.kv_caches)  # before any handshake
             self._draft_in_place = True
@@ -89,9 +99,18 @@ class DraftLayers:
                     self._send_unheld(spec, self.num_target_layers + j, cache, 0)
             self._draft_sent.add(rid)
 
-    def take_draft_landed(self, request_id: str) -> bool:
-        """Consumer: whether the request's draft KV arrived with its target KV (asked once,
-        when the request starts decoding)."""
+    def ship_draft_state(self, request_id: str, state: bytes) -> None:
+        """Producer: what the request's FIN carries with its draft KV (mtp's hidden state)."""
+        self._draft_states[request_id] = state
+
+    def drop_draft(self, request_id: str) -> None:
+        """Producer: the request's draft KV is incomplete after all (its FIN says "no draft")."""
+        self._draft_dropped.add(request_id)
+
+    def take_draft_landed(self, request_id: str) -> bytes | None:
+        """Consumer: the state that came with the request's draft KV (b"" for a draft model),
+        or None when its draft KV did not arrive with its target KV (asked once, when the
+        request starts decoding)."""
         return self.receiver.take_draft_landed(request_id)
 
     def _write_draft_layer(self, spec: SendSpec, layer: int, endpoint: str,

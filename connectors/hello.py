@@ -43,15 +43,19 @@ def make_hello(engine_info: dict[str, Any]) -> dict[str, Any]:
 
 
 def _spec_mismatch(consumer: dict[str, Any], producer: dict[str, Any]) -> str | None:
-    """A producer whose speculative proposer state (a draft model's KV: executor.spec_state)
-    is not this consumer's. vLLM #54926 lost the draft KV silently on such a pair. Today the
-    decode engine runs the draft's prefill itself, so nothing is lost yet; the check keeps the
-    pair honest for when P ships the draft's KV. ngram or off on both: no state, no check."""
+    """A producer whose speculative proposer state (a draft model's KV, the MTP layer's KV
+    and hidden state: executor.spec_state) is not this consumer's: P ships that state after
+    the target's layers (connectors/draft_layers.py), and vLLM #54926 lost the draft KV
+    silently on such a pair. ngram or off on both: no state, no check."""
     theirs = producer.get("spec_state")
     if theirs == consumer.get("spec_state"):
         return None
-    what = (f"drafts with {theirs.get('method')!r:.40} model {theirs.get('model_id')!r:.40}"
-            if isinstance(theirs, dict) else "has no draft model")
+    if not isinstance(theirs, dict):
+        what = "has no draft model or MTP layer"
+    elif theirs.get("model_id") is None:  # mtp: the served checkpoint's own layer
+        what = f"speculates with {theirs.get('method')!r:.40}"
+    else:
+        what = f"drafts with {theirs.get('method')!r:.40} model {theirs.get('model_id')!r:.40}"
     return (f"speculative config mismatch: the prefill engine {what}, unlike this decode "
             f"engine; set the same engine.speculative (method and model) on both")
 

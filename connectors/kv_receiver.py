@@ -9,6 +9,8 @@ from the start and are never written over: producers are told to skip them (a Ho
 answering their OfferHeader), and any that arrive anyway are dropped.
 A draft model's layers (layers num_layers.., into RecvSpec.draft_block_ids: draft_layers.py)
 count too when the FIN says they come; every one of their blocks is written (no prefix cache).
+An MTP layer's also, and its FIN carries the hidden state D's first proposal reads (its length
+checked here: a wrong one fails the transfer closed).
 """
 from __future__ import annotations
 
@@ -64,7 +66,9 @@ class KVReceiver:
         self.timeout, self.max_staging_bytes = timeout, max_staging_bytes
         self.kv_caches: list[torch.Tensor] = []  # the target's layers, then a draft's
         self.num_draft_layers = 0  # layers num_layers.. of kv_caches: a draft model's
-        self._draft_landed: OrderedDict[str, bool] = OrderedDict()  # taken once, bounded
+        # the state that came with each landed draft KV (b"": none), taken once, bounded
+        self._draft_landed: OrderedDict[str, bytes] = OrderedDict()
+        self.draft_state_bytes = 0  # what a FIN with draft KV carries (mtp's hidden state)
         self.draft_bytes_received = 0
         self._lock = threading.Lock()
         self._active: dict[str, _Receiving] = {}
@@ -166,10 +170,11 @@ class KVReceiver:
             holds, self._holds = self._holds, []
             return holds
 
-    def take_draft_landed(self, request_id: str) -> bool:
-        """Whether the request's draft KV landed with its target KV (once per request)."""
+    def take_draft_landed(self, request_id: str) -> bytes | None:
+        """The state that came with the request's draft KV (b"" for a draft model), None when
+        its draft KV did not land with its target KV (once per request)."""
         with self._lock:
-            return self._draft_landed.pop(request_id, False)
+            return self._draft_landed.pop(request_id, None)
 
     def take_nacks(self) -> list[tuple[str, str, bool]]:
         """(peer, request id, False) for receives given up since the last call."""
@@ -262,6 +267,10 @@ class KVReceiver:
                     f.draft for f in state.fins):  # no draft KV comes: D runs its prefill
                 state.written[self.num_layers:] = True
                 state.draft_index = None
+            elif header.draft and state.draft_index is not None \
+                    and len(header.draft_state) != self.draft_state_bytes:
+                return self._fail_closed(state, f"draft state of {len(header.draft_state)} "
+                                         f"bytes, not {self.draft_state_bytes}", peer, {peer})
         elif isinstance(header, KVWrittenHeader):
             try:
                 self._mark_written(state, header, peer, checked)
@@ -289,7 +298,10 @@ class KVReceiver:
             del self._active[rid]
             self._done[rid] = state.fins[0].first_token
             if state.draft_index is not None:
-                self._draft_landed[rid] = True
+                landed = state.fins[0].draft_state
+                self._draft_landed[rid] = landed
+                self.draft_bytes_received += len(landed)
+                self.bytes_received += len(landed)
                 while len(self._draft_landed) > 4096:  # requests that ended before decoding
                     self._draft_landed.popitem(last=False)
             self.recv_seconds += time.monotonic() - state.first_arrival

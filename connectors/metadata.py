@@ -85,6 +85,11 @@ class FinHeader(msgspec.Struct, frozen=True, tag="fin", tag_field="kind"):
     # The draft model's KV went too (its layers after the target's): the request is in only
     # once they landed as well. False: the consumer runs the draft's prefill itself.
     draft: bool = False
+    # With ``draft``, what a hidden-state proposer needs besides its KV (speculative mtp: the
+    # target's hidden state at the prompt's last position, after the final norm, raw bytes in
+    # the model's dtype: pd_cluster/engine/spec/mtp_pd.py); empty for a draft model. Inside
+    # the frame's MAC like every header; the consumer checks its length.
+    draft_state: Annotated[bytes, msgspec.Meta(max_length=1 << 19)] = b""
 
 
 class AckHeader(msgspec.Struct, frozen=True, tag="ack", tag_field="kind"):

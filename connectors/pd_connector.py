@@ -103,6 +103,7 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         self.num_target_layers, self.num_draft_layers = engine_info["num_layers"], 0
         self._draft_sent: set[str] = set()  # producer: requests whose draft layers went
         self._draft_dropped: set[str] = set()  # ... save where the consumer granted none
+        self._draft_states: dict[str, bytes] = {}  # producer: what their FINs carry (mtp)
         self._draft_in_place = False  # consumer: its in-place pipe has the draft's layers
         self.draft_bytes_sent = 0
         self.num_send_timeouts = 0

@@ -258,6 +258,8 @@ class PDProducer:
         ttft_trace.mark(fin.request_id, "fin")
         # its draft layers went too (all of them: none dropped for want of a grant)
         draft = fin.request_id in self._draft_sent and fin.request_id not in self._draft_dropped
+        state = self._draft_states.pop(fin.request_id, b"") if draft else b""
+        self._draft_states.pop(fin.request_id, None)
         self._draft_sent.discard(fin.request_id)
         self._draft_dropped.discard(fin.request_id)
         self.draft_grants.drop(fin.request_id)
@@ -277,9 +279,11 @@ class PDProducer:
             header = FinHeader(fin.request_id, fin.first_token if ok else None,
                                fin.num_prompt_tokens, self.config.lease_seconds, num_feeders(
                                    r.dst_rank, self.tp_size, n_ranks, self.hello["num_kv_heads"]),
-                               draft)
+                               draft, state)
             try:
                 self.sender.send(endpoint, encode_header(header), None)
+                self.bytes_sent += len(state)  # mtp's hidden state: draft bytes too
+                self.draft_bytes_sent += len(state)
             except PipeError as e:
                 logger.error("FIN for %s failed: %s", fin.request_id, e)
                 ok = False

@@ -328,17 +328,14 @@ class EngineConfig(EngineArgs):
     kv_transfer: KVTransferConfig | None = None
 
     @model_validator(mode="after")
-    def _mtp_here_only(self) -> "EngineConfig":
-        # The MTP layer reads the target's hidden state at every position; a decode engine
-        # receives the prompt's KV without them (P does not ship them yet), and the KV tiers
-        # restore prefix-cache blocks (prefix caching is off with mtp: llm_engine.py).
+    def _mtp_without_tiers(self) -> "EngineConfig":
+        # The MTP layer reads the target's hidden state at every position, so prefix caching
+        # is off with mtp (llm_engine.py), and the KV tiers restore prefix-cache blocks.
+        # Through P/D the prefill engine ships the MTP layer's KV and the prompt's last hidden
+        # state (engine/spec/mtp_pd.py).
         spec = self.speculative
         if spec is None or spec.method != "mtp":
             return self
-        if self.kv_transfer is not None:
-            raise ValueError("speculative.method: mtp does not work through P/D yet (the "
-                             "decode engine lacks the prompt's hidden states); unset "
-                             "kv_transfer or use ngram / draft_model")
         if self.kv_offloading_size:
             raise ValueError("speculative.method: mtp turns prefix caching off, which the KV "
                              "tiers need; unset kv_offloading_size")

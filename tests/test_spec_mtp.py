@@ -15,7 +15,6 @@ import torch
 from pd_cluster import LLM, SamplingParams
 from pd_cluster.config import EngineConfig, SpeculativeConfig
 from pd_cluster.serving.cluster.cluster_config import parse_config
-from pd_cluster.serving.cluster.schema import ConfigError
 from tests.conftest import hf_model, random_prompt
 from tests.spec_helpers import outputs
 from tests.test_families import family_model  # noqa: F401 (the fixture)
@@ -142,11 +141,11 @@ def test_head_gets_the_targets_hidden_states_and_accepts(base: LLM, model: str) 
 def test_config_errors_name_the_field(tiny_model: Any, model: str) -> None:
     with pytest.raises(ValueError, match="model: mtp reads the served checkpoint"):
         SpeculativeConfig(method="mtp", model="x")
-    with pytest.raises(ValueError, match="speculative.method: mtp does not work through P/D"):
-        EngineConfig(model=model, speculative=MTP,
-                     kv_transfer={"role": "consumer"})
-    with pytest.raises(ConfigError, match="engine.speculative.method: mtp does not work"):
-        parse_config({"model": model, "engine": {"speculative": MTP}})  # disaggregated
+    # Through P/D too (tests/test_spec_mtp_pd.py); not with the KV tiers (prefix caching off).
+    EngineConfig(model=model, speculative=MTP, kv_transfer={"role": "consumer"})
+    parse_config({"model": model, "engine": {"speculative": MTP}})  # disaggregated
     parse_config({"model": model, "mode": "colocated", "engine": {"speculative": MTP}})
+    with pytest.raises(ValueError, match="speculative.method: mtp turns prefix caching off"):
+        EngineConfig(model=model, speculative=MTP, kv_offloading_size=1)
     with pytest.raises(ValueError, match="speculative.method: mtp needs a checkpoint with MTP"):
         LLM(model=tiny_model(), num_kv_blocks=16, speculative=MTP, compile=False)

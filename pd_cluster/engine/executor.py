@@ -74,7 +74,7 @@ def spec_state(config: EngineConfig) -> dict[str, Any] | None:
     spec = config.speculative
     if spec is None or spec.method == "ngram":
         return None
-    if spec.method == "mtp":  # the served checkpoint's own layer (refused with P/D: config.py)
+    if spec.method == "mtp":  # the served checkpoint's own layer (its KV and hidden state)
         return {"method": "mtp"}
     from connectors.hello import model_fingerprint
     from pd_cluster.engine.spec.draft_runner import draft_model_dir

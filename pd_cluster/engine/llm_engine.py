@@ -66,7 +66,7 @@ class LLMEngine:
                                    self.executor.scheduler_connector)
         self.proposer = self._proposer(hf_config)
         self.scheduler.proposer = self.proposer
-        self.draft_pd = self._draft_pd()  # the draft's KV through P/D (spec/draft_pd.py)
+        self.draft_pd = self._draft_pd(hf_config)  # its KV through P/D (spec/draft_pd.py)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.grammars = GrammarCompilerPool(config.structured_outputs, self.tokenizer,
                                             self.vocab_size, list(eos_ids(self.eos_token_id)))
@@ -93,13 +93,19 @@ class LLMEngine:
                              lambda: self.runner.backend)
         return DraftModelProposer(spec, runner, self.max_model_len)
 
-    def _draft_pd(self) -> Any:
-        """With a draft model and the P/D connector: its KV ships with the target's."""
-        from pd_cluster.engine.spec.draft_model import DraftModelProposer
+    def _draft_pd(self, hf_config: dict[str, Any]) -> Any:
+        """With a draft model or the MTP layer and the P/D connector: its KV ships with the
+        target's (spec/draft_pd.py, spec/mtp_pd.py)."""
         worker = self.runner.connector
-        if not isinstance(self.proposer, DraftModelProposer) or worker is None \
+        method = self.config.speculative.method if self.config.speculative else None
+        if method not in ("draft_model", "mtp") or worker is None \
                 or not hasattr(worker, "register_draft_caches"):
             return None
+        if method == "mtp":
+            from pd_cluster.engine.spec.mtp_pd import MTPStateThroughPD
+            return MTPStateThroughPD(self.proposer, worker, self.executor.scheduler_connector,
+                                     int(hf_config["hidden_size"]), self.config.torch_dtype,
+                                     self.runner)
         from pd_cluster.engine.spec.draft_pd import DraftKVThroughPD
         return DraftKVThroughPD(self.proposer, worker, self.executor.scheduler_connector)
 

@@ -53,8 +53,9 @@ class DraftModelProposer(PooledProposer):
                  max_model_len: int) -> None:
         super().__init__(config.num_speculative_tokens, runner, max_model_len, _State)
         self.runner: DraftRunner = runner
-        # Through P/D (draft_pd.py): whether a request's draft KV landed with its KV.
-        self.landed: Callable[[str], bool] = lambda request_id: False
+        # Through P/D (draft_pd.py): whether a request's draft KV landed with its KV (None:
+        # it did not).
+        self.landed: Callable[[str], bytes | None] = lambda request_id: None
         self.prefill_tokens = 0  # prompt tokens the draft ran here (its own prefills)
 
     def reserve(self, request: Request) -> tuple[int, ...]:
@@ -95,7 +96,7 @@ class DraftModelProposer(PooledProposer):
             state = self._state(request)
             if state.receiving:  # its first proposal: did the prompt's draft KV come?
                 state.receiving = False
-                if self.landed(request.request_id):
+                if self.landed(request.request_id) is not None:
                     state.computed = request.num_prompt_tokens
             if self.backoff.resting(state):
                 continue

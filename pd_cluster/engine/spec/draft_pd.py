@@ -12,6 +12,9 @@ Decode engine (requests with RecvKV): the proposer reserves the prompt's draft b
 request is admitted to wait for its KV (RecvSpec.draft_block_ids); at its first proposal it
 starts after the prompt if the draft KV landed, else it runs the draft's prefill itself (a
 producer that sent none, a failed transfer, a full draft pool): nothing is lost either way.
+
+The MTP layer's KV (speculative ``mtp``) takes the same path: mtp_pd.py runs the layer's
+prefill instead of a draft model's (``_prefill``) and adds the hidden state its FIN carries.
 """
 from __future__ import annotations
 
@@ -19,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connectors.transfer_params import RecvKV, SendKV
-from pd_cluster.engine.spec.draft_model import DraftModelProposer
 from pd_cluster.engine.spec.draft_runner import Chunk
 from pd_cluster.request import Request
 
@@ -32,10 +34,12 @@ class _Shipping:
 
 
 class DraftKVThroughPD:
-    def __init__(self, proposer: DraftModelProposer, worker: Any, scheduler_connector: Any
-                 ) -> None:
+    def __init__(self, proposer: Any, worker: Any, scheduler_connector: Any,
+                 state_bytes: int = 0) -> None:
+        """``proposer``: a DraftModelProposer (or mtp_pd.py's HiddenStateProposer);
+        ``state_bytes``: what each FIN carries besides the KV (mtp_pd.py)."""
         self.proposer, self.runner, self.worker = proposer, proposer.runner, worker
-        worker.register_draft_caches(self.runner.kv_caches)
+        worker.register_draft_caches(self.runner.kv_caches, state_bytes)
         scheduler_connector.draft_blocks = self.draft_blocks
         proposer.landed = worker.take_draft_landed
         self.shipping: dict[str, _Shipping] = {}
@@ -64,8 +68,7 @@ class DraftKVThroughPD:
         if not sends:
             return
         planned = {s.request_id for s in sends}
-        chunks: list[Chunk] = []
-        ran: list[tuple[_Shipping, int]] = []
+        todo: list[tuple[_Shipping, Any, int]] = []
         for item in out.scheduled:
             request = item.request
             state = self.shipping.get(request.request_id)
@@ -75,16 +78,21 @@ class DraftKVThroughPD:
             end = min(request.num_computed_tokens + item.num_new_tokens,
                       request.num_prompt_tokens)
             if end > state.computed:
-                chunks.append((state.blocks, state.computed,
-                               request.token_ids_range(state.computed, end),
-                               request.num_prompt_tokens, False))
-                ran.append((state, end))
-        if chunks:
-            self.runner.next_tokens(chunks)
-        for state, end in ran:
+                todo.append((state, item, end))
+        if todo:
+            self._prefill(todo, out)
+        self.worker.save_draft_layers(sends, self.runner.kv_caches)
+
+    def _prefill(self, todo: list[tuple[_Shipping, Any, int]], out: Any) -> None:
+        """The draft's prefill of prompt positions ``state.computed .. end - 1`` of each
+        (state, scheduled item, end); ``state.computed`` moves to ``end``."""
+        chunks: list[Chunk] = [(s.blocks, s.computed,
+                                s.request.token_ids_range(s.computed, end),
+                                s.request.num_prompt_tokens, False) for s, _, end in todo]
+        self.runner.next_tokens(chunks)
+        for state, _, end in todo:
             self.proposer.prefill_tokens += end - state.computed
             state.computed = end
-        self.worker.save_draft_layers(sends, self.runner.kv_caches)
 
     def sweep(self, requests: dict[str, Request]) -> None:
         """Give back the draft blocks of requests that left the scheduler (sent, aborted)."""

@@ -59,6 +59,12 @@ class HeadRunner(BlockPool):
         """Every chunk's positions into the head's cache (forwards of at most ``max_tokens``
         tokens: a long catch-up over several); per chunk, the head's state at its last
         position [len(chunks), hidden] and the greedy token after it."""
+        out = self.prefill(chunks)
+        return out, self.head.compute_logits(out).argmax(dim=-1).tolist()
+
+    @torch.inference_mode()
+    def prefill(self, chunks: list[HeadChunk]) -> torch.Tensor:
+        """``run`` without the tokens (a prefill engine's, mtp_pd.py: its KV is what ships)."""
         states: list[torch.Tensor | None] = [None] * len(chunks)
         pending = [(i, 0) for i in range(len(chunks))]  # (chunk, tokens done)
         while pending:
@@ -77,8 +83,7 @@ class HeadRunner(BlockPool):
                 else:
                     states[i] = row
             pending = rest
-        out = torch.stack([s for s in states if s is not None])
-        return out, self.head.compute_logits(out).argmax(dim=-1).tolist()
+        return torch.stack([s for s in states if s is not None])
 
     def _forward(self, chunks: list[HeadChunk], wanted: list[tuple[int, int, int]]
                  ) -> list[torch.Tensor]:

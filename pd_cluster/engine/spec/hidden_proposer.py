@@ -15,10 +15,15 @@ at positions >= the request's computed tokens are dropped when the next step's a
 Lossless as draft_model's (its docstring): the drafts are greedy, a point mass; verify.py keeps
 exactly the tokens the target would draw. A request with no hidden states for some position
 (its KV computed elsewhere) gets no drafts; the engine keeps that from happening (prefix
-caching off, no P/D: config.py, llm_engine.py)."""
+caching off: llm_engine.py). Through P/D (mtp_pd.py) the head's blocks for the prompt are
+reserved when the request is admitted to wait for its KV (``reserve``); at its first proposal,
+if the prefill engine's MTP KV and last hidden state landed, the head starts after the prompt
+(computed = L - 1, that hidden state); else the request decodes without drafts (D has no
+hidden states for its prompt), unless D computed the prompt itself after a failed transfer."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -42,6 +47,7 @@ class _State:
     cooldown: int = 0
     kept: float = 0.0
     lost: float = 0.0
+    receiving: bool = False  # reserved for the MTP state coming from a prefill engine
 
     @property
     def hidden_end(self) -> int:
@@ -53,6 +59,35 @@ class HiddenStateProposer(PooledProposer):
                  max_model_len: int) -> None:
         super().__init__(config.num_speculative_tokens, runner, max_model_len, _State)
         self.runner: HeadRunner = runner
+        # Through P/D (mtp_pd.py): what came with a request's MTP KV (None: it did not), and
+        # that as the target's hidden state at the prompt's last position [1, hidden].
+        self.landed: Callable[[str], bytes | None] = lambda request_id: None
+        self.decode_landed: Callable[[bytes], torch.Tensor] | None = None
+        self.prefill_tokens = 0  # prompt positions 0 .. L - 2 the head ran here (its prefill)
+
+    def reserve(self, request: Request) -> tuple[int, ...]:
+        """The head's blocks for the prompt of a request whose KV comes from a prefill engine
+        (the MTP KV may come with it), kept while it waits; () when the pool lacks them."""
+        self.release([request.request_id])
+        state = _State(request, receiving=True)
+        if not self.runner.grow(state.blocks, request.num_prompt_tokens):
+            return ()
+        self.states[request.request_id] = state
+        return tuple(state.blocks)
+
+    def _land(self, request: Request, state: _State) -> None:
+        """A request from a prefill engine starts decoding: start after its prompt where the
+        MTP state came with its KV."""
+        state.receiving = False
+        data = self.landed(request.request_id)
+        if data is None or self.decode_landed is None:
+            return  # capture finds positions without hidden states: no drafts (unless D
+            # computed the prompt itself: a failed transfer, recomputed here)
+        state.computed = state.hidden_start = request.num_prompt_tokens - 1
+        state.hidden = self.decode_landed(data)
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "spec_draft_prefill_tokens": self.prefill_tokens}
 
     # ---- the engine's hook ---------------------------------------------------------------
     def capture(self, rows: list[TargetRows], hidden: torch.Tensor) -> None:
@@ -78,9 +113,14 @@ class HiddenStateProposer(PooledProposer):
     def propose(self, requests: list[Request]) -> None:
         """Set ``spec_token_ids`` of each decoding request for the next step."""
         live = {r.request_id for r in requests}
-        self.release([rid for rid in self.states if rid not in live])
+        self.release([rid for rid, s in self.states.items() if rid not in live
+                      and not (s.receiving and not s.request.is_finished)])
         for request in requests:
             request.spec_token_ids = []
+            state = self.states.get(request.request_id)
+            if state is not None and state.receiving and request.is_decoding \
+                    and state.request is request:
+                self._land(request, state)
         if self.backoff.skip(len(requests)):  # drafts do not pay at this batch size
             return
         active: list[tuple[Request, _State, int]] = []
@@ -103,6 +143,7 @@ class HiddenStateProposer(PooledProposer):
             return
         chunks = []
         for r, s, _ in active:
+            self.prefill_tokens += max(0, min(r.num_tokens, r.num_prompt_tokens) - 1 - s.computed)
             rows = s.hidden[s.computed - s.hidden_start:r.num_tokens - 1 - s.hidden_start]
             chunks.append(HeadChunk(s.blocks, s.computed,
                                     r.token_ids_range(s.computed + 1, r.num_tokens), rows,

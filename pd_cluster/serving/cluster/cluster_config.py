@@ -95,17 +95,6 @@ class ClusterConfig(ConfigSection):
                 f"{int(100 / per_gpu) / 100}")
         return self
 
-    @model_validator(mode="after")
-    def _mtp_colocated_only(self) -> "ClusterConfig":
-        """At parse time rather than at each engine's start (EngineConfig refuses mtp with
-        kv_transfer: the decode engine would lack the prompt's hidden states)."""
-        spec = self.engine.get("speculative") or {}
-        if self.mode == "disaggregated" and spec.get("method") == "mtp":
-            raise ValueError("engine.speculative.method: mtp does not work through P/D yet "
-                             "(the decode engine lacks the prompt's hidden states); use "
-                             "mode: colocated, or ngram / draft_model")
-        return self
-
     @field_validator("served_model_name")
     @classmethod
     def _names(cls, value: str | list[str] | None) -> str | list[str] | None:
