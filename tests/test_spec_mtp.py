@@ -14,6 +14,7 @@ import torch
 
 from pd_cluster import LLM, SamplingParams
 from pd_cluster.config import EngineConfig, SpeculativeConfig
+from pd_cluster.engine.spec.backoff import Backoff
 from pd_cluster.serving.cluster.cluster_config import parse_config
 from tests.conftest import hf_model, random_prompt
 from tests.spec_helpers import outputs
@@ -75,6 +76,10 @@ def test_seeded_sampling_reproducible_and_abort_frees_head_blocks(base: LLM, spe
     assert [o.token_ids for o in outputs(spec, PROMPTS[:2], params)] == first
     assert [o.token_ids for o in outputs(base, PROMPTS[:2], params)] == first
     engine = spec.engine
+    # The random head's drafts all failed above: the engine-wide gate would propose on one
+    # step in 8, at a phase (and a step-cost fit) earlier tests set. A fresh backoff proposes
+    # at the request's first decode step, so the head surely holds its blocks below.
+    engine.proposer.backoff = Backoff()
     engine.add_request("cut", PROMPTS[1], GREEDY)
     for _ in range(4):
         engine.step()
