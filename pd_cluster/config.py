@@ -81,6 +81,10 @@ class SpeculativeConfig(BaseModel):
     # checkpoint's own MTP layer, DeepSeek-V3's num_nextn_predict_layers, chained k times)
     method: str = "ngram"
     num_speculative_tokens: int = 4  # drafts per request per step at most
+    # ngram: a request whose drafts were all kept may verify up to this many next step (the
+    # width doubles from num_speculative_tokens per fully kept verify, back at the first
+    # rejected draft): a long copied span takes fewer steps. None: num_speculative_tokens.
+    num_speculative_tokens_max: int | None = None
     prompt_lookup_min: int = 2  # shortest n-gram of the recent tokens looked up
     prompt_lookup_max: int = 5  # longest (tried first)
     # draft_model's checkpoint (a directory or a preset name): same tokenizer and vocabulary
@@ -107,6 +111,13 @@ class SpeculativeConfig(BaseModel):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.num_speculative_tokens_max is not None:
+            if self.method != "ngram":
+                raise ValueError("num_speculative_tokens_max: only ngram grows its drafts")
+            if self.num_speculative_tokens_max < self.num_speculative_tokens:
+                raise ValueError(f"num_speculative_tokens_max ({self.num_speculative_tokens_max})"
+                                 f" must be >= num_speculative_tokens "
+                                 f"({self.num_speculative_tokens})")
         if self.model is not None and self.method == "ngram":
             raise ValueError("model: ngram proposes from the prompt and needs no model")
         if self.model is not None and self.method == "mtp":
@@ -116,6 +127,11 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("model: draft_model needs the draft's checkpoint (a directory or "
                              "a preset name)")
         return self
+
+    @property
+    def max_drafts(self) -> int:
+        """Drafts one request may verify in one step, at most."""
+        return self.num_speculative_tokens_max or self.num_speculative_tokens
 
 
 class KVOffloadingDiskConfig(BaseModel):

@@ -7,16 +7,23 @@ speculation off and on, side by side in one run, at batch 1, 4 and 16. ngram run
     the prompt holds. The mean acceptance length printed says how grounded it really was.
   * ungrounded: random token prompts; the model's continuation is not in them.
 
+ngram verifies ``--k`` drafts, growing to ``--k-max`` while a request's drafts are all kept
+(``num_speculative_tokens_max``; ``--k-max`` equal to ``--k``: a fixed k, as vLLM's ngram).
+
 draft_model runs the ungrounded one (a draft needs no grounding): the draft is the served model
 truncated to its first ``--draft-layers`` layers (pd_cluster/checkpoints/truncate.py), its KV
-on the engine, its prefill on D in 1P1D (P carries the same config: the handshake compares it).
+on the engine. In 1P1D, P runs the draft's prefill and ships its KV with the target's
+(spec/draft_pd.py), so D runs none (``1P1D-ship``); beside it ``1P1D-recomp``, the same pair
+with P's draft shipping turned off, where D runs the draft's prefill itself (P carries the
+same config either way: the handshake compares it). ``D draft pf`` is the prompt tokens D's
+draft prefilled; ``draft_pd_ship_vs_recomp_bN`` is the ratio of the two speedups.
 
 Each is run offline (one engine, ``LLMEngine.step`` timed) and through 1P1D (an in-process
 producer/consumer pair on the KV connector: P prefills, D decodes and speculates on the
 requests whose KV it received). decode tok/s = output tokens after each request's first /
 the time from the batch's last first token to its end; ITL = a request's (last - first token
-time) / (tokens - 1), the mean over requests. Greedy; every speculative output is checked
-equal to the non-speculative one.
+time) / (tokens - 1), the mean over requests; accept len = 1 + drafts kept per verify. Greedy;
+every speculative output is checked equal to the non-speculative one.
 
 Example: python scripts/bench_spec_decode.py --model /work/models/llama-58m
 The last lines are ``spec_speedup_draft_b1=X`` and ``spec_speedup_grounded_b1=X`` (offline,
@@ -43,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=48, help="S's length (grounded: 3 parts)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--k-max", type=int, default=None,
+                   help="ngram: num_speculative_tokens_max (default 4 k; --k: fixed)")
     p.add_argument("--lookup-min", type=int, default=2)
     p.add_argument("--lookup-max", type=int, default=5)
     p.add_argument("--draft-layers", type=int, default=3, help="draft_model: layers kept")
@@ -63,8 +72,9 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
 def spec_config(args: argparse.Namespace, method: str = "ngram") -> dict[str, Any]:
     if method == "draft_model":
         return {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
+    grow = {"num_speculative_tokens_max": args.k_max} if args.k_max > args.k else {}
     return {"method": "ngram", "num_speculative_tokens": args.k,
-            "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
+            "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max, **grow}
 
 
 def workloads(base: Any, args: argparse.Namespace, n: int, vocab: int
@@ -123,7 +133,7 @@ class PDPair:
     """An in-process 1P1D pair (tests/pd_helpers.py's): P's steps run inside the timed loop."""
 
     def __init__(self, model: str, params: Any, args: argparse.Namespace,
-                 method: str | None) -> None:
+                 method: str | None, ship_draft: bool = True) -> None:
         from connectors.secret import has_secret, install, new_secret
         from tests.pd_helpers import engine
         if not has_secret():  # the pipe's handshake proof, as `pd-cluster launch` sets it
@@ -133,6 +143,8 @@ class PDPair:
         # A draft model's config must match on P (the handshake refuses another); ngram: none.
         self.p = engine(model, "producer", **engine_args(args),
                         **(extra if method == "draft_model" else {}))
+        if not ship_draft:  # as tests/test_spec_draft_pd.py turns P's draft shipping off
+            self.p.draft_pd.worker.ships_draft_to = lambda peer: False
         self.p.connect_kv_peer(self.d.kv_endpoint())
         self.params, self.n = params, 0
 
@@ -160,6 +172,51 @@ class PDPair:
         self.p.close(), self.d.close()
 
 
+def measure(off: Any, on: Any, engine: Any, prompts: list[list[int]], repeat: int
+            ) -> dict[str, Any]:
+    """One case: off and on alternated ``repeat`` times (both see the same noise); medians,
+    and the on engine's speculation counters over those runs."""
+    off.run(prompts[:1])  # warm-up (first steps, allocator)
+    on.run(prompts[:1])
+    s0 = engine.stats()
+    pairs = []
+    for _ in range(repeat):
+        r_off, itl_off, t_off = off.run(prompts)
+        r_on, itl_on, t_on = on.run(prompts)
+        pairs.append((r_off, r_on, itl_off, itl_on, t_off == t_on))
+    s1 = engine.stats()
+    delta = {k: s1.get(k, 0) - s0.get(k, 0) for k in (
+        "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens",
+        "spec_draft_prefill_tokens")}
+    acc = delta["spec_num_accepted_tokens"]
+    return {"off": statistics.median(p[0] for p in pairs),
+            "on": statistics.median(p[1] for p in pairs),
+            "itl_off": statistics.median(p[2] for p in pairs),
+            "itl_on": statistics.median(p[3] for p in pairs),
+            "ratio": statistics.median(p[1] / p[0] for p in pairs),
+            "accept_len": 1 + acc / max(delta["spec_num_drafts"], 1),
+            "accept_pct": 100 * acc / max(delta["spec_num_draft_tokens"], 1),
+            "draft_prefill": delta["spec_draft_prefill_tokens"],
+            "equal": all(p[4] for p in pairs)}
+
+
+def on_engines(args: argparse.Namespace, params: Any, method: str) -> dict[str, Any]:
+    """Where the method runs: offline, and 1P1D (draft_model: shipped and D-recomputed draft
+    KV, side by side)."""
+    from pd_cluster import LLM
+    ons: dict[str, Any] = {"offline": Offline(LLM(model=args.model, **engine_args(args),
+                                                  speculative=spec_config(args, method)),
+                                              params)}
+    if args.no_pd:
+        return ons
+    if method == "draft_model":
+        ons["1P1D-ship"] = PDPair(args.model, params, args, method)
+        ons["1P1D-recomp"] = PDPair(args.model, params, args, method, ship_draft=False)
+    else:
+        ons["1P1D"] = PDPair(args.model, params, args, method)
+    return ons
+
+
 def main() -> None:
     args = parse_args()
     from pd_cluster import LLM, SamplingParams
@@ -168,6 +225,7 @@ def main() -> None:
         args.model = str(make_model(os.path.join(tempfile.mkdtemp(), "m"),
                                     **PRESETS["tiny-random-llama"]))
         args.batches, args.prompt_len, args.max_tokens, args.draft_layers = "1,2", 12, 8, 1
+    args.k_max = args.k_max or 4 * args.k
     methods = args.methods.split(",")
     if "draft_model" in methods:
         from pd_cluster.checkpoints.truncate import truncate_layers
@@ -180,52 +238,41 @@ def main() -> None:
     offs = {"offline": Offline(base, params)}
     if not args.no_pd:
         offs["1P1D"] = PDPair(args.model, params, args, None)
-    print(f"model {args.model}, k={args.k}, lookup n {args.lookup_min}..{args.lookup_max}, "
-          f"draft: its first {args.draft_layers} layers, {args.max_tokens} tokens per request, "
-          f"greedy")
-    print(f"{'method':11} {'where':8} {'workload':10} {'batch':>5} {'off tok/s':>10} "
+    print(f"model {args.model}, k={args.k} (ngram: up to {args.k_max} while all kept), "
+          f"lookup n {args.lookup_min}..{args.lookup_max}, draft: its first "
+          f"{args.draft_layers} layers, {args.max_tokens} tokens per request, greedy")
+    print(f"{'method':11} {'where':11} {'workload':10} {'batch':>5} {'off tok/s':>10} "
           f"{'on tok/s':>10} {'ratio':>6} {'off ITL ms':>10} {'on ITL ms':>10} "
-          f"{'accept len':>10} {'accept %':>8} equal")
+          f"{'accept len':>10} {'accept %':>8} {'D draft pf':>10} equal")
     ratios: dict[str, float] = {}
     for method in methods:
-        ons = {"offline": Offline(LLM(model=args.model, **engine_args(args),
-                                      speculative=spec_config(args, method)), params)}
-        if not args.no_pd:
-            ons["1P1D"] = PDPair(args.model, params, args, method)
+        ons = on_engines(args, params, method)
         names = ["grounded", "ungrounded"] if method == "ngram" else ["ungrounded"]
         for where, on in ons.items():
-            off, engine = offs[where], on.engine if where == "offline" else on.d
+            off = offs[where.split("-")[0]]
+            engine = on.engine if where == "offline" else on.d
             for name in names:
                 for b in batches:
-                    prompts = loads[name]
-                    off.run(prompts[:1])  # warm-up (first steps, allocator)
-                    on.run(prompts[:1])
-                    s0 = engine.stats()
-                    pairs = []
-                    for _ in range(args.repeat):  # alternated: both see the same noise
-                        r_off, itl_off, t_off = off.run(prompts[:b])
-                        r_on, itl_on, t_on = on.run(prompts[:b])
-                        pairs.append((r_off, r_on, itl_off, itl_on, t_off == t_on))
-                    s1 = engine.stats()
-                    drafts = s1["spec_num_drafts"] - s0["spec_num_drafts"]
-                    drafted = s1["spec_num_draft_tokens"] - s0["spec_num_draft_tokens"]
-                    acc = s1["spec_num_accepted_tokens"] - s0["spec_num_accepted_tokens"]
-                    r_off, r_on, itl_off, itl_on = (statistics.median(p[c] for p in pairs)
-                                                    for c in range(4))
-                    equal = all(p[4] for p in pairs)
-                    ratio = statistics.median(p[1] / p[0] for p in pairs)
-                    ratios[f"{method}_{where}_{name}_b{b}"] = ratio
-                    print(f"{method:11} {where:8} {name:10} {b:5d} {r_off:10.1f} {r_on:10.1f} "
-                          f"{ratio:6.2f} {itl_off:10.2f} {itl_on:10.2f} "
-                          f"{1 + acc / max(drafts, 1):10.2f} {100 * acc / max(drafted, 1):8.1f} "
-                          f"{equal}", flush=True)
-                    if not equal:
+                    m = measure(off, on, engine, loads[name][:b], args.repeat)
+                    ratios[f"{method}_{where}_{name}_b{b}"] = m["ratio"]
+                    pf = m["draft_prefill"] if method == "draft_model" else "-"
+                    print(f"{method:11} {where:11} {name:10} {b:5d} {m['off']:10.1f} "
+                          f"{m['on']:10.1f} {m['ratio']:6.2f} {m['itl_off']:10.2f} "
+                          f"{m['itl_on']:10.2f} {m['accept_len']:10.2f} "
+                          f"{m['accept_pct']:8.1f} {pf:>10} {m['equal']}", flush=True)
+                    if not m["equal"]:
                         print(f"  outputs differ: {method} {where} {name} batch {b}",
                               file=sys.stderr)
-        if "1P1D" in ons:
-            ons["1P1D"].close()
+        for where, on in ons.items():
+            if where != "offline":
+                on.close()
     if "1P1D" in offs:
         offs["1P1D"].close()
+    if "draft_model" in methods and not args.no_pd:
+        for b in batches:  # shipped over D-recomputed draft KV: each one's speedup over the
+            key = f"draft_model_1P1D-%s_ungrounded_b{b}"  # off runs alternated with it
+            print(f"draft_pd_ship_vs_recomp_b{b}="
+                  f"{ratios[key % 'ship'] / max(ratios[key % 'recomp'], 1e-9):.2f}")
     if "draft_model" in methods:
         print(f"spec_speedup_draft_b1={ratios['draft_model_offline_ungrounded_b1']:.2f}")
     if "ngram" in methods:

@@ -73,6 +73,20 @@ def test_a_draft_equal_to_the_target_is_always_accepted(base, models) -> None:
     same.engine.check_no_leaks()
 
 
+def test_a_compiling_engine_runs_the_draft_compiled_too(base, models) -> None:
+    """With engine.compile the draft's forwards go through its own compiled graph (none
+    eager), and the output still equals the engine without speculation."""
+    from pd_cluster.engine.compiled_model import CompiledModel
+    compiled = LLM(model=models[0], block_size=8, num_kv_blocks=64, speculative=_spec(models[1]),
+                   compile=True)
+    want = [o.token_ids for o in outputs(base, PROMPTS[:2], GREEDY)]
+    assert [o.token_ids for o in outputs(compiled, PROMPTS[:2], GREEDY)] == want
+    draft = compiled.engine.proposer.runner.forward_model
+    assert isinstance(draft, CompiledModel) and draft.state == "compiled"
+    assert draft.compiled_steps > 0 and draft.eager_steps == 0
+    compiled.engine.check_no_leaks()
+
+
 def test_seeded_sampling_reproducible_and_abort_frees_draft_blocks(base, spec) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True)
     first = [o.token_ids for o in outputs(spec, PROMPTS[:2], params)]

@@ -69,7 +69,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_kv_fallbacks = 0
         self.proposer: Any = None  # speculation's proposer (told each verification's outcome)
-        self.spec_stats = SpecStats(config.speculative.num_speculative_tokens
+        self.spec_stats = SpecStats(config.speculative.max_drafts
                                     if config.speculative else 0)
 
     # ---- requests in and out -------------------------------------------------------------

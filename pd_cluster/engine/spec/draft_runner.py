@@ -9,7 +9,11 @@ of those couplings, and its leak check is a count. It holds as many tokens as th
 plus k per sequence (``num_blocks``), so the draft never runs out before the target does; when it
 does anyway, the request simply gets no drafts that step (still lossless).
 
-It runs on rank 0, in the engine process, unsharded (a draft is small), eagerly."""
+It runs on rank 0, in the engine process, unsharded (a draft is small), through its own
+compiled graph where the engine compiles (``engine.compile``, compiled_model.py: one dynamic
+graph for every forward, made at start and kept on disk under the draft's own key): a draft
+forward is a step's worth of Python dispatch for a few tokens, which eager mode paid k times a
+step. The draft only proposes, so its numerics never reach the output (the target verifies)."""
 from __future__ import annotations
 
 import logging
@@ -20,6 +24,7 @@ import torch
 
 from pd_cluster.config import EngineConfig, SpeculativeConfig, read_hf_config
 from pd_cluster.engine.cache_engine import KVCacheSpec, allocate_kv_caches
+from pd_cluster.engine.compiled_model import CompiledModel, compile_enabled
 from pd_cluster.engine.input_buffers import InputBuffers
 from pd_cluster.engine.spec.block_pool import BlockPool
 from pd_cluster.engine.step_input import StepInput
@@ -76,6 +81,9 @@ class DraftRunner(BlockPool):
         self.max_tokens = config.max_num_batched_tokens  # one draft forward's tokens at most
         self.model = load_model(self.model_dir, hf, dtype, self.device)
         prepare_model(self.model, dtype, self.device, config.cpu_gemm)
+        self.forward_model: Any = (CompiledModel(self.model, self.device)
+                                   if compile_enabled(config.compile, self.device)
+                                   else self.model)
         self.kv_spec = KVCacheSpec(self.block_size, tuple(self.model.kv_cache_specs(dtype)))
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
         self.backend = backend  # the target's attention backend (a callable's result)
@@ -135,7 +143,7 @@ class DraftRunner(BlockPool):
                          prompt_lens)
         t = self.inputs.prepare(step)
         ctx = ForwardContext(t.meta, self.kv_caches, self.backend(), rope_lens=t.rope_lens)
-        hidden = self.model(t.token_ids, t.positions, ctx)
+        hidden = self.forward_model(t.token_ids, t.positions, ctx)
         last = torch.tensor([q - 1 for q in query_start[1:]], device=hidden.device)
         picked = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
         by_chunk = {b[0]: tok for b, tok in zip(batch, picked)}
