@@ -17,9 +17,10 @@ from connectors.config import KVTransferConfig
 from connectors.granted_writes import check_written
 from connectors.metadata import KVWrittenHeader
 from connectors.pipes.base import PipeConfig, create_pipe
-from connectors.pipes.cuda_ipc_handles import _FIELDS, check_handle
+from connectors.pipes.cuda_ipc_handles import _FIELDS, check_handle, local_index
 from connectors.pipes.cuda_ipc_pipe import CudaIpcPipe
 from connectors.pipes.device_hash import block_rows, device_tag, one_time_seed
+from tests.cuda_ipc_pair import run_pair  # the GPU test's two processes
 
 
 def _layer(blocks: int = 6, seed: int = 0) -> torch.Tensor:
@@ -88,7 +89,7 @@ def test_producer_and_consumer_tags_agree_over_a_scattered_write() -> None:
 def _fake_handle() -> dict[str, Any]:
     values = (0, b"\x01" * 64, 1 << 20, 512, b"\x02" * 64, 8, b"\x03" * 64, True)
     return {**{name: v for (name, _), v in zip(_FIELDS, values)},
-            "tensor_offset": 4096, "nbytes": 8192}
+            "tensor_offset": 4096, "nbytes": 8192, "uuid": "GPU-1234"}
 
 
 def test_a_handle_round_trips_through_msgpack() -> None:
@@ -99,10 +100,17 @@ def test_a_handle_round_trips_through_msgpack() -> None:
 
 @pytest.mark.parametrize("field,value,why", [
     ("handle", "text", "'handle'"), ("size", 1.5, "'size'"), ("event_sync", 1, "'event_sync'"),
-    ("offset", -1, "negative"), ("nbytes", 1 << 21, "past its storage")])
+    ("uuid", 3, "'uuid'"), ("offset", -1, "negative"), ("nbytes", 1 << 21, "past its storage")])
 def test_a_bad_handle_is_refused(field: str, value: Any, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         check_handle({**_fake_handle(), field: value})
+
+
+def test_the_consumers_gpu_is_found_by_uuid() -> None:
+    """Under Ray each engine numbers the GPUs it sees: the handle's UUID finds ours."""
+    assert local_index("GPU-b", ["GPU-a", "GPU-b"]) == 1
+    with pytest.raises(ValueError, match="not visible"):
+        local_index("GPU-c", ["GPU-a"])
 
 
 # ---- config -----------------------------------------------------------------------------------
@@ -129,14 +137,12 @@ def test_auto_never_picks_cuda_ipc() -> None:
     finally:
         auto.close()
     import inspect
+
     import connectors.pipes.auto_pipe as auto_mod
     assert CUDA_KEY not in inspect.getsource(auto_mod)
 
 
 # ---- on a GPU: a P/D pair in two processes ----------------------------------------------------
-from tests.cuda_ipc_pair import run_pair  # noqa: E402  (the processes' code)
-
-
 @pytest.mark.cuda
 @pytest.mark.timeout(300)
 def test_pair_over_cuda_ipc(tiny_model) -> None:

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import msgpack
 import torch
@@ -31,11 +32,10 @@ from connectors.pipes.base import HandshakeError, PipeClosed, PipeError, registe
 from connectors.pipes.cuda_ipc_handles import export_layers, open_layer
 from connectors.pipes.device_hash import block_rows, device_tag, one_time_seed
 from connectors.pipes.nixl_layout import CacheLayout
-from connectors.pipes.shm_arena import host_id
 from connectors.pipes.shm_pipe import ShmPipe, _Remote
 from connectors.pipes.sync import settle
-from connectors.pipes.zmq_pipe import ZmqPipe
 from connectors.pipes.zmq_peers import identity
+from connectors.pipes.zmq_pipe import ZmqPipe
 
 CUDA_KEY = "_cuda_ipc"  # in hellos and the consumer's reply
 _NOTIF_LABEL = b"pd-cluster cuda_ipc notifications v1\0"
@@ -57,7 +57,7 @@ class CudaIpcPipe(ShmPipe):
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        self._handles: Optional[list[dict]] = None  # consumer: our layers' handles
+        self._handles: list[dict] | None = None  # consumer: our layers' handles
         self._n.update(cuda_ipc_writes=0, cuda_ipc_bytes_written=0)
 
     # ---- set-up ----------------------------------------------------------------------------
@@ -79,7 +79,7 @@ class CudaIpcPipe(ShmPipe):
         return {**self._user_info, CUDA_KEY: {"host": self._host, "handles": self._handles,
                                               "layout": self._layout.encode()}}
 
-    def _validate(self, hello: dict) -> Optional[str]:
+    def _validate(self, hello: dict) -> str | None:
         """Consumer, I/O thread, after the producer proved the secret."""
         theirs = hello.get(CUDA_KEY)
         if not (isinstance(theirs, dict) and isinstance(theirs.get("host"), str)):
@@ -100,7 +100,7 @@ class CudaIpcPipe(ShmPipe):
         theirs = info.pop(CUDA_KEY, None) if isinstance(info, dict) else None
         try:
             layers, layout = open_remote(theirs, self._host, self._layout)
-        except Exception as e:  # a consumer's reply we refuse: no link
+        except Exception as e:  # noqa: BLE001  (a reply we refuse: no link)
             self.disconnect(peer_addr)
             raise HandshakeError(f"{peer_addr}: {e}") from None
         key = self._channels[peer_addr].side_keys(_NOTIF_LABEL)[0]
@@ -150,7 +150,7 @@ class CudaIpcPipe(ShmPipe):
                    else device_tag(rows, one_time_seed(remote.key, nonce, head)))
             sent = self._notify(peer, {**msgpack.unpackb(head, raw=False), "tag": tag,
                                        "nonce": nonce})
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (any failure fails the write, said)
             self._n["shm_write_failures"] += 1
             settle(done, e if isinstance(e, PipeError) else PipeError(
                 f"cuda_ipc write failed: {type(e).__name__}: {e}"))
@@ -162,7 +162,7 @@ class CudaIpcPipe(ShmPipe):
 
     # ---- consumer: checks ------------------------------------------------------------------
     def check_written(self, peer: str, head: bytes, chunks: list[Any], tag: bytes,
-                      nonce: bytes) -> Optional[str]:
+                      nonce: bytes) -> str | None:
         """Why our granted blocks (``chunks``: device tensors, granted_writes asks for them
         by ``on_device``) are not what the producer wrote, or None."""
         if self.config.integrity == "none":
