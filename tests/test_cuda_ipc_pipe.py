@@ -16,7 +16,7 @@ import torch
 from connectors.config import KVTransferConfig
 from connectors.granted_writes import check_written
 from connectors.metadata import KVWrittenHeader
-from connectors.pipes.base import PipeConfig, create_pipe
+from connectors.pipes.base import HandshakeError, PipeConfig, create_pipe
 from connectors.pipes.cuda_ipc_handles import _FIELDS, check_handle, local_index
 from connectors.pipes.cuda_ipc_pipe import CudaIpcPipe
 from connectors.pipes.device_hash import block_rows, device_tag, one_time_seed
@@ -140,6 +140,68 @@ def test_auto_never_picks_cuda_ipc() -> None:
 
     import connectors.pipes.auto_pipe as auto_mod
     assert CUDA_KEY not in inspect.getsource(auto_mod)
+
+
+# ---- the handshake on CPU, CUDA faked ----------------------------------------------------------
+@pytest.fixture
+def faked_cuda(monkeypatch) -> dict[str, Any]:
+    """Host tensors pass for CUDA ones: the handles are fake dicts that travel the real ZMQ
+    handshake; opening one yields a host view of the consumer's own layer."""
+    import connectors.pipes.cuda_ipc_pipe as mod
+    seen: dict[str, Any] = {"opened": []}
+    monkeypatch.setattr(mod, "require_cuda", lambda caches: None)
+    monkeypatch.setattr(mod, "export_layers", lambda caches: [
+        {**_fake_handle(), "nbytes": c.numel() * c.element_size(),
+         "size": c.numel() * c.element_size() + 4096} for c in caches])
+
+    def open_layer(h: dict, parts: int, blocks: int, block_bytes: int) -> torch.Tensor:
+        seen["opened"].append(check_handle(h))
+        return torch.zeros(parts, blocks, block_bytes, dtype=torch.uint8)
+    monkeypatch.setattr(mod, "open_layer", open_layer)
+    return seen
+
+
+def _pipes() -> tuple[CudaIpcPipe, CudaIpcPipe]:
+    cfg = PipeConfig(linger=0.2, send_timeout=5.0, handshake_timeout=5.0)
+    return create_pipe("cuda_ipc", cfg), create_pipe("cuda_ipc", cfg)  # type: ignore[return-value]
+
+
+def test_handles_cross_the_handshake_and_keys_agree(faked_cuda) -> None:
+    """The consumer's handles reach the producer over the real handshake (msgpack), one per
+    layer, checked; a tag the producer computes under its notification key checks out at the
+    consumer under its own (the same key, derived on each side), and a changed byte fails."""
+    cons, prod = _pipes()
+    try:
+        cons.register_kv_caches([_layer(), _layer(seed=2)])
+        prod.register_kv_caches([_layer(), _layer(seed=3)])
+        addr = cons.listen()
+        prod.connect(addr, {"model": "m"})
+        assert len(faked_cuda["opened"]) == 2
+        assert faked_cuda["opened"][0]["uuid"] == "GPU-1234"
+        prod.send_tensor(addr, {"hello": 1}, None).result(timeout=10)
+        msg = cons.recv_tensor(timeout=10)
+        assert msg is not None
+        rows, head, nonce = block_rows(_layer(seed=5), [2, 3]), b"head", b"n" * 16
+        tag = device_tag(rows, one_time_seed(prod._remotes[addr].key, nonce, head))
+        assert getattr(cons.check_written, "on_device", False)  # granted_writes: device rows
+        assert cons.check_written(msg[0], head, rows, tag, nonce) is None
+        rows[1][0, 7] ^= 1
+        assert cons.check_written(msg[0], head, rows, tag, nonce) == "device hash mismatch"
+    finally:
+        prod.close(), cons.close()
+
+
+def test_a_producer_on_another_host_gets_no_handles(faked_cuda) -> None:
+    cons, prod = _pipes()
+    try:
+        cons.register_kv_caches([_layer()])
+        prod.register_kv_caches([_layer()])
+        prod._host = "elsewhere"
+        with pytest.raises(HandshakeError, match="another host"):
+            prod.connect(cons.listen(), {"model": "m"})
+        assert faked_cuda["opened"] == [] and not prod._remotes
+    finally:
+        prod.close(), cons.close()
 
 
 # ---- on a GPU: a P/D pair in two processes ----------------------------------------------------
