@@ -15,8 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 
 import msgpack
 import msgspec
@@ -27,7 +26,7 @@ from connectors.pipes.device_hash import block_rows as device_block_rows
 from connectors.pipes.nixl_layout import block_chunks
 
 Grant = tuple[int, tuple[int, ...]]  # (index of the first granted block, the block ids)
-Checker = Callable[[str, bytes, list, bytes, bytes], str | None]  # peer head chunks tag nonce
+Checker = Callable[[str, bytes, list, bytes, bytes], Optional[str]]  # peer head chunks tag nonce
 
 
 def written_head(header: KVWrittenHeader) -> bytes:
