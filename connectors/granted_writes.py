@@ -22,6 +22,7 @@ import msgspec
 import torch
 
 from connectors.metadata import KVWrittenHeader, encode_header
+from connectors.pipes.device_hash import block_rows as device_block_rows
 from connectors.pipes.nixl_layout import block_chunks
 
 Grant = tuple[int, tuple[int, ...]]  # (index of the first granted block, the block ids)
@@ -88,7 +89,9 @@ def check_written(header: KVWrittenHeader, caches: Sequence[torch.Tensor],
         raise ValueError("bad layer index")
     targets = granted_targets((held_blocks, tuple(block_ids[held_blocks:])),
                               header.first_block, header.num_blocks)
-    chunks = block_chunks(caches[header.layer], list(targets))
+    # a checker marked on_device (the cuda_ipc pipe's) takes the blocks where they are
+    chunker = device_block_rows if getattr(checker, "on_device", False) else block_chunks
+    chunks = chunker(caches[header.layer], list(targets))
     bad = checker(peer, written_head(header), chunks, header.tag, header.nonce)
     if bad is not None:
         raise ValueError(f"the written blocks fail their check ({bad})")

@@ -114,6 +114,10 @@ if [ "$MODE" = gpu ]; then
     # under real async copies behind a sleeping stream: a long prompt chunked into ~20 steps
     # that sample nothing, HF-exact (tests/test_input_buffers.py).
     pytest_row input_double_buffer cuda tests/test_input_buffers.py
+    # kv_transfer.pipe: cuda_ipc (off unless named; unverified until this row passes): a P/D
+    # pair in two processes with CUDA caches, exact KV, a corrupted block fails closed, a
+    # write past the grant refused, no block held
+    pytest_row cuda_ipc_pipe cuda tests/test_cuda_ipc_pipe.py
     # CUDA graphs for decode (engine.cuda_graphs, off by default until these rows pass): each
     # context bucket's replays HF-exact and equal to eager, compiled and not
     pytest_row cuda_graphs_per_bucket cuda tests/test_cuda_graphs.py

@@ -79,7 +79,7 @@ FLAGS = (
     Flag("--num-kv-blocks", "engine.num_kv_blocks", "KV cache blocks per engine (default: "
          "sized from memory)", int),
     Flag("--tokenizer", "engine.tokenizer", "tokenizer directory (default: the model's)"),
-    Flag("--pipe", "kv_transfer.pipe", "KV transfer pipe (auto, zmq, shm, nixl, gloo, nccl)"),
+    Flag("--pipe", "kv_transfer.pipe", "KV transfer pipe (auto, zmq, shm, nixl, gloo, nccl, cuda_ipc)"),
     Flag("--routing", "proxy.routing", "cache_aware, least_loaded or round_robin"),
     Flag("--disaggregation", "proxy.disaggregation", "auto (remote prefill when expected "
          "sooner) or always", choices=("auto", "always")),
