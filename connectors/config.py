@@ -25,7 +25,8 @@ class KVTransferConfig(BaseModel):
     # auto: per link, shm when the handshake finds both engines on one host with shared
     # memory usable (/dev/shm writable with room for the decode engine's host KV cache), else
     # zmq; the choice and its reason are logged and shown by `pd-cluster status`. Or a
-    # registered pipe name (connectors/pipes/<name>_pipe.py): zmq, shm, nixl, gloo, nccl.
+    # registered pipe name (connectors/pipes/<name>_pipe.py): zmq, shm, nixl, gloo, nccl,
+    # cuda_ipc (one host, CUDA caches; unverified on a GPU, never chosen by auto).
     pipe: str = "auto"
     kv_transfer_timeout: float = Field(30.0, gt=0)  # a transfer's bound: fallback / free after
     max_staging_bytes: int = Field(256 * MiB, gt=0)  # consumer: early arrivals held at most
