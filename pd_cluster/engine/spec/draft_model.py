@@ -58,17 +58,6 @@ class DraftModelProposer(PooledProposer):
         self.landed: Callable[[str], bytes | None] = lambda request_id: None
         self.prefill_tokens = 0  # prompt tokens the draft ran here (its own prefills)
 
-    def reserve(self, request: Request) -> tuple[int, ...]:
-        """Draft blocks for the prompt of a request whose KV comes from a prefill engine
-        (its draft KV may come with it: draft_pd.py), kept while it waits; () when the pool
-        lacks them (the draft then runs its prefill here)."""
-        self.release([request.request_id])
-        state = _State(request, receiving=True)
-        if not self.runner.grow(state.blocks, request.num_prompt_tokens):
-            return ()
-        self.states[request.request_id] = state
-        return tuple(state.blocks)
-
     def _sweep(self, live: set[str]) -> None:
         """Give back the blocks of requests that left the running set (a reserved one only
         once it finished: it may still be waiting for its KV)."""

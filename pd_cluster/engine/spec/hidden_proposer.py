@@ -65,16 +65,6 @@ class HiddenStateProposer(PooledProposer):
         self.decode_landed: Callable[[bytes], torch.Tensor] | None = None
         self.prefill_tokens = 0  # prompt positions 0 .. L - 2 the head ran here (its prefill)
 
-    def reserve(self, request: Request) -> tuple[int, ...]:
-        """The head's blocks for the prompt of a request whose KV comes from a prefill engine
-        (the MTP KV may come with it), kept while it waits; () when the pool lacks them."""
-        self.release([request.request_id])
-        state = _State(request, receiving=True)
-        if not self.runner.grow(state.blocks, request.num_prompt_tokens):
-            return ()
-        self.states[request.request_id] = state
-        return tuple(state.blocks)
-
     def _land(self, request: Request, state: _State) -> None:
         """A request from a prefill engine starts decoding: start after its prompt where the
         MTP state came with its KV."""

@@ -44,6 +44,18 @@ class PooledProposer:
             state = self.states[request.request_id] = self._new_state(request)
         return state
 
+    def reserve(self, request: Request) -> tuple[int, ...]:
+        """The pool's blocks for the prompt of a request whose KV comes from a prefill engine
+        (the proposer's KV may come with it: draft_pd.py, mtp_pd.py), kept while it waits;
+        () when the pool lacks them. Its state is marked ``receiving`` until it lands."""
+        self.release([request.request_id])
+        state = self._new_state(request)
+        state.receiving = True
+        if not self.runner.grow(state.blocks, request.num_prompt_tokens):
+            return ()
+        self.states[request.request_id] = state
+        return tuple(state.blocks)
+
     def release(self, request_ids: list[str]) -> None:
         """Give back the blocks (and state) of requests that left (finished, aborted,
         preempted)."""
