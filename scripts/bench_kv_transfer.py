@@ -296,6 +296,11 @@ def main() -> None:
     part3_args = (args.ttft_prompt, args.repeats, args.mla_model, args.gqa_model, not args.smoke)
     beside = None
     if args.smoke and not args.skip_mla:  # its engines start while parts 1, 4-6 run; its
+        # Both presets made here first: made in threads, they import transformers' lazy
+        # model classes at once, which fails (ci10, a fresh cache: ImportError).
+        from pd_cluster.checkpoints.maker import default_model_path
+        for name in (args.mla_model, args.gqa_model):
+            default_model_path(name)
         beside = ThreadPoolExecutor(1)     # lines come after part 6
         part3_lines = beside.submit(part3, *part3_args)
     ratios = part1(args.sizes, args.transport, args.repeats)
