@@ -7,6 +7,7 @@ the wall time and token counts. Environment (thread binding, LD_PRELOAD, KV spac
 from the caller.
 
   /work/vllm-venv/bin/python scripts/vllm_side.py offline workload.json
+  /work/vllm-venv/bin/python scripts/vllm_side.py spec workload.json   # bench_spec_decode.py
   /work/vllm-venv/bin/python scripts/vllm_side.py bench-serve --base-url URL ...  # `vllm bench serve`
 
 ``bench-serve`` runs vLLM's own serving benchmark client with the arguments after it: the
@@ -44,6 +45,43 @@ def offline(path: str) -> dict:
             "requests": len(outs)}
 
 
+def spec(path: str) -> dict:
+    """scripts/bench_spec_decode.py's vLLM column: per case (a name and its batch of prompts),
+    one LLM without and one with ``work["speculative_config"]``, runs alternated ``repeat``
+    times; wall seconds (median) and whether the greedy outputs were equal."""
+    import statistics
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with open(path) as f:
+        work = json.load(f)
+    common = {"model": work["model"], "dtype": work["dtype"], "seed": 0,
+              "max_model_len": work["max_model_len"], "max_num_seqs": work["max_num_seqs"]}
+    llms = {"off": LLM(**common), "on": LLM(**common,
+                                            speculative_config=work["speculative_config"])}
+    params = SamplingParams(temperature=0, max_tokens=work["max_tokens"], ignore_eos=True)
+    cases = {}
+    for name, batch in work["cases"].items():
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in batch]
+        for llm in llms.values():  # warm-up outside the timed runs
+            llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4,
+                                                     ignore_eos=True), use_tqdm=False)
+        seconds: dict[str, list[float]] = {"off": [], "on": []}
+        tokens: dict[str, list] = {}
+        for _ in range(work["repeat"]):
+            for key, llm in llms.items():
+                t = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                seconds[key].append(time.perf_counter() - t)
+                tokens[key] = [list(o.outputs[0].token_ids) for o in outs]
+        cases[name] = {"off_s": statistics.median(seconds["off"]),
+                       "on_s": statistics.median(seconds["on"]),
+                       "output_tokens": sum(len(t) for t in tokens["on"]),
+                       "equal": tokens["on"] == tokens["off"]}
+    return cases
+
+
 def bench_serve(argv: list[str]) -> int:
     from vllm.benchmarks.serve import add_cli_args, main as serve_main
     p = argparse.ArgumentParser(prog="vllm bench serve")
@@ -57,10 +95,10 @@ def main() -> int:
     if sys.argv[1:2] == ["bench-serve"]:
         return bench_serve(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("mode", choices=["offline"])
+    p.add_argument("mode", choices=["offline", "spec"])
     p.add_argument("workload")
     args = p.parse_args()
-    result = offline(args.workload)
+    result = offline(args.workload) if args.mode == "offline" else spec(args.workload)
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 

@@ -198,18 +198,35 @@ def test_engine_proposes_one_step_in_8_while_drafts_do_not_pay_at_its_batch_size
     proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3), max_model_len=1000)
     proposer.backoff = _paying_little()
     proposer.backoff.rate = 0.3  # below batch 16's threshold, above batch 1's
+    proposer.backoff.proposed = lambda seconds, drafts: None  # the gate from the fit alone
     reqs = []
     for i in range(16):
         req = Request(f"r{i}", [5, 6, 7, 5, 6], SamplingParams(max_tokens=500))
         req.output_token_ids, req.num_computed_tokens = [7], 5  # "6 7" occurred: drafts
         reqs.append(req)
-    proposed = []
-    for _ in range(16):
+    proposed, probed = [], []
+    for _ in range(64):
         proposer.propose(reqs)
         proposed.append(sum(bool(r.spec_token_ids) for r in reqs))
+        probed += [r.request_id for r in reqs if r.spec_token_ids]
         for r in reqs:
             if r.spec_state is not None:
                 r.spec_state.cooldown = 0  # each request alone would propose every step
-    assert proposed == [0] * 7 + [16] + [0] * 7 + [16]
+    # One step in 8 probes, and only 2 of the 16 (a lookup over the whole batch cost more
+    # than its failing drafts gave): in turn, so 8 probes cover every request once.
+    assert proposed == ([0] * 7 + [2]) * 8
+    assert sorted(probed) == sorted(r.request_id for r in reqs)
     proposer.propose(reqs[:1])  # batch 1: the same rate pays, proposing at once
     assert reqs[0].spec_token_ids[:1] == [5]
+
+
+def test_the_gate_charges_each_draft_what_proposing_it_cost() -> None:
+    backoff = _paying_little()  # 1 ms a step, 60 us a token
+    assert abs(backoff.gate(16) - 0.96 / 1.96) < 1e-6
+    backoff.proposed(2e-4, 0)  # a pass that made no draft: its time waits for the next
+    for _ in range(200):
+        backoff.proposed(2e-4, 4)  # 50 us of lookup per draft made, and the carried 200 us
+    assert abs(backoff.propose_cost - 5e-5) < 1e-7
+    # A kept draft now repays 60 + 50 us at batch 16: (110e-6 * 16) / 1.96e-3.
+    assert abs(backoff.gate(16) - 1.76 / 1.96) < 1e-3
+    assert backoff.width(_State(kept=40.0, lost=1.0), 4, 16) == 4  # the width: tokens only

@@ -71,7 +71,7 @@ class _Probe(torch.nn.Module):
 def _probe(e: LLMEngine) -> _Probe:
     """``e``'s head wrapped in a probe; the backoff's cost gate off (its step timings would
     make proposing depend on the clock)."""
-    e.proposer.backoff.cost.threshold = lambda batch: 0.0
+    e.proposer.backoff.cost.threshold = lambda batch, extra=0.0: 0.0
     runner = e.proposer.runner
     runner.head = _Probe(runner.head)
     return runner.head

@@ -18,6 +18,7 @@ backoff's width (each next draft only while its chance of being kept repays its 
 bounds it, so where a token is not nearly free the wider verify is not taken."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,10 +105,13 @@ class NgramProposer:
                 if request.spec_token_ids:
                     request.spec_token_ids = []
             return
-        for request in requests:
+        started, drafted = time.perf_counter(), 0
+        for index, request in enumerate(requests):
             if request.spec_token_ids:
                 request.spec_token_ids = []
             if not request.is_decoding or request.is_finished:
+                continue
+            if not backoff.probes(index, batch):  # a closed gate's probe: another's turn
                 continue
             state = request.spec_state
             if state is None:
@@ -128,6 +132,8 @@ class NgramProposer:
             k = min(k, backoff.width(state, k, batch))
             tokens = self._tokens(request, state)
             request.spec_token_ids = find_drafts(tokens, self.min_n, self.max_n, k)
+            drafted += bool(request.spec_token_ids)
+        backoff.proposed(time.perf_counter() - started, drafted)
 
     def release(self, request_ids: list[str]) -> None:
         """Nothing held outside the requests themselves."""

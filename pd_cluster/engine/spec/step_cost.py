@@ -51,13 +51,14 @@ class StepCost:
                 self._fit = (max(mean_s - slope * mean_t, 0.0), slope)
         return self._fit
 
-    def threshold(self, batch: int) -> float:
+    def threshold(self, batch: int, extra: float = 0.0) -> float:
         """The share of a draft's cost that a kept draft must repay, for ``batch`` decoding
         requests: a step of B tokens costs o + c B for B tokens, so one more token computed
-        (cost c) pays when it is kept with probability >= c B / (o + c B). 0 without a fit."""
+        (cost c, plus ``extra`` seconds spent outside the step to make it) pays when it is kept
+        with probability >= (c + extra) B / (o + c B). 0 without a fit."""
         fit = self.fit()
         if fit is None:
             return 0.0
         overhead, per_token = fit
         total = overhead + per_token * batch
-        return per_token * batch / total if total > 0 else 0.0
+        return (per_token + extra) * batch / total if total > 0 else 0.0
