@@ -44,10 +44,26 @@ row() {
 # pytest_row NAME MARKS FILE...: the tests of FILE(s) selected by the -m expression MARKS, one
 # row (ok only if some ran and none failed; a skip other than for missing hardware fails it).
 pytest_row() {
-    local name=$1 marks=$2 log="$DIR/$1.log" rc summary odd
+    pytest_start "$@"
+    pytest_finish "$1"
+}
+
+# pytest_start NAME MARKS FILE... / pytest_finish NAME: pytest_row in two halves, so that
+# something else can run while the tests do (--cpu: the cluster row; CI time).
+declare -A PYTEST_PIDS=()
+pytest_start() {
+    local name=$1 marks=$2
     shift 2
-    timeout 900 "$PY" -m pytest -q -rs -m "$marks" "$@" -p no:cacheprovider >"$log" 2>&1
+    timeout 900 "$PY" -m pytest -q -rs -m "$marks" "$@" -p no:cacheprovider \
+        >"$DIR/$name.log" 2>&1 &
+    PYTEST_PIDS[$name]=$!
+}
+
+pytest_finish() {
+    local name=$1 log="$DIR/$1.log" rc summary odd
+    wait "${PYTEST_PIDS[$name]}"
     rc=$?
+    unset "PYTEST_PIDS[$name]"
     summary=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$log" | tail -n 1)
     odd=$(grep -E '^SKIPPED' "$log" | grep -v -E 'needs [0-9]+ CUDA GPU' | head -n 3 | tr '\n' ' ')
     if [ -n "$odd" ]; then rc=1; summary="$summary; unexpected skips: $odd"; fi
@@ -55,7 +71,8 @@ pytest_row() {
 }
 
 stop_running() {  # a cluster still up when we exit (an error, a signal) is stopped all the same
-    local ns
+    local ns pid
+    for pid in "${PYTEST_PIDS[@]}"; do kill "$pid" 2>/dev/null; done  # timeout passes it on
     for ns in "${RUNNING[@]}"; do
         [ -n "$ns" ] && timeout 120 "$PY" -m pd_cluster.cli stop --namespace "$ns" >/dev/null 2>&1
     done
@@ -67,6 +84,8 @@ trap 'exit 130' INT TERM
 if ! "$PY" - "$MODE" >"$DIR/env.log" 2>&1 <<'PYEOF'
 import importlib.util, sys, torch
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available {torch.cuda.is_available()}")
+# read back below (GPUS, HAS_CUPY): torch imported once, not in one more process each (CI time)
+print(f"gpus={torch.cuda.device_count()} cupy={int(importlib.util.find_spec('cupy') is not None)}")
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)
     print(f"GPU {i}: {p.name}, {p.total_memory / 2**30:.1f} GiB, sm_{p.major}{p.minor}")
@@ -86,8 +105,8 @@ then
     cat "$DIR/env.log"; echo "gpu_check: FAIL: environment: $(tail -n 1 "$DIR/env.log")"; exit 2
 fi
 cat "$DIR/env.log"
-GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
-HAS_CUPY=$("$PY" -c 'import importlib.util as u; print(int(u.find_spec("cupy") is not None))')
+GPUS=$(sed -n 's/^gpus=\([0-9]*\) .*/\1/p' "$DIR/env.log")
+HAS_CUPY=$(sed -n 's/^gpus=[0-9]* cupy=\([01]\)$/\1/p' "$DIR/env.log")
 row environment ok "$MODE mode; $(grep -m1 '^GPU 0' "$DIR/env.log" || echo 'no GPU'); $GPUS GPU(s)"
 
 if [ "$MODE" = gpu ]; then
@@ -171,7 +190,8 @@ else
     # against a fake late-running stream, graph buckets, capture agreed over two Gloo ranks.
     # GPU_CHECK_CPU_K: a -k expression narrowing them (tests/test_gpu_check_cpu.py: the suite
     # runs both files itself, so CI checks this row's logic on two of their tests).
-    pytest_row gpu_path_logic_cpu "not cuda and not two_gpu" \
+    # Started here, its row taken after the cluster's: they run side by side.
+    pytest_start gpu_path_logic_cpu "not cuda and not two_gpu" \
         ${GPU_CHECK_CPU_K:+-k "$GPU_CHECK_CPU_K"} tests/test_input_buffers.py \
         tests/test_cuda_graphs.py
 fi
@@ -241,6 +261,7 @@ if [ "$MODE" = gpu ]; then
 else
     cluster cpu-1p1d-cluster configs/local.yaml --set engine.num_kv_blocks=256
     # cluster cpu-1p1d-gloo-cluster configs/local.yaml --set kv_transfer.pipe=gloo  (+40 s in CI)
+    pytest_finish gpu_path_logic_cpu
 fi
 
 # ---- summary -------------------------------------------------------------------------------

@@ -8,6 +8,9 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -15,10 +18,48 @@ import pytest
 
 from pd_cluster.serving.cluster.launcher import ClusterState
 from pd_cluster.serving.cluster.ray_runtime import pid_alive
-from pd_cluster.serving.cluster.testing import wait_until
+from pd_cluster.serving.cluster.testing import REPO_ROOT, wait_until
 from tests.launch_helpers import URL_RE, Launcher, _cli, _env
 
 pytestmark = pytest.mark.timeout(900)  # `pd-cluster launch` subprocesses start Ray clusters
+DETACH_TEST = "test_launch_detach_status_stop"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def detached_launch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[tuple[Path, subprocess.Popen] | None]:
+    """The detach test's `pd-cluster launch --detach`, started with the module: its Ray
+    instance and engines come up while the first test's attached launch runs (two launches
+    side by side, as the benchmarks' smokes run: each its own Ray, namespace, state dir and
+    port; ~20 s of CI time). (state dir, process); None when that test is not selected."""
+    if not any(item.name == DETACH_TEST for item in request.session.items):
+        yield None
+        return
+    tmp = tmp_path_factory.mktemp("detach")
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    # A first run on a machine: no ~/.ray/auth_token yet (our token-auth head needs one).
+    env.pop("RAY_AUTH_MODE", None)
+    env.update(PD_CLUSTER_STATE_DIR=str(tmp), OMP_NUM_THREADS="1", HOME=str(tmp / "home"),
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH"))
+                                          if p))
+    with open(tmp / "launch.out", "w") as out, open(tmp / "launch.err", "w") as err:
+        proc = subprocess.Popen(  # output to files: pipes read only later could fill and stall
+            [sys.executable, "-m", "pd_cluster.cli", "launch", "--config", "configs/local.yaml",
+             "--port", "0", "--namespace", f"test-detach-{os.getpid()}", "--detach",
+             "--no-progress", "--set", "engine.num_kv_blocks=256"],
+            cwd=REPO_ROOT, env=env, stdout=out, stderr=err, text=True)
+    try:
+        yield tmp, proc
+    finally:  # the test failed or never ran: no launcher, no Ray head left behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PD_CLUSTER_STATE_DIR", str(tmp))
+            state = ClusterState.load(f"test-detach-{os.getpid()}")
+        if state is not None and state.head_pid and pid_alive(state.head_pid):
+            os.kill(state.head_pid, signal.SIGTERM)
 
 
 def _port_closed(url: str) -> bool:
@@ -72,15 +113,17 @@ def test_launch_serve_then_ctrl_c_leaves_nothing(tmp_path: Path,
     assert ClusterState.load(ns) is None
 
 
-def test_launch_detach_status_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launch_detach_status_stop(detached_launch: tuple[Path, subprocess.Popen],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path, launch = detached_launch  # started with the module (the fixture)
     env = _env(tmp_path, monkeypatch)
-    # A first run on a machine: no ~/.ray/auth_token yet (our token-auth head needs one).
-    env.update(HOME=str(tmp_path / "home"))
+    env.update(HOME=str(tmp_path / "home"))  # as the launch ran: an empty HOME, no auth mode
     env.pop("RAY_AUTH_MODE", None)
     ns = f"test-detach-{os.getpid()}"
-    done = _cli(["launch", "--config", "configs/local.yaml", "--port", "0", "--namespace", ns,
-                 "--detach", "--no-progress", "--set", "engine.num_kv_blocks=256"], env,
-                timeout=240)
+    launch.wait(timeout=240)
+    done = subprocess.CompletedProcess(launch.args, launch.returncode,
+                                       (tmp_path / "launch.out").read_text(),
+                                       (tmp_path / "launch.err").read_text())
     state = ClusterState.load(ns)
     try:
         assert done.returncode == 0, done.stdout + done.stderr
