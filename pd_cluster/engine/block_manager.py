@@ -25,7 +25,8 @@ from pd_cluster.engine.cache_events import (
     CacheEventLog,
     CacheEvents,
 )
-from pd_cluster.engine.group_hits import accepted_length, group_hits
+from pd_cluster.engine.group_hits import (accepted_length, first_entries, group_hits,
+                                          table_lengths)
 from pd_cluster.engine.kv_groups import NULL_BLOCK, KVCacheGroup, has_sliding
 from pd_cluster.engine.kv_tiers.manager import TierManager
 from pd_cluster.engine.kv_tiers.ops import TierOps
@@ -188,13 +189,8 @@ class BlockManager:
 
     def _table_lengths(self, request: Request, cached: int, max_new_tokens: int | None
                        ) -> list[int]:
-        """Each group's table length at admission: a full group covers every current token;
-        a sliding group only what the first step computes (it grows step by step)."""
-        full = self.blocks_needed(request.num_tokens)
-        if max_new_tokens is None:
-            return [full] * len(self.groups)
-        first = self.blocks_needed(min(request.num_tokens, cached + max(1, max_new_tokens)))
-        return [full if g.window is None else first for g in self.groups]
+        return table_lengths(self.groups, request.num_tokens, cached, max_new_tokens,
+                             self.block_size)
 
     def can_allocate(self, request: Request, use_prefix_cache: bool = True,
                      needs_logits: bool = True, max_new_tokens: int | None = None) -> bool:
@@ -209,8 +205,10 @@ class BlockManager:
             hits[0] = hits[0][:hits[0].index(None) + 1]
         cached = len(hits[0]) * self.block_size
         needed, free_hits = 0, 0
+        firsts = first_entries(self.groups, request.num_tokens, cached, needs_logits,
+                               self.block_size)
         for k, length in enumerate(self._table_lengths(request, cached, max_new_tokens)):
-            first = self.groups[k].first_live_block(cached, self.block_size)
+            first = firsts[k]
             device = [b for b in hits[k][first:] if b is not None]  # a lower-tier hit needs
             free_hits += sum(1 for b in device if self.blocks[b].ref_count == 0)  # a block
             needed += length - first - len(device)
@@ -240,7 +238,8 @@ class BlockManager:
                     break
                 slots[i] = slot
         cached = len(hits[0]) * self.block_size
-        firsts = [g.first_live_block(cached, self.block_size) for g in self.groups]
+        firsts = first_entries(self.groups, request.num_tokens, cached, needs_logits,
+                               self.block_size)
         device = [b for k, h in enumerate(hits) for b in h[firsts[k]:] if b is not None]
         if self.enable_prefix_caching and use_prefix_cache:
             self.stats.queried_blocks += self._matchable(request, needs_logits) // self.block_size
@@ -249,8 +248,8 @@ class BlockManager:
             self._take(block_id)
         tables = []
         for k, length in enumerate(self._table_lengths(request, cached, max_new_tokens)):
-            table = [b if b is not None else self._pop_free() for b in hits[k]]
-            table += [self._pop_free() for _ in range(length - len(table))]
+            table = [NULL_BLOCK if i < firsts[k] else b if b is not None else self._pop_free()
+                     for i, b in enumerate(hits[k] + [None] * (length - len(hits[k])))]
             tables.append(table)
         for i, slot in slots.items():
             self.tiers.load(slot, tables[0][i])

@@ -53,3 +53,25 @@ def group_hits(groups: Sequence[KVCacheGroup], found: Sequence[Sequence[int | No
         first = group.first_live_block(m * block_size, block_size)
         tables.append([NULL_BLOCK] * first + [b for b in f[first:m]])  # type: ignore[misc]
     return tables
+
+
+def table_lengths(groups: Sequence[KVCacheGroup], num_tokens: int, cached: int,
+                  max_new_tokens: int | None, block_size: int) -> list[int]:
+    """Each group's table length at admission: a full group covers every current token;
+    a sliding group only what the first step computes at most (``max_new_tokens``; None:
+    every token), growing step by step."""
+    full = -(-num_tokens // block_size)
+    if max_new_tokens is None:
+        return [full] * len(groups)
+    first = -(-min(num_tokens, cached + max(1, max_new_tokens)) // block_size)
+    return [full if g.window is None else first for g in groups]
+
+
+def first_entries(groups: Sequence[KVCacheGroup], num_tokens: int, cached: int,
+                  needs_logits: bool, block_size: int) -> list[int]:
+    """Per group, the first table entry a request's next query reads (the ones before are
+    ``NULL_BLOCK``): after its ``cached`` tokens, or, on a decode engine whose prompt KV comes
+    from a producer (no logits computed here), after the whole prompt of ``num_tokens``: a
+    sliding group then takes only the blocks of the first decode's window."""
+    start = cached if needs_logits else num_tokens
+    return [g.first_live_block(start, block_size) for g in groups]
