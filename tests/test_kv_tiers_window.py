@@ -77,7 +77,8 @@ def test_a_lost_lower_tier_block_cuts_the_hit_to_what_every_group_still_serves()
     """allocate() claims lower-tier blocks entry by entry; one lost at entry 4 (a corrupt disk
     file) ends the hit at the longest length whose window tail the sliding group holds."""
     from pd_cluster.engine.group_hits import cut_hits
-    from pd_cluster.engine.kv_groups import NULL_BLOCK as N, KVCacheGroup
+    from pd_cluster.engine.kv_groups import NULL_BLOCK as N
+    from pd_cluster.engine.kv_groups import KVCacheGroup
     groups = (KVCacheGroup((1,)), KVCacheGroup((0,), 16))
     full = [11, 12, 13, 14, None]
     m, tables = cut_hits(groups, [full, [N, N, 22, 23, None]], 4, BS)
