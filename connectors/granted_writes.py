@@ -21,6 +21,7 @@ import msgpack
 import msgspec
 import torch
 
+from connectors.group_tables import layer_table
 from connectors.metadata import KVWrittenHeader, encode_header
 from connectors.pipes.device_hash import block_rows as device_block_rows
 from connectors.pipes.nixl_layout import block_chunks
@@ -41,24 +42,30 @@ class Grants:
 
     def __init__(self, cutoff: float) -> None:
         self.cutoff = cutoff
-        self._by: OrderedDict[tuple[str, str], tuple[int, tuple[int, ...], float]] = OrderedDict()
+        # (endpoint, request) -> (first, block ids, deadline, per-group ids, layer groups)
+        self._by: OrderedDict[tuple[str, str], tuple[Any, ...]] = OrderedDict()
         self._lock = threading.Lock()  # the receiver thread records, the engine thread reads
 
-    def record(self, endpoint: str, request_id: str, first: int, block_ids: Sequence[int]
+    def record(self, endpoint: str, request_id: str, first: int, block_ids: Sequence[int],
+               group_block_ids: Sequence[Sequence[int]] = (), layer_groups: Sequence[int] = ()
                ) -> None:
+        """``group_block_ids`` / ``layer_groups``: a consumer with KV cache groups grants
+        each group's blocks (group_tables.py); a layer is written into its group's."""
         with self._lock:
             self._by[(endpoint, request_id)] = (first, tuple(block_ids),
-                                                time.monotonic() + self.cutoff)
+                                                time.monotonic() + self.cutoff,
+                                                tuple(map(tuple, group_block_ids)),
+                                                tuple(layer_groups))
             while len(self._by) > 4096:  # grants of requests finished here
                 self._by.popitem(last=False)
 
-    def get(self, endpoint: str, request_id: str) -> Grant | None:
-        """The grant, or None when none came or its cutoff passed."""
+    def get(self, endpoint: str, request_id: str, layer: int = 0) -> Grant | None:
+        """The grant of ``layer``'s blocks, or None when none came or its cutoff passed."""
         with self._lock:
             entry = self._by.get((endpoint, request_id))
         if entry is None or time.monotonic() > entry[2]:
             return None
-        return entry[0], entry[1]
+        return entry[0], tuple(layer_table(entry[1], entry[3], entry[4], layer))
 
     def drop(self, request_id: str) -> None:
         with self._lock:

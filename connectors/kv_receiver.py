@@ -29,13 +29,14 @@ from connectors.block_io import copy_rows, scatter_blocks
 from connectors.window_shipping import first_shipped_token
 from kernels.kv_quant import as_bytes
 from connectors.granted_writes import Checker, check_written
+from connectors.group_tables import layer_table
 from connectors.kv_staging import Staging
 
 logger = logging.getLogger(__name__)
 Ack = tuple[str, str, bool]  # (producer peer, request id, ok)
 # (producer peer, request id, prompt tokens held here, the blocks granted after them, the
-# draft model's blocks granted: draft_layers.py)
-Hold = tuple[str, str, int, tuple[int, ...], tuple[int, ...]]
+# draft model's blocks granted: draft_layers.py, each KV cache group's granted: group_tables.py)
+Hold = tuple[str, str, int, tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]
 
 
 @dataclass
@@ -49,6 +50,7 @@ class _Receiving:
     first_layer_time: float | None = None
     draft_index: torch.Tensor | None = None  # the draft's blocks (None: no draft KV taken)
     first_arrival: float | None = None  # monotonic, for kv_recv_seconds
+    group_index: list[torch.Tensor] = field(default_factory=list)  # per KV cache group
 
 
 class KVReceiver:
@@ -66,6 +68,7 @@ class KVReceiver:
         self.timeout, self.max_staging_bytes = timeout, max_staging_bytes
         self.kv_caches: list[torch.Tensor] = []  # the target's layers, then a draft's
         self.num_draft_layers = 0  # layers num_layers.. of kv_caches: a draft model's
+        self.layer_groups: list[int] | None = None  # each layer's KV cache group (None: one)
         # the state that came with each landed draft KV (b"": none), taken once, bounded
         self._draft_landed: OrderedDict[str, bytes] = OrderedDict()
         self.draft_state_bytes = 0  # what a FIN with draft KV carries (mtp's hidden state)
@@ -98,6 +101,8 @@ class KVReceiver:
         state = _Receiving(spec, torch.tensor(spec.block_ids[:blocks], dtype=torch.long),
                            time.monotonic() + self.timeout, self._unwritten(blocks))
         state.written[:self.num_layers, :, :spec.num_cached_tokens // self.block_size] = True
+        state.group_index = [torch.tensor(ids[:blocks], dtype=torch.long)
+                             for ids in spec.group_block_ids]
         if self.num_draft_layers and len(spec.draft_block_ids) >= blocks:
             state.draft_index = torch.tensor(spec.draft_block_ids[:blocks], dtype=torch.long)
         else:  # no draft KV taken: its layers are not waited for (and dropped if they come)
@@ -252,8 +257,10 @@ class KVReceiver:
             held = state.spec.num_cached_tokens // self.block_size
             draft = state.spec.draft_block_ids[:len(state.block_index)] \
                 if state.draft_index is not None else ()
+            n = len(state.block_index)
             self._holds.append((peer, rid, state.spec.num_cached_tokens,
-                                state.spec.block_ids[held:len(state.block_index)], draft))
+                                state.spec.block_ids[held:n], draft,
+                                tuple(ids[held:n] for ids in state.spec.group_block_ids)))
             return []
         state.first_arrival = state.first_arrival or time.monotonic()
         if isinstance(header, FinHeader):
@@ -285,7 +292,8 @@ class KVReceiver:
             try:
                 header, tensor = self._skip_held(state, header, tensor)
                 if header is not None:
-                    self._write_layer(state, header, tensor, state.block_index)
+                    self._write_layer(state, header, tensor, layer_table(
+                        state.block_index, state.group_index, self.layer_groups, header.layer))
             except ValueError as e:  # e.g. blocks the request does not own
                 return self._fail_closed(state, f"layer {header.layer}: {e}", peer, {peer})
         if state.fins and len(state.fins) >= state.fins[0].num_fins and not state.written.all():
@@ -384,7 +392,9 @@ class KVReceiver:
         n = len(state.block_index)
         if layer >= self.num_layers:
             return (state.spec.draft_block_ids[:n] if state.draft_index is not None else ()), 0
-        return state.spec.block_ids[:n], state.spec.num_cached_tokens // self.block_size
+        ids = layer_table(state.spec.block_ids, state.spec.group_block_ids, self.layer_groups,
+                          layer)
+        return tuple(ids[:n]), state.spec.num_cached_tokens // self.block_size
 
     def _skip_held(self, state: _Receiving, header: KVLayerHeader, tensor: torch.Tensor | None
                    ) -> tuple[KVLayerHeader | None, torch.Tensor | None]:

@@ -23,6 +23,10 @@ class SendSpec:
     # layers ship after the target's as layers num_layers.. (pd_cluster/engine/spec/draft_pd.py);
     # empty: no draft KV goes with this request.
     draft_block_ids: tuple[int, ...] = ()
+    # KV cache groups (pd_cluster/engine/kv_groups.py): the same table entries of each
+    # group's table (block_ids is group 0's); a layer ships its group's (the worker knows
+    # which: group_tables.py). Empty: one table for every layer.
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,9 @@ class RecvSpec:
     # The draft model's blocks for the prompt (its layers arrive as layers num_layers..); every
     # one is written: the draft's pool has no prefix cache. Empty: no draft KV is taken.
     draft_block_ids: tuple[int, ...] = ()
+    # Each KV cache group's table (block_ids is group 0's; a sliding group's entries before
+    # the first decode's window are the null block, never written). Empty: one table.
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -121,6 +128,10 @@ class HoldHeader(msgspec.Struct, frozen=True, tag="hold", tag_field="kind"):
     # The same, of a draft model's own blocks (every prompt block, from table index 0:
     # connectors/draft_layers.py); empty when this consumer takes no draft KV in place.
     draft_block_ids: tuple[_Count, ...] = ()
+    # The consumer's KV cache groups (group_tables.py): each group's granted blocks (the same
+    # entries as block_ids, group 0's) and each layer's group. Empty: one table.
+    group_block_ids: tuple[tuple[_Count, ...], ...] = ()
+    layer_groups: tuple[_Count, ...] = ()
 
 
 class KVWrittenHeader(msgspec.Struct, frozen=True, tag="kvw", tag_field="kind"):

@@ -26,6 +26,7 @@ from connectors.factory import ConnectorPair, register_connector
 from connectors.hello import make_hello
 from connectors.kv_receiver import KVReceiver
 from connectors.granted_writes import Grants
+from connectors.group_tables import grant_groups_valid
 from connectors.layer_sender import LayerSender
 from connectors.metadata import (
     AckHeader,
@@ -56,6 +57,7 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         # Tensor parallelism: this rank's place; num_kv_heads in the hello is the model's total.
         self.tp_rank, self.tp_size = engine_info.get("tp_rank", 0), engine_info.get("tp_size", 1)
         self.block_size = engine_info["block_size"]
+        self.layer_groups = engine_info.get("layer_groups")  # None: one table (group_tables)
         self.hello = make_hello(engine_info)
         # Each layer's sliding window: those layers ship only what decodes read.
         self.windows = layer_windows(self.hello["kv_specs"])
@@ -69,6 +71,7 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
                                    config.kv_transfer_timeout, config.max_staging_bytes,
                                    config.record_timings, self.windows,
                                    min(5.0, config.kv_transfer_timeout) if self._in_place else 0)
+        self.receiver.layer_groups = self.layer_groups
         if self._in_place:
             self.receiver.check_written = self.pipe.check_written
         self._endpoint: str | None = None
@@ -227,9 +230,12 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
                     self._record_hold(header.request_id, _SKIP_ALL)
                 self.leases.release(header.request_id, header.ok)
             elif isinstance(header, HoldHeader):
-                if self._in_place:  # before the hold: the engine thread writes once it sees it
+                if self._in_place and grant_groups_valid(  # no grant: the writes fail
+                        header.block_ids, header.group_block_ids, header.layer_groups):
+                    # before the hold: the engine thread writes once it sees it
                     self.grants.record(peer, header.request_id,
-                                       header.num_tokens // self.block_size, header.block_ids)
+                                       header.num_tokens // self.block_size, header.block_ids,
+                                       header.group_block_ids, header.layer_groups)
                     if header.draft_block_ids:  # a draft model's blocks (draft_layers.py)
                         self.draft_grants.record(peer, header.request_id, 0,
                                                  header.draft_block_ids)
@@ -244,9 +250,11 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
 
     def _send_holds(self) -> None:
         """Consumer: answer producers' offers with the prompt tokens held here."""
-        for peer, rid, num_tokens, granted, draft in self.receiver.take_holds():
+        for peer, rid, num_tokens, granted, draft, groups in self.receiver.take_holds():
             hold = HoldHeader(rid, num_tokens, granted if self._in_place else (),
-                              draft if self._in_place else ())
+                              draft if self._in_place else (), groups if self._in_place else (),
+                              tuple(self.layer_groups or ()) if self._in_place and groups
+                              else ())
             try:
                 self.pipe.send_tensor(peer, encode_header(hold), None)
             except PipeError as e:

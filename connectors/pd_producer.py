@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from connectors.group_tables import spec_for_layer
 from connectors.granted_writes import granted_targets, route_is_whole, written_head
 from connectors.metadata import FinHeader, KVWrittenHeader, OfferHeader, SendSpec, encode_header
 from connectors.pipes.base import PipeError
@@ -49,6 +50,8 @@ class PDProducer:
             if spec.request_id in self._failed_sends or not self._usable(spec.peer):
                 self._failed_sends.add(spec.request_id)
                 continue
+            if layer < self.num_target_layers:  # the layer's own group's blocks
+                spec = spec_for_layer(spec, self.layer_groups, layer)
             held = self._held_tokens(spec.request_id)
             # Written in place: nothing goes before the consumer's HOLD granted its blocks.
             if held is None and spec.expect_held is not None and not self._writes(spec.peer):
@@ -122,7 +125,7 @@ class PDProducer:
             return self._write_failed(spec, f"layer {layer}", ValueError(
                 "a write carries whole blocks: both engines need the same KV heads per rank "
                 "(TP size)"))
-        grant = self.grants.get(endpoint, rid)
+        grant = self.grants.get(endpoint, rid, layer)
         if grant is None:
             return self._write_failed(spec, f"layer {layer}", ValueError(
                 "no grant from the consumer (or its cutoff passed)"))

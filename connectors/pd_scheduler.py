@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from connectors.base import KVConnectorBase_Scheduler
+from connectors.group_tables import request_tables
 from connectors.metadata import FinishSpec, KVConnectorMetadata, RecvSpec, SendSpec
 from connectors.transfer_params import RecvKV, SendKV
 from connectors.window_shipping import unshipped_blocks
@@ -47,7 +48,8 @@ class PDConnectorScheduler(KVConnectorBase_Scheduler):
             self._recvs.append(RecvSpec(
                 request.request_id, tuple(block_ids), request.num_prompt_tokens,
                 request.num_prompt_tokens - num_external_tokens,
-                self.draft_blocks(request) if self.draft_blocks is not None else ()))
+                self.draft_blocks(request) if self.draft_blocks is not None else (),
+                request_tables(request)))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         sends = []
@@ -71,7 +73,8 @@ class PDConnectorScheduler(KVConnectorBase_Scheduler):
             sends.append(SendSpec(request.request_id, params.to,
                                   tuple(request.block_ids[first:last]), first,
                                   params.expect_held, request.num_prompt_tokens,
-                                  tuple(draft[first:last]) if draft else ()))
+                                  tuple(draft[first:last]) if draft else (),
+                                  tuple(t[first:last] for t in request_tables(request))))
         meta = KVConnectorMetadata(sends, self._finishes, self._recvs, self._cancels)
         self._finishes, self._recvs, self._cancels = [], [], []
         return meta
@@ -79,8 +82,8 @@ class PDConnectorScheduler(KVConnectorBase_Scheduler):
     def unshipped_blocks(self, request: Any) -> int:
         """Consumer: leading prompt blocks whose sliding layers were not shipped (never to be
         registered for prefix hits here; window_shipping.py)."""
-        if not isinstance(request.kv_transfer_params, RecvKV):
-            return 0
+        if not isinstance(request.kv_transfer_params, RecvKV) or request_tables(request):
+            return 0  # with groups, a sliding group's unshipped entries are the null block
         return unshipped_blocks(request.num_prompt_tokens, self.windows, self.block_size)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:

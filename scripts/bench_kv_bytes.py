@@ -9,11 +9,14 @@ shipping. "held" is measured on the engine's block allocator (BlockManager drive
 prompt in chunks of ``CHUNK`` tokens, then one decode step, as the scheduler calls it): with
 per-layer-kind block tables (KV cache groups, a sliding group releasing what left its window)
 against one table for every layer (groups off, the layout before them); bytes are the block ids
-held times the bytes of one id (a page of the group's layers, or of every layer).
+held (``ids``) times the bytes of one id (a page of the group's layers, or of every layer).
+Bytes shipped are computed by the producer's own rule (pd_producer._send_unheld: each layer's
+blocks from window_shipping.first_shipped_token on), "before" being every block of every layer.
 
 Part 2 (measured): the same through a real in-process P/D pair on the tiny presets (bf16
 models on CPU, block 16, head dim 16: FP8's per-block scales cost the most at small head dims),
-bytes the producer sent, bf16 and fp8 KV, against every block of every layer, and the fp8/bf16
+bytes the producer sent (the connector's kv_bytes_sent counter; KV cache groups on in both
+engines), bf16 and fp8 KV, against every block of every layer, and the fp8/bf16
 ratios of bytes held per token and bytes sent.
 
 Part 3 (measured): FP8 KV accuracy against the auto KV engine: greedy agreement over N prompts
@@ -58,9 +61,10 @@ FAMILIES = {
 }
 
 
-def allocator_held(specs: tuple, prompt: int, groups: bool) -> tuple[int, int]:
-    """(bytes held after the prompt and one decode step, the peak on the way) by one request,
-    measured on the engine's block allocator as the scheduler drives it."""
+def allocator_held(specs: tuple, prompt: int, groups: bool) -> tuple[int, int, int]:
+    """(bytes held after the prompt and one decode step, the peak on the way, block ids held
+    then) by one request, measured on the engine's block allocator as the scheduler drives
+    it (an id is a page of its group's layers: of every layer without groups)."""
     spec = KVCacheSpec(BS, specs, make_groups(specs, groups))
     bm = BlockManager(len(spec.kv_groups) * (-(-(prompt + 1) // BS)) + 1, BS,
                       enable_prefix_caching=False, groups=spec.kv_groups)
@@ -81,28 +85,32 @@ def allocator_held(specs: tuple, prompt: int, groups: bool) -> tuple[int, int]:
     held = bm.num_used_blocks
     bm.free(r)
     bm.check_no_leaks()
-    return held * spec.block_bytes, max(peak, held) * spec.block_bytes
+    return held * spec.block_bytes, max(peak, held) * spec.block_bytes, held
 
 
 def family_bytes(name: str, prompt: int, dtype: torch.dtype) -> dict[str, float]:
     layers, heads, dim, window_of = FAMILIES[name]
     specs = tuple(attention_spec(heads, dim, dtype, window_of(i)) for i in range(layers))
     blocks = -(-prompt // BS)
-    held, _ = allocator_held(specs, prompt, groups=False)
-    grouped, peak = allocator_held(specs, prompt, groups=True)
+    held, _, ids_before = allocator_held(specs, prompt, groups=False)
+    grouped, peak, ids = allocator_held(specs, prompt, groups=True)
+    # What the producer ships per layer: the connector's own rule (pd_producer._send_unheld
+    # applies window_shipping.first_shipped_token to each layer's blocks), computed here.
     shipped = sum((blocks - first_shipped_token(prompt, getattr(layer, "window", None), BS) // BS)
                   * layer.page_bytes(BS) for layer in specs)
     all_blocks = blocks * sum(layer.page_bytes(BS) for layer in specs)
     return {"held_before": held, "held": grouped, "held_peak": peak,
             "shipped_before": all_blocks, "shipped_after": shipped,
-            "fits_before": BUDGET // held, "fits": BUDGET // grouped, "blocks": blocks}
+            "fits_before": BUDGET // held, "fits": BUDGET // grouped, "blocks": blocks,
+            "ids_before": ids_before, "ids": ids}
 
 
 def part1(prompts: list[int]) -> dict[str, float]:
     print(f"# part 1: per request, from the layer specs (block {BS}, budget "
           f"{BUDGET / 2**30:.0f} GiB)")
     print(f"{'family':>15} {'prompt':>6} {'kv':>5} {'held_before_MiB':>15} {'held_MiB':>9} "
-          f"{'held/before':>11} {'peak_MiB':>9} {'fit_before':>10} {'fit':>5} "
+          f"{'held/before':>11} {'ids_before':>10} {'ids':>5} {'peak_MiB':>9} "
+          f"{'fit_before':>10} {'fit':>5} "
           f"{'ship_before_MiB':>15} {'ship_after_MiB':>14} {'after/before':>12}")
     out = {}
     for name in FAMILIES:
@@ -112,6 +120,7 @@ def part1(prompts: list[int]) -> dict[str, float]:
                 r = rows[kv] = family_bytes(name, prompt, dtype)
                 print(f"{name:>15} {prompt:>6} {kv:>5} {r['held_before'] / 2**20:>15.1f} "
                       f"{r['held'] / 2**20:>9.1f} {r['held'] / r['held_before']:>11.3f} "
+                      f"{r['ids_before']:>10} {r['ids']:>5} "
                       f"{r['held_peak'] / 2**20:>9.1f} {r['fits_before']:>10} {r['fits']:>5} "
                       f"{r['shipped_before'] / 2**20:>15.1f} "
                       f"{r['shipped_after'] / 2**20:>14.1f} "

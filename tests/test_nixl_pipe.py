@@ -138,7 +138,8 @@ def test_a_write_outside_the_grant_is_refused(tiny) -> None:
     with _pair(model) as (p, d):
         grants = p.runner.connector.grants
         real = grants.record
-        grants.record = lambda ep, rid, first, ids: real(ep, rid, first, ids[:1])
+        grants.record = lambda ep, rid, first, ids, groups=(), layers=(): real(
+            ep, rid, first, ids[:1], [g[:1] for g in groups], layers)  # each group's too
         prompt, want = cases["stray"]
         assert _run(p, d, [prompt], "stray") == [want]
         assert d.stats()["kv_fallbacks"] == 1

@@ -147,3 +147,33 @@ def test_without_the_draft_on_p_d_runs_the_draft_prefill_and_a_mismatch_is_refus
     assert got["n"] == want[0]
     assert _stat(d, "spec_draft_prefill_tokens") - before == len(prompt)
     p.check_no_leaks(), d.check_no_leaks()
+
+
+@pytest.mark.parametrize("pipe", [None, "shm"])
+def test_windowed_target_ships_its_window_and_the_drafts_layers_after_it(
+        tmp_path: Any, pipe: str | None) -> None:
+    """A sliding-window target (window 24, prompts past it): its layers ship only the window,
+    the draft's layers (indices past the target's) every block, into the draft's own table on
+    D, never a target layer's (issue 43 beside 41); greedy output equals the colocated run
+    without speculation."""
+    from pd_cluster.checkpoints.maker import PRESETS, make_model
+    windowed = str(make_model(tmp_path / "w", **PRESETS["tiny-mistral-window"]))
+    d = engine(windowed, "consumer", pipe=pipe, block_size=8, speculative=_spec(windowed))
+    p = engine(windowed, "producer", pipe=pipe, block_size=8, max_num_batched_tokens=16,
+               speculative=_spec(windowed))
+    try:
+        prompts = [random_prompt(45, seed=21), random_prompt(37, seed=22)]
+        want = colocated_tokens(windowed, prompts, [GREEDY] * 2, block_size=8)
+        got: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            submit_pair(p, d, f"w{i}", prompt, GREEDY, d.kv_endpoint())
+            got.update(run_in_process(p, d))
+        drain(p, d)
+        assert [got["w0"], got["w1"]] == want
+        s, sp = d.stats(), p.stats()
+        assert s["kv_fallbacks"] == 0 and s["spec_draft_prefill_tokens"] == 0
+        assert 0 < sp["kv_draft_bytes_sent"] == s["kv_draft_bytes_received"]
+        assert 0 < s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"]
+        p.check_no_leaks(), d.check_no_leaks()
+    finally:
+        p.close(), d.close()

@@ -46,9 +46,10 @@ class CacheLayout(msgspec.Struct, frozen=True):
         return cls("VRAM" if kinds == {"cuda"} else "DRAM", layers)
 
     def regions(self) -> list[tuple[int, int, int, str]]:
-        """What to register: (addr, bytes, device, "") per layer."""
-        return [(lay.addr, lay.parts * lay.num_blocks * lay.block_bytes, lay.device, "")
-                for lay in self.layers]
+        """What to register: (addr, bytes, device, "") per layer, once per tensor (with KV
+        cache groups several layers share one: cache_engine.py)."""
+        return list(dict.fromkeys((lay.addr, lay.parts * lay.num_blocks * lay.block_bytes,
+                                   lay.device, "") for lay in self.layers))
 
     def mismatch(self, other: "CacheLayout") -> str | None:
         """Why blocks of ``self`` cannot be written into ``other``'s, or None."""

@@ -84,10 +84,15 @@ class SharedCache:
                             "memory (CPU engines); use zmq or nixl for a CUDA cache")
         folder = shm_folder(base)
         sweep_stale(folder)
+        # With KV cache groups one tensor serves several layers (cache_engine.py): it moves
+        # once, and each of its layers points at the same place.
+        first: dict[int, int] = {}  # id(tensor) -> offset
         offsets, size = [], 0
         for c in caches:
-            offsets.append(size)
-            size += -(-c.nbytes // _ALIGN) * _ALIGN
+            if id(c) not in first:
+                first[id(c)] = size
+                size += -(-c.nbytes // _ALIGN) * _ALIGN
+            offsets.append(first[id(c)])
         st = os.statvfs(folder)
         if st.f_bavail * st.f_frsize < size:
             raise PipeError(f"kv_transfer.pipe: shm needs {size / 2**20:.0f} MiB free in "
@@ -104,11 +109,13 @@ class SharedCache:
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.posix_fallocate(fd, 0, size)
             mem = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
-            layers = []
+            layers, moved = [], set()
             for c, off in zip(caches, offsets):
-                shared = mem[off:off + c.nbytes].view(c.dtype).view(c.shape)
-                shared.copy_(c)
-                c.set_(shared)  # the engine's tensor now lives in the file
+                if id(c) not in moved:
+                    moved.add(id(c))
+                    shared = mem[off:off + c.nbytes].view(c.dtype).view(c.shape)
+                    shared.copy_(c)
+                    c.set_(shared)  # the engine's tensor now lives in the file
                 layers.append(LayerLayout(off, c.shape[0], c.shape[1], c[0, 0].nbytes, 0))
         except BaseException:
             self.close()

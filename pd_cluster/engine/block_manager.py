@@ -25,7 +25,8 @@ from pd_cluster.engine.cache_events import (
     CacheEventLog,
     CacheEvents,
 )
-from pd_cluster.engine.group_hits import accepted_length, group_hits
+from pd_cluster.engine.group_hits import (LOWER, accepted_length, cut_hits, first_entries,
+                                          group_hits, table_lengths, tier_key)
 from pd_cluster.engine.kv_groups import NULL_BLOCK, KVCacheGroup, has_sliding
 from pd_cluster.engine.kv_tiers.manager import TierManager
 from pd_cluster.engine.kv_tiers.ops import TierOps
@@ -83,10 +84,7 @@ class BlockManager:
         self._events = CacheEventLog(max_pending_events)
         self._take_cursor = 0  # take_events()' own reader
         self.tiers = tiers if enable_prefix_caching else None
-        if self.tiers is not None:
-            if len(self.groups) > 1 or self._reserved:
-                raise ValueError("kv_offloading_size: the KV tiers keep whole-model blocks; "
-                                 "they need one KV cache group")
+        if self.tiers is not None:  # each group's pages are their own entries (tier_key)
             self.tiers.on_event = lambda stored, h: self._events.record(stored, h, lower=True)
 
     # ---- queries -------------------------------------------------------------------------
@@ -128,8 +126,6 @@ class BlockManager:
             return [[] for _ in self.groups]
         n = self._matchable(request, needs_logits) // self.block_size
         hashes = self._chain_hashes(request, n)
-        if self.tiers is not None:  # one full group (checked at start)
-            return [self._tier_hits(request, hashes, n)]
         found = []
         for k, group in enumerate(self.groups):
             f: list[int | None] = []
@@ -139,27 +135,19 @@ class BlockManager:
                     break  # a full group's hit ends at its first miss
             found.append(f)
         m = accepted_length(self.groups, found, self.block_size)
-        return group_hits(self.groups, found, m, self.block_size)  # type: ignore[return-value]
+        return [[None if b == LOWER else b for b in t]
+                for t in group_hits(self.groups, found, m, self.block_size)]
 
     def _cached(self, group: int, h: int, request: Request, i: int) -> int | None:
+        """Group ``group``'s block for block ``i``: a device block, ``LOWER`` (a lower tier
+        holds it), or None."""
+        tokens = self._block_tokens(request, i)
         block_id = self.hash_to_block.get((group, h))
-        if block_id is not None and self.blocks[block_id].token_ids == self._block_tokens(
-                request, i):
+        if block_id is not None and self.blocks[block_id].token_ids == tokens:
             return block_id
+        if self.tiers is not None and self.tiers.has(tier_key(group, h), tokens):
+            return LOWER
         return None
-
-    def _tier_hits(self, request: Request, hashes: list[int], n: int) -> list[int | None]:
-        hits: list[int | None] = []
-        for i in range(n):
-            tokens = self._block_tokens(request, i)
-            block_id = self.hash_to_block.get((0, hashes[i]))
-            if block_id is not None and self.blocks[block_id].token_ids == tokens:
-                hits.append(block_id)
-            elif self.tiers is not None and self.tiers.has(hashes[i], tokens):
-                hits.append(None)
-            else:
-                break
-        return hits
 
     def _block_tokens(self, request: Request, i: int) -> tuple[int, ...]:
         return tuple(request.token_ids_range(i * self.block_size, (i + 1) * self.block_size))
@@ -188,13 +176,8 @@ class BlockManager:
 
     def _table_lengths(self, request: Request, cached: int, max_new_tokens: int | None
                        ) -> list[int]:
-        """Each group's table length at admission: a full group covers every current token;
-        a sliding group only what the first step computes (it grows step by step)."""
-        full = self.blocks_needed(request.num_tokens)
-        if max_new_tokens is None:
-            return [full] * len(self.groups)
-        first = self.blocks_needed(min(request.num_tokens, cached + max(1, max_new_tokens)))
-        return [full if g.window is None else first for g in self.groups]
+        return table_lengths(self.groups, request.num_tokens, cached, max_new_tokens,
+                             self.block_size)
 
     def can_allocate(self, request: Request, use_prefix_cache: bool = True,
                      needs_logits: bool = True, max_new_tokens: int | None = None) -> bool:
@@ -202,15 +185,18 @@ class BlockManager:
         step computes at most (sizes a sliding group's table; None: every token)."""
         hits = self._prefix_hits(request, needs_logits) if use_prefix_cache \
             else [[] for _ in self.groups]
-        if self.tiers is not None and None in hits[0] and self.tiers.disk is not None:
+        lost = [h.index(None) for h in hits if None in h]
+        if self.tiers is not None and lost and self.tiers.disk is not None:
             # A disk block can still be a miss in allocate() (a corrupt file, no host slot
             # free this step): the match ends there and the device hits after it need fresh
             # blocks too. Admit what fits that worst case (it needs the most free blocks).
-            hits[0] = hits[0][:hits[0].index(None) + 1]
+            hits = [h[:min(lost) + 1] for h in hits]
         cached = len(hits[0]) * self.block_size
         needed, free_hits = 0, 0
+        firsts = first_entries(self.groups, request.num_tokens, cached, needs_logits,
+                               self.block_size)
         for k, length in enumerate(self._table_lengths(request, cached, max_new_tokens)):
-            first = self.groups[k].first_live_block(cached, self.block_size)
+            first = firsts[k]
             device = [b for b in hits[k][first:] if b is not None]  # a lower-tier hit needs
             free_hits += sum(1 for b in device if self.blocks[b].ref_count == 0)  # a block
             needed += length - first - len(device)
@@ -231,16 +217,10 @@ class BlockManager:
                                   f"{self.tables[rid][0][:8]}: allocated twice")
         hits = self._prefix_hits(request, needs_logits) if use_prefix_cache \
             else [[] for _ in self.groups]
-        slots: dict[int, int] = {}  # hit index -> host slot to load it from
-        for i, block_id in enumerate(hits[0] if self.tiers is not None else ()):
-            if block_id is None:
-                slot = self.tiers.claim(request.block_hashes[i], self._block_tokens(request, i))
-                if slot is None:
-                    hits[0] = hits[0][:i]
-                    break
-                slots[i] = slot
+        hits, slots = self._claim_lower(request, hits)
         cached = len(hits[0]) * self.block_size
-        firsts = [g.first_live_block(cached, self.block_size) for g in self.groups]
+        firsts = first_entries(self.groups, request.num_tokens, cached, needs_logits,
+                               self.block_size)
         device = [b for k, h in enumerate(hits) for b in h[firsts[k]:] if b is not None]
         if self.enable_prefix_caching and use_prefix_cache:
             self.stats.queried_blocks += self._matchable(request, needs_logits) // self.block_size
@@ -249,17 +229,38 @@ class BlockManager:
             self._take(block_id)
         tables = []
         for k, length in enumerate(self._table_lengths(request, cached, max_new_tokens)):
-            table = [b if b is not None else self._pop_free() for b in hits[k]]
-            table += [self._pop_free() for _ in range(length - len(table))]
+            table = [NULL_BLOCK if i < firsts[k] else b if b is not None else self._pop_free()
+                     for i, b in enumerate(hits[k] + [None] * (length - len(hits[k])))]
             tables.append(table)
-        for i, slot in slots.items():
-            self.tiers.load(slot, tables[0][i])
+        for (k, i), slot in slots.items():
+            self.tiers.load(slot, tables[k][i])
         self.tables[rid] = tables
         self._released[rid] = firsts
         # Blocks from the first restored one on are registered once the step computed them.
-        self.hashed[rid] = min(slots, default=len(hits[0]))
+        self.hashed[rid] = min((i for _, i in slots), default=len(hits[0]))
         request.block_ids, request.group_block_ids = tables[0], tables
         return cached
+
+    def _claim_lower(self, request: Request, hits: list[list[int | None]]
+                     ) -> tuple[list[list[int | None]], dict[tuple[int, int], int]]:
+        """Pin the host slots of the lower-tier hits (None entries), block by block over every
+        group; one that cannot be had ends the match there (cut_hits: the longest hit every
+        group still serves). Returns the hits and (group, entry) -> host slot to load."""
+        slots: dict[tuple[int, int], int] = {}
+        if self.tiers is None:
+            return hits, slots
+        for i in range(len(hits[0])):
+            for k, h in enumerate(hits):
+                if h[i] is not None:
+                    continue
+                slot = self.tiers.claim(tier_key(k, request.block_hashes[i]),
+                                        self._block_tokens(request, i))
+                if slot is None:
+                    m, hits = cut_hits(self.groups, hits, i, self.block_size)
+                    return hits, {(g, j): s for (g, j), s in slots.items()
+                                  if j < m and hits[g][j] is None}
+                slots[(k, i)] = slot
+        return hits, slots
 
     # ---- growth --------------------------------------------------------------------------
     def can_append(self, request: Request, num_new_tokens: int) -> bool:
@@ -420,7 +421,8 @@ class BlockManager:
                 if block.group == 0:
                     self._events.record(False, block.block_hash)
                 if self.tiers is not None:  # saved at the step's start, before any overwrite
-                    self.tiers.on_evict(block_id, block.block_hash, block.token_ids)
+                    self.tiers.on_evict(block_id, tier_key(block.group, block.block_hash),
+                                        block.token_ids)
             block.block_hash, block.token_ids = None, None
         block.ref_count = 1
         return block_id

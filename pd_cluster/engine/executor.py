@@ -64,7 +64,9 @@ def engine_info(config: EngineConfig, runner: ModelRunner, tp: Any = None) -> di
             "total_kv_heads": runner.model.args.total_kv_heads,
             "kv_cache_dtype": config.kv_cache_dtype,
             "tp_rank": tp.rank if tp else 0, "tp_size": tp.size if tp else 1,
-            "spec_state": spec_state(config)}
+            "spec_state": spec_state(config),
+            # each layer's KV cache group (connectors/group_tables.py); None: one table
+            "layer_groups": runner.layer_group}
 
 
 def spec_state(config: EngineConfig) -> dict[str, Any] | None:

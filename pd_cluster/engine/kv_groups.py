@@ -12,8 +12,7 @@ before the window of the next query point at block ``NULL_BLOCK``, reserved, nev
 and never read (every attention kernel starts at the window's first block).
 
 One group of every layer, with no window, is the layout before groups (and the one used
-where groups are off: the P/D connector, the KV tiers and a draft model still move or share
-whole-model blocks).
+where groups are off: a draft model still shares the target's whole-model block ids).
 """
 from __future__ import annotations
 

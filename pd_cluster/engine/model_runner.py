@@ -39,12 +39,13 @@ def profile_batch(num_tokens: int, max_model_len: int, max_num_seqs: int
 
 
 def groups_enabled(config: EngineConfig) -> bool:
-    """Whether layers of different kinds get their own block tables (kv_groups.py): not yet
-    where whole-model blocks move or are shared (the P/D connector, the KV tiers, a draft
-    model reading the target's block ids): there every layer keeps every block, as before."""
+    """Whether layers of different kinds get their own block tables (kv_groups.py): also
+    through P/D (each layer's KV ships from and into its group's table:
+    connectors/group_tables.py) and with the KV tiers (each group's page of a block is its
+    own tier entry: group_hits.tier_key); not yet where a draft model reads the target's
+    block ids: there every layer keeps every block, as before."""
     spec = config.speculative
-    return (not config.kv_transfer and not config.kv_offloading_size
-            and (spec is None or spec.method != "draft_model"))
+    return spec is None or spec.method != "draft_model"
 
 
 class ModelRunner:

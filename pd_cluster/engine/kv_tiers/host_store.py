@@ -23,11 +23,13 @@ class HostTierStore:
         device = kv_caches[0].device
         self.cuda = device.type == "cuda"
         self.device = device
-        self.kv_caches = kv_caches
+        # With KV cache groups one tensor serves a layer of every group (cache_engine.py): a
+        # block id's page is held once per tensor, so each tensor counts once.
+        self.kv_caches = list({id(c): c for c in kv_caches}.values())
         # Zeroed on CPU: the pages are committed now, not on a step's first save into them.
         alloc = torch.empty if self.cuda else torch.zeros
         self.host = [alloc((num_slots, cache.shape[0], *cache.shape[2:]), dtype=cache.dtype,
-                           pin_memory=self.cuda) for cache in kv_caches]
+                           pin_memory=self.cuda) for cache in self.kv_caches]
         self.disk = disk  # a DiskTier (tensor parallel size 1: this is rank 0's store)
         self.restore_seconds = 0.0  # wall time of loads (on CUDA: of queueing them)
         self.op_seconds = 0.0  # wall time of every op, in the step
