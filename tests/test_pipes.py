@@ -300,8 +300,10 @@ def test_garbage_does_not_kill_the_receiver():
 def test_close_is_idempotent_and_fails_pending():
     # A consumer that stops reading at 1 MiB (one that closed ends the link at once: sends
     # then fail, tests/test_kv_peer_binding.py)
-    cons = create_pipe("zmq", _cfg(max_recv_bytes=MiB))
-    prod = create_pipe("zmq", _cfg(send_timeout=600.0))
+    # hwm 1 on both ends: zmq's own queues (1000 messages by default) and the consumer's I/O
+    # thread would otherwise take all 10 MiB, and every send could be released before close.
+    cons = create_pipe("zmq", _cfg(max_recv_bytes=MiB, hwm=1))
+    prod = create_pipe("zmq", _cfg(send_timeout=600.0, hwm=1))
     addr = cons.listen()
     prod.connect(addr, HELLO)
     futs = [prod.send_tensor(addr, {}, torch.zeros(MiB // 4)) for _ in range(40)]
