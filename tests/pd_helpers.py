@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from connectors.transfer_params import RecvKV, SendKV
 from pd_cluster import LLM, SamplingParams
@@ -33,8 +33,10 @@ def submit_pair(p: Any, d: Any, rid: str, prompt: list[int], params: SamplingPar
     p.add_request(rid, prompt, producer_params(params), SendKV(to=endpoint))
 
 
-def run_in_process(p: LLMEngine, d: LLMEngine, timeout: float = 60.0) -> dict[str, list[int]]:
-    """Step both engines until idle; returns the consumer's final tokens per request."""
+def run_in_process(p: LLMEngine, d: LLMEngine, timeout: float = 60.0,
+                   after_step: Callable[[], None] | None = None) -> dict[str, list[int]]:
+    """Step both engines until idle (``after_step`` called after each pair of steps); returns
+    the consumer's final tokens per request."""
     done: dict[str, list[int]] = {}
     deadline = time.monotonic() + timeout
     while p.has_unfinished_requests() or d.has_unfinished_requests():
@@ -43,6 +45,8 @@ def run_in_process(p: LLMEngine, d: LLMEngine, timeout: float = 60.0) -> dict[st
         for out in d.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
+        if after_step is not None:
+            after_step()
     return done
 
 

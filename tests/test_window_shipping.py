@@ -79,14 +79,19 @@ def test_window_only_is_shipped_never_read_beyond_and_hf_exact(windowed, backend
 
 
 @pytest.mark.parametrize("p_size, d_size", [(2, 1), (1, 2)])
-def test_window_shipping_across_tp_sizes(tmp_path_factory, p_size: int, d_size: int) -> None:
-    model = str(make_model(tmp_path_factory.mktemp("wtp") / "m", **PRESETS["tiny-mistral-window"]))
+@pytest.mark.parametrize("name", ["tiny-mistral-window", "tiny-gemma3"])
+def test_window_shipping_across_tp_sizes(tmp_path_factory, name: str, p_size: int,
+                                         d_size: int) -> None:
+    """tiny-gemma3: full and sliding layers, so KV cache groups on both ends at every TP."""
+    model = str(make_model(tmp_path_factory.mktemp("wtp") / "m", **PRESETS[name]))
     prompts = [random_prompt(n, seed=n) for n in (40, 61)]
     want = colocated_tokens(model, prompts, [GREEDY] * 2, block_size=BS, num_kv_blocks=64)
     args = dict(num_kv_blocks=64, collective_timeout=20.0, block_size=BS)
     p = engine(model, "producer", tensor_parallel_size=p_size, **args)
     d = engine(model, "consumer", tensor_parallel_size=d_size, **args)
     try:
+        if name == "tiny-gemma3":
+            assert d.runner.layer_group is not None and p.runner.layer_group is not None
         if d_size == 1:
             for cache in d.runner.kv_caches:
                 cache.fill_(1e4)
