@@ -47,6 +47,17 @@ def _stat(e: Any, key: str) -> int:
     return e.stats().get(key, 0)
 
 
+
+def _one_by_one(p: Any, d: Any, prompts: list[list[int]], tag: str) -> list[list[int]]:
+    """Each prompt through the pair after the one before finished (so a later one can hit
+    what the earlier left in D's prefix cache); D's tokens in prompt order."""
+    got: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        submit_pair(p, d, f"{tag}{i}", prompt, GREEDY, d.kv_endpoint())
+        got.update(run_in_process(p, d))
+    drain(p, d)
+    return [got[f"{tag}{i}"] for i in range(len(prompts))]
+
 def test_p_ships_the_drafts_kv_and_d_runs_no_draft_prefill(model: str, pair: Any) -> None:
     p, d = pair
     shared = random_prompt(24, seed=1)
@@ -82,12 +93,7 @@ def test_shm_pipe_writes_the_drafts_kv_into_blocks_d_granted(model: str) -> None
         shared = random_prompt(16, seed=5)
         prompts = [shared + random_prompt(11, seed=6), shared + random_prompt(4, seed=8)]
         want = colocated_tokens(model, prompts, [GREEDY] * 2, block_size=8)
-        got: dict[str, list[int]] = {}
-        for i, prompt in enumerate(prompts):
-            submit_pair(p, d, f"s{i}", prompt, GREEDY, d.kv_endpoint())
-            got.update(run_in_process(p, d))
-        drain(p, d)
-        assert [got["s0"], got["s1"]] == want
+        assert _one_by_one(p, d, prompts, "s") == want
         s, sp = d.stats(), p.stats()
         assert s["kv_fallbacks"] == 0 and s["kv_prefix_hit_tokens"] >= 16
         assert s["spec_draft_prefill_tokens"] == 0
@@ -164,12 +170,7 @@ def test_windowed_target_ships_its_window_and_the_drafts_layers_after_it(
     try:
         prompts = [random_prompt(45, seed=21), random_prompt(37, seed=22)]
         want = colocated_tokens(windowed, prompts, [GREEDY] * 2, block_size=8)
-        got: dict[str, list[int]] = {}
-        for i, prompt in enumerate(prompts):
-            submit_pair(p, d, f"w{i}", prompt, GREEDY, d.kv_endpoint())
-            got.update(run_in_process(p, d))
-        drain(p, d)
-        assert [got["w0"], got["w1"]] == want
+        assert _one_by_one(p, d, prompts, "w") == want
         s, sp = d.stats(), p.stats()
         assert s["kv_fallbacks"] == 0 and s["spec_draft_prefill_tokens"] == 0
         assert 0 < sp["kv_draft_bytes_sent"] == s["kv_draft_bytes_received"]
