@@ -90,7 +90,7 @@ def _compute_all(mgr: BlockManager, r: Request) -> None:
 def test_each_block_is_hashed_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """Admission asks for the prefix hits three times (num_cached_tokens, can_allocate,
     allocate) and caching asks again as blocks fill: every full block is hashed once."""
-    import pd_cluster.engine.block_manager as bm
+    import pd_cluster.engine.prefix_match as bm
     real, calls = bm.chain_hash, []
     monkeypatch.setattr(bm, "chain_hash",
                         lambda parent, tokens: calls.append(tokens) or real(parent, tokens))

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-import pd_cluster.engine.block_manager as bm_mod
+from pd_cluster.engine import prefix_match
 from pd_cluster.engine.block_manager import BlockManager, BlockTableError
 from pd_cluster.request import Request
 from pd_cluster.sampling_params import SamplingParams
@@ -259,7 +259,7 @@ def test_can_allocate_counts_cached_free_blocks_once() -> None:
 
 
 def test_hash_collision_is_not_a_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bm_mod, "chain_hash", lambda parent, tokens: 42)  # every block collides
+    monkeypatch.setattr(prefix_match, "chain_hash", lambda parent, tokens: 42)  # every block collides
     bm = BlockManager(num_blocks=8, block_size=BS)
     a = req(toks(9, 100))
     admit(bm, a)
