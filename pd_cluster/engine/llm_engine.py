@@ -11,12 +11,11 @@ from pd_cluster import start_trace
 from pd_cluster.config import EngineConfig, read_hf_config
 from pd_cluster.engine.block_manager import BlockManager
 from pd_cluster.engine.executor import Executor, max_model_len_of
-from pd_cluster.engine.kv_tiers.manager import TierManager
-from pd_cluster.engine.kv_tiers.setup import create_disk_tier
+from pd_cluster.engine.kv_tiers.setup import tier_manager
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.scheduler import Scheduler
 from pd_cluster.engine.spec.hidden_head import target_rows
-from pd_cluster.engine.spec.ngram import NgramProposer
+from pd_cluster.engine.spec.setup import make_proposer, proposer_through_pd
 from pd_cluster.engine.step_input import batch_order
 from pd_cluster.engine.stop_checker import eos_ids
 from pd_cluster.engine.structured.compiler import GrammarCompilerPool
@@ -60,63 +59,19 @@ class LLMEngine:
                            "hidden state at every position")
             caching = False
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size, caching,
-                                          tiers=self._tier_manager(),
+                                          tiers=tier_manager(config, self.runner),
                                           groups=self.runner.kv_spec.kv_groups)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.executor.scheduler_connector)
-        self.proposer = self._proposer(hf_config)
+        self.proposer = make_proposer(config, hf_config, self.executor, self.tokenizer,
+                                      self.max_model_len)
         self.scheduler.proposer = self.proposer
-        self.draft_pd = self._draft_pd(hf_config)  # its KV through P/D (spec/draft_pd.py)
+        self.draft_pd = proposer_through_pd(config, hf_config, self.executor, self.proposer)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.grammars = GrammarCompilerPool(config.structured_outputs, self.tokenizer,
                                             self.vocab_size, list(eos_ids(self.eos_token_id)))
         self.compiling = GrammarWaitlist()  # requests waiting for their grammar
         self.num_grammar_failures = 0  # requests ended: grammar did not compile, or broke
-
-    def _proposer(self, hf_config: dict[str, Any]) -> Any:
-        """The speculative proposer (None: speculation off)."""
-        spec = self.config.speculative
-        if spec is None:
-            return None
-        if spec.method == "ngram":
-            return NgramProposer(spec, self.max_model_len)
-        if spec.method == "mtp":
-            from pd_cluster.engine.spec.mtp_setup import mtp_proposer
-            return mtp_proposer(self.config, hf_config, self.runner, self.executor.num_blocks,
-                                self.max_model_len)
-        from pd_cluster.engine.spec.draft_model import DraftModelProposer
-        from pd_cluster.engine.spec.draft_runner import DraftRunner
-        # As many tokens as the target's cache, plus each sequence's lookahead.
-        lookahead = -(-spec.num_speculative_tokens // self.config.block_size) + 1
-        blocks = self.executor.num_blocks + self.config.max_num_seqs * lookahead
-        runner = DraftRunner(self.config, hf_config, self.tokenizer, self.max_model_len, blocks,
-                             lambda: self.runner.backend)
-        return DraftModelProposer(spec, runner, self.max_model_len)
-
-    def _draft_pd(self, hf_config: dict[str, Any]) -> Any:
-        """With a draft model or the MTP layer and the P/D connector: its KV ships with the
-        target's (spec/draft_pd.py, spec/mtp_pd.py)."""
-        worker = self.runner.connector
-        method = self.config.speculative.method if self.config.speculative else None
-        if method not in ("draft_model", "mtp") or worker is None \
-                or not hasattr(worker, "register_draft_caches"):
-            return None
-        if method == "mtp":
-            from pd_cluster.engine.spec.mtp_pd import MTPStateThroughPD
-            return MTPStateThroughPD(self.proposer, worker, self.executor.scheduler_connector,
-                                     int(hf_config["hidden_size"]), self.config.torch_dtype,
-                                     self.runner)
-        from pd_cluster.engine.spec.draft_pd import DraftKVThroughPD
-        return DraftKVThroughPD(self.proposer, worker, self.executor.scheduler_connector)
-
-    def _tier_manager(self) -> TierManager | None:
-        store = self.runner.tier_store
-        if store is None:
-            return None
-        disk = (create_disk_tier(self.config, self.runner)
-                if self.config.kv_offloading_disk is not None else None)
-        return TierManager(store.host[0].shape[0],
-                           store.block_bytes * self.config.tensor_parallel_size, disk)
 
     def kv_endpoint(self) -> str | None:
         """Where producers send this engine's prompt KV (None without a consumer connector)."""

@@ -10,6 +10,7 @@ from typing import Any
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.kv_tiers.disk import DiskTier
 from pd_cluster.engine.kv_tiers.host_store import HostTierStore
+from pd_cluster.engine.kv_tiers.manager import TierManager
 
 logger = logging.getLogger(__name__)
 
@@ -99,3 +100,13 @@ def create_tier_store(config: EngineConfig, runner: Any) -> None:
     runner.tier_store = HostTierStore(runner.kv_caches, slots)
     logger.info("KV host tier: %d blocks (%.1f MiB on this rank)", slots,
                 slots * runner.kv_spec.block_bytes / 2**20)
+
+
+def tier_manager(config: EngineConfig, runner: Any) -> TierManager | None:
+    """The engine's KV tiers (None: no host tier on this engine)."""
+    store = runner.tier_store
+    if store is None:
+        return None
+    disk = create_disk_tier(config, runner) if config.kv_offloading_disk is not None else None
+    return TierManager(store.host[0].shape[0],
+                       store.block_bytes * config.tensor_parallel_size, disk)
