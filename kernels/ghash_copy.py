@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kernels import cpu_build
 
-STATE_BYTES = 48 + 16 * 16  # ghash_copy.cpp's state: hash, partial block, lengths, H^1..16
+STATE_BYTES = 48 + 16 * 32  # ghash_copy.cpp's state: hash, partial block, lengths, H^1..32
 BEST = -1  # the kernel's fastest path (2: VPCLMULQDQ 512-bit, 1: PCLMULQDQ, 0: software)
 _ready: list[bool] = []
 

@@ -6,7 +6,7 @@
 //
 // The state is one uint8 tensor (layout below): the running hash X, a partial 16-byte block
 // carried between calls (GCM's AAD is one stream, zero-padded only at its end), the length,
-// and H^1..H^16 for aggregated reduction. Paths: VPCLMULQDQ on 512-bit registers (16 blocks
+// and H^1..H^32 for aggregated reduction. Paths: VPCLMULQDQ on 512-bit registers (32 blocks
 // per reduction) when the build has it, PCLMULQDQ on 128 bits (4 per reduction; runtime
 // check, so the portable build has it too), and a bit-serial software multiply (no
 // carry-less multiply: slow, the Python side prefers OpenSSL then).
@@ -29,8 +29,8 @@ constexpr int64_t kX = 0;        // running hash, GCM byte order
 constexpr int64_t kBuf = 16;     // partial block
 constexpr int64_t kBufLen = 32;  // uint64
 constexpr int64_t kTotal = 40;   // uint64: bytes hashed so far
-constexpr int64_t kPow = 48;     // H^1..H^16, GCM byte order, 16 bytes each
-constexpr int kPowers = 16;
+constexpr int64_t kPow = 48;     // H^1..H^32, GCM byte order, 16 bytes each
+constexpr int kPowers = 32;
 constexpr int64_t kStateBytes = kPow + 16 * kPowers;
 
 struct Block { uint64_t hi, lo; };  // big-endian halves of a GCM field element
@@ -138,52 +138,36 @@ GH_TARGET128 __m128i blocks128(__m128i x, const __m128i* pw, const uint8_t* src,
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__VPCLMULQDQ__)
 #define GH_HAVE_512 1
 
-// Sixteen blocks (four 512-bit registers) per reduction; rev[k] holds H^(16-4k) .. H^(13-4k)
-// in its lanes, first block first.
+// 4*G blocks (G 512-bit registers) per reduction; rev[k] holds H^(4G-4k) .. H^(4G-4k-3) in
+// its lanes, first block first. The data's products do not depend on the running hash: only
+// its own product (128-bit, beside them) and the reduction are on the serial path.
+template <int G>
 __m128i blocks512(__m128i x, const __m512i* rev, const uint8_t* src, uint8_t* dst,
-                  int64_t n256) {
+                  int64_t groups) {
   const __m512i swap = _mm512_broadcast_i32x4(
       _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  for (int64_t i = 0; i < n256; ++i) {
-    const uint8_t* s = src + 256 * i;
-    __m512i d0 = _mm512_loadu_si512(s), d1 = _mm512_loadu_si512(s + 64);
-    __m512i d2 = _mm512_loadu_si512(s + 128), d3 = _mm512_loadu_si512(s + 192);
-    if (dst) {
-      uint8_t* t = dst + 256 * i;
-      _mm512_storeu_si512(t, d0);
-      _mm512_storeu_si512(t + 64, d1);
-      _mm512_storeu_si512(t + 128, d2);
-      _mm512_storeu_si512(t + 192, d3);
+  auto fold = [](__m512i v) {
+    __m256i y = _mm256_xor_si256(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    return _mm_xor_si128(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
+  };
+  const __m128i top = _mm512_castsi512_si128(rev[0]);  // H^(4G): the hash's multiplier
+  for (int64_t i = 0; i < groups; ++i) {
+    const uint8_t* s = src + 64 * G * i;
+    __m512i d[G];
+    for (int k = 0; k < G; ++k) d[k] = _mm512_loadu_si512(s + 64 * k);
+    if (dst)
+      for (int k = 0; k < G; ++k) _mm512_storeu_si512(dst + 64 * G * i + 64 * k, d[k]);
+    __m512i lo = _mm512_setzero_si512(), hi = lo, mid = lo;
+    for (int k = 0; k < G; ++k) {
+      __m512i v = _mm512_shuffle_epi8(d[k], swap);
+      lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128(v, rev[k], 0x00));
+      hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128(v, rev[k], 0x11));
+      mid = _mm512_xor_si512(mid, _mm512_xor_si512(_mm512_clmulepi64_epi128(v, rev[k], 0x01),
+                                                   _mm512_clmulepi64_epi128(v, rev[k], 0x10)));
     }
-    d0 = _mm512_xor_si512(_mm512_shuffle_epi8(d0, swap), _mm512_zextsi128_si512(x));
-    d1 = _mm512_shuffle_epi8(d1, swap);
-    d2 = _mm512_shuffle_epi8(d2, swap);
-    d3 = _mm512_shuffle_epi8(d3, swap);
-    __m512i lo = _mm512_xor_si512(
-        _mm512_xor_si512(_mm512_clmulepi64_epi128(d0, rev[0], 0x00),
-                         _mm512_clmulepi64_epi128(d1, rev[1], 0x00)),
-        _mm512_xor_si512(_mm512_clmulepi64_epi128(d2, rev[2], 0x00),
-                         _mm512_clmulepi64_epi128(d3, rev[3], 0x00)));
-    __m512i hi = _mm512_xor_si512(
-        _mm512_xor_si512(_mm512_clmulepi64_epi128(d0, rev[0], 0x11),
-                         _mm512_clmulepi64_epi128(d1, rev[1], 0x11)),
-        _mm512_xor_si512(_mm512_clmulepi64_epi128(d2, rev[2], 0x11),
-                         _mm512_clmulepi64_epi128(d3, rev[3], 0x11)));
-    __m512i mid = _mm512_xor_si512(
-        _mm512_xor_si512(_mm512_clmulepi64_epi128(d0, rev[0], 0x01),
-                         _mm512_clmulepi64_epi128(d1, rev[1], 0x01)),
-        _mm512_xor_si512(_mm512_clmulepi64_epi128(d2, rev[2], 0x01),
-                         _mm512_clmulepi64_epi128(d3, rev[3], 0x01)));
-    mid = _mm512_xor_si512(mid, _mm512_xor_si512(
-        _mm512_xor_si512(_mm512_clmulepi64_epi128(d0, rev[0], 0x10),
-                         _mm512_clmulepi64_epi128(d1, rev[1], 0x10)),
-        _mm512_xor_si512(_mm512_clmulepi64_epi128(d2, rev[2], 0x10),
-                         _mm512_clmulepi64_epi128(d3, rev[3], 0x10))));
-    auto fold = [](__m512i v) {
-      __m256i y = _mm256_xor_si256(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-      return _mm_xor_si128(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
-    };
-    x = reduce(fold(lo), fold(mid), fold(hi));
+    __m128i l = fold(lo), m = fold(mid), h = fold(hi);
+    clmul3(x, top, l, m, h);
+    x = reduce(l, m, h);
   }
   return x;
 }
@@ -216,16 +200,23 @@ GH_TARGET128 void simd_blocks(int64_t impl, uint8_t* state, const uint8_t* src, 
   __m128i x = bswap128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(state + kX)));
 #ifdef GH_HAVE_512
   if (impl == 2 && nblocks >= 16) {
-    __m512i rev[4];
-    for (int k = 0; k < 4; ++k)
+    // rev[k]: lanes H^(32-4k) .. H^(29-4k); rev + 4 serves groups of 16 blocks.
+    __m512i rev[8];
+    for (int k = 0; k < 8; ++k)
       rev[k] = _mm512_inserti64x2(_mm512_inserti64x2(_mm512_inserti64x2(
-          _mm512_castsi128_si512(pw[15 - 4 * k]), pw[14 - 4 * k], 1), pw[13 - 4 * k], 2),
-          pw[12 - 4 * k], 3);
-    int64_t n256 = nblocks / 16;
-    x = blocks512(x, rev, src, dst, n256);
-    src += 256 * n256;
-    if (dst) dst += 256 * n256;
-    nblocks -= 16 * n256;
+          _mm512_castsi128_si512(pw[31 - 4 * k]), pw[30 - 4 * k], 1), pw[29 - 4 * k], 2),
+          pw[28 - 4 * k], 3);
+    int64_t n512 = nblocks / 32;
+    x = blocks512<8>(x, rev, src, dst, n512);
+    src += 512 * n512;
+    if (dst) dst += 512 * n512;
+    nblocks -= 32 * n512;
+    if (nblocks >= 16) {
+      x = blocks512<4>(x, rev + 4, src, dst, 1);
+      src += 256;
+      if (dst) dst += 256;
+      nblocks -= 16;
+    }
   }
 #endif
   x = blocks128(x, pw, src, dst, nblocks);
