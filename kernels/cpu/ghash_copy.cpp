@@ -143,7 +143,7 @@ GH_TARGET128 __m128i blocks128(__m128i x, const __m128i* pw, const uint8_t* src,
 // its own product (128-bit, beside them) and the reduction are on the serial path.
 template <int G>
 __m128i blocks512(__m128i x, const __m512i* rev, const uint8_t* src, uint8_t* dst,
-                  int64_t groups) {
+                  int64_t groups, const uint8_t* pf, uint8_t* pfd) {
   const __m512i swap = _mm512_broadcast_i32x4(
       _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   auto fold = [](__m512i v) {
@@ -154,6 +154,12 @@ __m128i blocks512(__m128i x, const __m512i* rev, const uint8_t* src, uint8_t* ds
   for (int64_t i = 0; i < groups; ++i) {
     const uint8_t* s = src + 64 * G * i;
     __m512i d[G];
+    if (pf)  // the next block, as far into it as we are into this one
+      for (int k = 0; k < G; ++k) {
+        _mm_prefetch(reinterpret_cast<const char*>(pf + 64 * G * i + 64 * k), _MM_HINT_T0);
+        if (pfd) _mm_prefetch(reinterpret_cast<const char*>(pfd + 64 * G * i + 64 * k),
+                              _MM_HINT_ET0);
+      }
     for (int k = 0; k < G; ++k) d[k] = _mm512_loadu_si512(s + 64 * k);
     if (dst)
       for (int k = 0; k < G; ++k) _mm512_storeu_si512(dst + 64 * G * i + 64 * k, d[k]);
@@ -193,7 +199,7 @@ int64_t best_impl() {
 
 #ifdef GH_X86
 GH_TARGET128 void simd_blocks(int64_t impl, uint8_t* state, const uint8_t* src, uint8_t* dst,
-                              int64_t nblocks) {
+                              int64_t nblocks, const uint8_t* pf, uint8_t* pfd) {
   __m128i pw[kPowers];
   for (int i = 0; i < kPowers; ++i)
     pw[i] = bswap128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(state + kPow + 16 * i)));
@@ -207,12 +213,12 @@ GH_TARGET128 void simd_blocks(int64_t impl, uint8_t* state, const uint8_t* src, 
           _mm512_castsi128_si512(pw[31 - 4 * k]), pw[30 - 4 * k], 1), pw[29 - 4 * k], 2),
           pw[28 - 4 * k], 3);
     int64_t n512 = nblocks / 32;
-    x = blocks512<8>(x, rev, src, dst, n512);
+    x = blocks512<8>(x, rev, src, dst, n512, pf, pfd);
     src += 512 * n512;
     if (dst) dst += 512 * n512;
     nblocks -= 32 * n512;
     if (nblocks >= 16) {
-      x = blocks512<4>(x, rev + 4, src, dst, 1);
+      x = blocks512<4>(x, rev + 4, src, dst, 1, nullptr, nullptr);
       src += 256;
       if (dst) dst += 256;
       nblocks -= 16;
@@ -224,13 +230,15 @@ GH_TARGET128 void simd_blocks(int64_t impl, uint8_t* state, const uint8_t* src, 
 }
 #endif
 
-// Hashes (and copies, when dst) whole blocks with the chosen path.
+// Hashes (and copies, when dst) whole blocks with the chosen path; pf / pfd: where to
+// prefetch alongside (the next KV block's source and destination; may be null). Scattered
+// blocks defeat the hardware prefetcher: it stops at page boundaries.
 void hash_blocks(int64_t impl, uint8_t* state, const uint8_t* src, uint8_t* dst,
-                 int64_t nblocks) {
+                 int64_t nblocks, const uint8_t* pf = nullptr, uint8_t* pfd = nullptr) {
   if (nblocks <= 0) return;
 #ifdef GH_X86
   if (impl >= 1) {
-    simd_blocks(impl, state, src, dst, nblocks);
+    simd_blocks(impl, state, src, dst, nblocks, pf, pfd);
     return;
   }
 #endif
@@ -240,7 +248,8 @@ void hash_blocks(int64_t impl, uint8_t* state, const uint8_t* src, uint8_t* dst,
 
 // One stretch of the stream: completes a carried partial block, hashes whole blocks, keeps
 // the tail for the next call.
-void absorb(int64_t impl, uint8_t* state, const uint8_t* src, uint8_t* dst, int64_t n) {
+void absorb(int64_t impl, uint8_t* state, const uint8_t* src, uint8_t* dst, int64_t n,
+            const uint8_t* pf = nullptr, uint8_t* pfd = nullptr) {
   uint64_t buflen, total;
   std::memcpy(&buflen, state + kBufLen, 8);
   std::memcpy(&total, state + kTotal, 8);
@@ -259,7 +268,7 @@ void absorb(int64_t impl, uint8_t* state, const uint8_t* src, uint8_t* dst, int6
     }
   }
   int64_t whole = n / 16;
-  hash_blocks(impl, state, src, dst, whole);
+  hash_blocks(impl, state, src, dst, whole, pf, pfd);
   int64_t rest = n - 16 * whole;
   if (rest) {
     std::memcpy(state + kBuf + buflen, src + 16 * whole, size_t(rest));
@@ -342,10 +351,16 @@ void ghash_copy_blocks(const at::Tensor& state, const at::Tensor& src, const at:
   int64_t use = pick(impl), bytes = src.size(2);
   const uint8_t* sb = src.data_ptr<uint8_t>();
   uint8_t* db = dst.data_ptr<uint8_t>();
-  for (int64_t part = 0; part < src.size(0); ++part)
-    for (int64_t i = 0; i < src_ids.numel(); ++i)
+  int64_t n = src_ids.numel(), parts = src.size(0);
+  for (int64_t part = 0; part < parts; ++part)
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t np = i + 1 < n ? part : part + 1, ni = i + 1 < n ? i + 1 : 0;
+      bool more = np < parts;
       absorb(use, st, sb + part * src.stride(0) + s[i] * bytes,
-             db + part * dst.stride(0) + d[i] * bytes, bytes);
+             db + part * dst.stride(0) + d[i] * bytes, bytes,
+             more ? sb + np * src.stride(0) + s[ni] * bytes : nullptr,
+             more ? db + np * dst.stride(0) + d[ni] * bytes : nullptr);
+    }
 }
 
 // Hashes src[part, ids[i]] for every part, then i (the consumer's check of a write).
@@ -356,9 +371,13 @@ void ghash_blocks(const at::Tensor& state, const at::Tensor& src, const at::Tens
   const int64_t* s = checked_ids(ids, src.size(1), "ids");
   int64_t use = pick(impl), bytes = src.size(2);
   const uint8_t* sb = src.data_ptr<uint8_t>();
-  for (int64_t part = 0; part < src.size(0); ++part)
-    for (int64_t i = 0; i < ids.numel(); ++i)
-      absorb(use, st, sb + part * src.stride(0) + s[i] * bytes, nullptr, bytes);
+  int64_t n = ids.numel(), parts = src.size(0);
+  for (int64_t part = 0; part < parts; ++part)
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t np = i + 1 < n ? part : part + 1, ni = i + 1 < n ? i + 1 : 0;
+      absorb(use, st, sb + part * src.stride(0) + s[i] * bytes, nullptr, bytes,
+             np < parts ? sb + np * src.stride(0) + s[ni] * bytes : nullptr);
+    }
 }
 
 // Pads the carried partial block, hashes the length block (AAD bits || 0) and writes
