@@ -11,7 +11,9 @@ Where the MAC runs: the shm producer seals each 256 KiB piece right after copyin
 in cache (shm_pipe.copy_and_seal). Sealing the source on a second thread while the first
 copies (OpenSSL and numpy both release the GIL) was tried and measured worse on this 2-core
 machine (shm_efficiency 0.29 against 0.45 in-pass, runs half an hour apart): with the
-consumer checking on the other core, three streams share two cores.
+consumer checking on the other core, three streams share two cores. With the CPU kernels
+(kernels/ghash_copy.py) the copy and the hash are one pass (GHASH on VPCLMULQDQ, tags equal
+to OpenSSL's GMAC): shm_efficiency 0.19-0.21 -> 0.37-0.39 in runs here (issue 42).
 
 crc32: CRC-32 over the head and the bytes (accidents only). none: nothing. No message
 number: the head names the request's blocks and the bytes are in them, so a replayed
@@ -81,7 +83,9 @@ class Sealer:
 def written_code(mode: str, key: bytes, nonce: bytes, head: bytes, chunks: Iterable[Any]
                  ) -> bytes:
     """The code of ``chunks`` in one go (what the consumer checks its blocks against).
-    Chunks from nixl_layout.block_chunks name their blocks: one kernel call then."""
+    Chunks from nixl_layout.block_chunks name their blocks: one kernel call then (8.1 GB/s
+    against OpenSSL's 6.2 over 12 layers of 1024 scattered 16 KiB blocks, one thread: the
+    kernel prefetches the next block, which the hardware prefetcher cannot guess)."""
     sealer = Sealer(mode, key, nonce, head)
     blocks = getattr(chunks, "blocks", None)
     if sealer.fused and blocks is not None:

@@ -32,6 +32,9 @@ constexpr int64_t kTotal = 40;   // uint64: bytes hashed so far
 constexpr int64_t kPow = 48;     // H^1..H^32, GCM byte order, 16 bytes each
 constexpr int kPowers = 32;
 constexpr int64_t kStateBytes = kPow + 16 * kPowers;
+// Blocks up to this size prefetch the next one alongside (a block ahead); larger ones are
+// long runs the hardware prefetcher follows, and a block ahead would be too far.
+constexpr int64_t kPrefetchMax = 64 << 10;
 
 struct Block { uint64_t hi, lo; };  // big-endian halves of a GCM field element
 
@@ -355,7 +358,7 @@ void ghash_copy_blocks(const at::Tensor& state, const at::Tensor& src, const at:
   for (int64_t part = 0; part < parts; ++part)
     for (int64_t i = 0; i < n; ++i) {
       int64_t np = i + 1 < n ? part : part + 1, ni = i + 1 < n ? i + 1 : 0;
-      bool more = np < parts;
+      bool more = np < parts && bytes <= kPrefetchMax;
       absorb(use, st, sb + part * src.stride(0) + s[i] * bytes,
              db + part * dst.stride(0) + d[i] * bytes, bytes,
              more ? sb + np * src.stride(0) + s[ni] * bytes : nullptr,
@@ -376,7 +379,8 @@ void ghash_blocks(const at::Tensor& state, const at::Tensor& src, const at::Tens
     for (int64_t i = 0; i < n; ++i) {
       int64_t np = i + 1 < n ? part : part + 1, ni = i + 1 < n ? i + 1 : 0;
       absorb(use, st, sb + part * src.stride(0) + s[i] * bytes, nullptr, bytes,
-             np < parts ? sb + np * src.stride(0) + s[ni] * bytes : nullptr);
+             np < parts && bytes <= kPrefetchMax ? sb + np * src.stride(0) + s[ni] * bytes
+                                                 : nullptr);
     }
 }
 
