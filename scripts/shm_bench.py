@@ -131,6 +131,72 @@ def part_shm(sizes: list[int], repeats: int, pair: Callable, throughput: Callabl
     for mode in modes[1:]:
         print(f"shm_efficiency_integrity_{mode}={statistics.median(ratios[mode]):.3f}")
     print(f"shm_efficiency_same_copies={statistics.median(same):.3f}")
+    seal_rates((256 << 10, 4 << 20), 64 << 20 if len(sizes) > 1 else 8 << 20)
     efficiency = statistics.median(ratios[modes[0]])
     print(f"shm_efficiency={efficiency:.3f}")
     return efficiency
+
+
+def seal_rates(pieces: tuple[int, ...], total: int, rounds: int = 3) -> None:
+    """What a write's copy and MAC cost per piece size on this thread, GB/s over ``total``
+    bytes (out of cache, as a layer's blocks are): copy alone, copy then OpenSSL's GMAC over
+    the piece (the path without the kernel), the GHASH kernel's fused copy (written_check
+    with kernels/ghash_copy.py), and each hash alone (the consumer's check). Best of
+    ``rounds``."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    from kernels import ghash_copy
+    src = torch.randint(0, 255, (total,), dtype=torch.uint8)
+    dst = torch.zeros(total, dtype=torch.uint8)
+    key = bytes(32)
+
+    def gmac() -> Any:
+        return Cipher(algorithms.AES(key), modes.GCM(bytes(12))).encryptor()
+
+    def copy(n: int) -> None:  # numpy, as copy_and_seal without the kernel
+        src_np, dst_np = src.numpy(), dst.numpy()
+        for i in range(0, total, n):
+            dst_np[i:i + n] = src_np[i:i + n]
+
+    def copy_openssl(n: int) -> None:
+        mac, src_np, dst_np = gmac(), src.numpy(), dst.numpy()
+        for i in range(0, total, n):
+            dst_np[i:i + n] = src_np[i:i + n]
+            mac.authenticate_additional_data(src_np[i:i + n])
+        mac.finalize()
+
+    def openssl(n: int) -> None:
+        mac, src_np = gmac(), src.numpy()
+        for i in range(0, total, n):
+            mac.authenticate_additional_data(src_np[i:i + n])
+        mac.finalize()
+
+    def fused(n: int) -> None:  # as copy_and_seal: the pieces as one layer's blocks
+        mac = ghash_copy.Gmac(key, bytes(12))
+        ids = list(range(total // n))
+        mac.copy_blocks(src.view(1, -1, n), dst.view(1, -1, n), ids, ids)
+        mac.tag()
+
+    def kernel_hash(n: int) -> None:
+        mac = ghash_copy.Gmac(key, bytes(12))
+        for i in range(0, total, n):
+            mac.update(src[i:i + n])
+        mac.tag()
+
+    ways: dict[str, Callable[[int], None]] = {"copy": copy, "copy+openssl": copy_openssl,
+                                              "openssl hash": openssl}
+    if ghash_copy.available():
+        ways.update({"fused copy+ghash": fused, "kernel hash": kernel_hash})
+    else:
+        print("(no GHASH kernel here: fused and kernel rows left out)")
+    print(f"a write's copy and MAC alone, GB/s over {total >> 20} MiB, this thread:")
+    print(f"{'piece':>8} " + " ".join(f"{w:>17}" for w in ways))
+    for n in pieces:
+        rates = []
+        for fn in ways.values():
+            best = float("inf")
+            for _ in range(rounds + 1):  # the first faults the pages in
+                t0 = time.perf_counter()
+                fn(n)
+                best = min(best, time.perf_counter() - t0)
+            rates.append(total / best / 1e9)
+        print(f"{n >> 10:>6}Ki " + " ".join(f"{r:>17.2f}" for r in rates))

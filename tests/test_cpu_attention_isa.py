@@ -2,7 +2,8 @@
 builds: ``PD_CLUSTER_CPU_ISA=portable`` (no AVX-512: the portable path) and ``avx512`` (AVX-512
 without BF16: the bf16 dot products' fallback). Each runs the kernel test modules
 (tests/test_cpu_attention.py, every case against the torch reference, and the 1- and 4-thread
-cases of tests/test_cpu_attention_threads.py) in a subprocess with the variable set: one
+cases of tests/test_cpu_attention_threads.py, and the GHASH kernel's tags against OpenSSL's,
+tests/test_ghash_copy.py) in a subprocess with the variable set: one
 process loads one kernel library. Each variant has its own cached build
 (cold: ~25 s of build on a loaded 2-core machine, then ~8 s of tests). The variants' runs
 are independent processes (each its own build folder and lock), so they run side by side: the
@@ -45,7 +46,8 @@ def isa_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tup
                 runs[isa] = (subprocess.Popen(  # the child keeps its own descriptors
                     [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                      str(ROOT / "tests" / "test_cpu_attention.py"),
-                     str(ROOT / "tests" / "test_cpu_attention_threads.py")],
+                     str(ROOT / "tests" / "test_cpu_attention_threads.py"),
+                     str(ROOT / "tests" / "test_ghash_copy.py")],
                     cwd=ROOT, env={**os.environ, cpu_build.ISA_ENV: isa}, stdout=stdout,
                     stderr=stderr, text=True), out)
         yield runs

@@ -92,6 +92,12 @@ class CacheLayout(msgspec.Struct, frozen=True):
         return layout
 
 
+class BlockChunks(list):
+    """block_chunks' buffers, and ``blocks``: (the layer as [parts, blocks, bytes] uint8,
+    the block ids), so a hash kernel may take them in one call (written_check)."""
+    blocks: tuple[torch.Tensor, list[int]]
+
+
 def block_chunks(kv_layer: torch.Tensor, block_ids: Sequence[int]) -> list[memoryview]:
     """The bytes of every part of ``block_ids`` in the order ``descs`` lists them, as few
     buffers as ascending runs allow (what the MAC of a write is computed over). Host caches
@@ -100,7 +106,8 @@ def block_chunks(kv_layer: torch.Tensor, block_ids: Sequence[int]) -> list[memor
     first (marked cuda: untested here)."""
     if kv_layer.device.type != "cpu" or not kv_layer.is_contiguous():
         kv_layer = kv_layer.cpu().contiguous()
-    arr = kv_layer.reshape(kv_layer.shape[0], kv_layer.shape[1], -1).view(torch.uint8).numpy()
+    rows = kv_layer.reshape(kv_layer.shape[0], kv_layer.shape[1], -1).view(torch.uint8)
+    arr = rows.numpy()
     size = arr.shape[2]
     runs, i = [], 0
     while i < len(block_ids):
@@ -109,7 +116,8 @@ def block_chunks(kv_layer: torch.Tensor, block_ids: Sequence[int]) -> list[memor
             j += 1
         runs.append((block_ids[i] * size, (block_ids[j - 1] + 1) * size))
         i = j
-    out = []
+    out = BlockChunks()
+    out.blocks = (rows, [int(b) for b in block_ids])
     for part in range(arr.shape[0]):
         # Slices of one memoryview per part: ~0.1 us each against ~3 us for a numpy slice
         # made a memoryview (3 ms a layer of 2k scattered blocks here).
