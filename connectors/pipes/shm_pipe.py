@@ -21,6 +21,7 @@ closed: recomputed, blocks released. A producer writes only the granted blocks
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -100,6 +101,8 @@ class ShmPipe(WrittenCheck, ZmqPipe):
         # layer's notification precedes the FIN sent after its future).
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shm-pipe")
         self._pending: set[Future] = set()  # writes not yet settled (close fails them)
+        self._queued = 0  # writes submitted and not yet started (see _write's wait)
+        self._queued_lock = threading.Lock()
 
     # ---- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, caches: Sequence[torch.Tensor]) -> None:
@@ -211,17 +214,23 @@ class ShmPipe(WrittenCheck, ZmqPipe):
         done: Future = Future()
         self._pending.add(done)
         done.add_done_callback(self._pending.discard)
+        with self._queued_lock:
+            self._queued += 1
         try:
             self._pool.submit(self._write, peer, remote, src, dst, src_ids, dst_ids, head,
                               done)
         except RuntimeError:  # shut down by close()
+            with self._queued_lock:
+                self._queued -= 1
             raise PipeClosed("pipe is closed") from None
         return done
 
     def _write(self, peer: str, remote: _Remote, src: torch.Tensor, dst: torch.Tensor,
                src_ids: list[int], dst_ids: list[int], head: bytes, done: Future) -> None:
         """The pipe thread: copy, seal, queue the notification; ``done`` resolves when the
-        notification left (the next layer's copy does not wait for that)."""
+        notification left (see the wait below)."""
+        with self._queued_lock:
+            self._queued -= 1
         try:
             nonce = os.urandom(16)
             sealer = Sealer(self.config.integrity, remote.key, nonce, head)
@@ -238,13 +247,18 @@ class ShmPipe(WrittenCheck, ZmqPipe):
         self._n["shm_bytes_written"] += src[:, 0].nbytes * len(src_ids)
         sent.add_done_callback(lambda f: settle(done, PipeClosed("notification cancelled")
                                                 if f.cancelled() else f.exception()))
-        # Let the I/O thread send it before the next copy: copy_and_seal holds the GIL
-        # (numpy's indexed copy and the GMAC keep it), so that thread would otherwise run
-        # only at the next forced switch (sys.getswitchinterval(), 5 ms) or once no copy is
-        # queued. Measured (issue 42): every notification of a 1k-token transfer left after
-        # the last copy, and the consumer checked its 12 layers after the copies instead
-        # of alongside them. This wait releases the GIL; the send bounds it.
-        wait([sent], timeout=self.config.send_timeout)
+        # With another copy queued, let the I/O thread send this notification first:
+        # copy_and_seal holds the GIL (numpy's indexed copy and the GMAC keep it), so that
+        # thread would otherwise run only at the next forced switch
+        # (sys.getswitchinterval(), 5 ms) or once no copy is queued. Measured (issue 42):
+        # every notification of a 1k-token transfer left after the last copy, and the
+        # consumer checked its 12 layers after the copies instead of alongside them. This
+        # wait releases the GIL, and the send bounds it; with nothing queued this thread
+        # goes idle, which releases the GIL anyway.
+        with self._queued_lock:
+            more = self._queued > 0
+        if more:
+            wait([sent], timeout=self.config.send_timeout)
 
     def _notify(self, peer: str, header: dict) -> Future:
         """Queue the write's notification (no payload; the send gate bounds the wait)."""
