@@ -109,6 +109,7 @@ def test_a_queued_copy_waits_for_the_notification_before_it(monkeypatch) -> None
         events.append("copy")
         real(*args)
     monkeypatch.setattr(shm_pipe, "copy_and_seal", copy)
+    monkeypatch.setattr(shm_pipe, "_HANDOFF_WAIT", 30.0)  # the order, not the bound
     pipe = shm_pipe.ShmPipe(PipeConfig(security="none", integrity="crc32"))
     sent = [Future(), Future()]
     notified = [threading.Event(), threading.Event()]

@@ -40,6 +40,10 @@ from connectors.pipes.zmq_pipe import ZmqPipe
 SHM_KEY = "_shm"  # in hellos and the consumer's reply
 _NOTIF_LABEL = b"pd-cluster shm notifications v1\0"
 _CHUNK = 256 << 10  # bytes copied, then sealed while still in cache
+# How long the pipe thread lets a notification go before the next copy (see _write): ample
+# for a hand-over between threads; a notification stuck behind backpressure keeps its own
+# send_timeout, and the copies go on meanwhile as before.
+_HANDOFF_WAIT = 0.05
 
 
 def copy_and_seal(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int],
@@ -228,7 +232,7 @@ class ShmPipe(WrittenCheck, ZmqPipe):
     def _write(self, peer: str, remote: _Remote, src: torch.Tensor, dst: torch.Tensor,
                src_ids: list[int], dst_ids: list[int], head: bytes, done: Future) -> None:
         """The pipe thread: copy, seal, queue the notification; ``done`` resolves when the
-        notification left (see the wait below)."""
+        notification left."""
         with self._queued_lock:
             self._queued -= 1
         try:
@@ -253,14 +257,14 @@ class ShmPipe(WrittenCheck, ZmqPipe):
         # (sys.getswitchinterval(), 5 ms) or once no copy is queued. Measured (issue 42):
         # every notification of a 1k-token transfer left after the last copy, and the
         # consumer checked its 12 layers after the copies instead of alongside them. This
-        # wait releases the GIL, and the send bounds it; with nothing queued this thread
+        # wait releases the GIL (_HANDOFF_WAIT at most); with nothing queued this thread
         # goes idle, which releases the GIL anyway. With integrity none the consumer has
         # nothing to check: the notifications may go together after the copies (waiting
         # measured slower there).
         with self._queued_lock:
             more = self._queued > 0
         if more and self.config.integrity != "none":
-            wait([sent], timeout=self.config.send_timeout)
+            wait([sent], timeout=_HANDOFF_WAIT)
 
     def _notify(self, peer: str, header: dict) -> Future:
         """Queue the write's notification (no payload; the send gate bounds the wait)."""
