@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
+import time
+from concurrent.futures import Future
 
+import msgpack
 import pytest
 import torch
 
+from connectors.pipes.base import PipeConfig
 from connectors.pipes.nixl_layout import CacheLayout, block_chunks
 from connectors.pipes.shm_arena import SharedCache, open_peer_cache, shm_folder, sweep_stale
 from connectors.pipes import shm_pipe
@@ -88,3 +93,48 @@ def test_a_file_whose_owner_is_gone_is_swept(tmp_path) -> None:
         assert not stale.exists() and other.exists() and live.exists()
     finally:
         os.close(fd)
+
+
+def test_a_queued_copy_waits_for_the_notification_before_it(monkeypatch) -> None:
+    """copy_and_seal holds the GIL: with a second write queued, the pipe thread lets the
+    first write's notification leave before it copies again (else every notification
+    waited for the last copy, and the consumer checked nothing alongside the copies). With
+    integrity none (nothing to check) it does not wait."""
+    events: list[str] = []
+    both_queued = threading.Event()
+    real = shm_pipe.copy_and_seal
+
+    def copy(*args) -> None:
+        assert both_queued.wait(30)  # the second write is queued before the first copy ends
+        events.append("copy")
+        real(*args)
+    monkeypatch.setattr(shm_pipe, "copy_and_seal", copy)
+    monkeypatch.setattr(shm_pipe, "_HANDOFF_WAIT", 30.0)  # the order, not the bound
+    pipe = shm_pipe.ShmPipe(PipeConfig(security="none", integrity="crc32"))
+    sent = [Future(), Future()]
+    notified = [threading.Event(), threading.Event()]
+
+    def notify(peer: str, header: dict) -> Future:
+        events.append(f"notify {header['n']}")
+        notified[header["n"]].set()
+        return sent[header["n"]]
+    pipe._notify = notify
+    try:
+        src, dst = _cache(seed=1), _cache(seed=2)
+        pipe._remotes["peer"] = shm_pipe._Remote(
+            [dst.reshape(2, dst.shape[1], -1).view(torch.uint8)], CacheLayout.of([dst]), KEY)
+        writes = [pipe.write_blocks("peer", 0, src, [i], [i + 3], msgpack.packb({"n": i}))
+                  for i in range(2)]
+        both_queued.set()
+        assert notified[0].wait(30)
+        time.sleep(0.1)  # a pipe thread that did not wait would copy again meanwhile
+        events.append("sent 0")
+        sent[0].set_result(None)
+        assert notified[1].wait(30)
+        sent[1].set_result(None)
+        for w in writes:
+            w.result(timeout=30)
+        assert events == ["copy", "notify 0", "sent 0", "copy", "notify 1"]
+        assert torch.equal(dst[:, 3:5], src[:, 0:2])
+    finally:
+        pipe.close()

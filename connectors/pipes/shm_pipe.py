@@ -21,7 +21,8 @@ closed: recomputed, blocks released. A producer writes only the granted blocks
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import msgpack
@@ -39,6 +40,10 @@ from connectors.pipes.zmq_pipe import ZmqPipe
 SHM_KEY = "_shm"  # in hellos and the consumer's reply
 _NOTIF_LABEL = b"pd-cluster shm notifications v1\0"
 _CHUNK = 256 << 10  # bytes copied, then sealed while still in cache
+# How long the pipe thread lets a notification go before the next copy (see _write): ample
+# for a hand-over between threads; a notification stuck behind backpressure keeps its own
+# send_timeout, and the copies go on meanwhile as before.
+_HANDOFF_WAIT = 0.05
 
 
 def copy_and_seal(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int],
@@ -105,6 +110,8 @@ class ShmPipe(WrittenCheck, ZmqPipe):
         # layer's notification precedes the FIN sent after its future).
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shm-pipe")
         self._pending: set[Future] = set()  # writes not yet settled (close fails them)
+        self._queued = 0  # writes submitted and not yet started (see _write's wait)
+        self._queued_lock = threading.Lock()
 
     # ---- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, caches: Sequence[torch.Tensor]) -> None:
@@ -216,17 +223,23 @@ class ShmPipe(WrittenCheck, ZmqPipe):
         done: Future = Future()
         self._pending.add(done)
         done.add_done_callback(self._pending.discard)
+        with self._queued_lock:
+            self._queued += 1
         try:
             self._pool.submit(self._write, peer, remote, src, dst, src_ids, dst_ids, head,
                               done)
         except RuntimeError:  # shut down by close()
+            with self._queued_lock:
+                self._queued -= 1
             raise PipeClosed("pipe is closed") from None
         return done
 
     def _write(self, peer: str, remote: _Remote, src: torch.Tensor, dst: torch.Tensor,
                src_ids: list[int], dst_ids: list[int], head: bytes, done: Future) -> None:
         """The pipe thread: copy, seal, queue the notification; ``done`` resolves when the
-        notification left (the next layer's copy does not wait for that)."""
+        notification left."""
+        with self._queued_lock:
+            self._queued -= 1
         try:
             nonce = os.urandom(16)
             sealer = Sealer(self.config.integrity, remote.key, nonce, head)
@@ -243,6 +256,20 @@ class ShmPipe(WrittenCheck, ZmqPipe):
         self._n["shm_bytes_written"] += src[:, 0].nbytes * len(src_ids)
         sent.add_done_callback(lambda f: settle(done, PipeClosed("notification cancelled")
                                                 if f.cancelled() else f.exception()))
+        # With another copy queued, let the I/O thread send this notification first:
+        # copy_and_seal holds the GIL (numpy's indexed copy and the GMAC keep it), so that
+        # thread would otherwise run only at the next forced switch
+        # (sys.getswitchinterval(), 5 ms) or once no copy is queued. Measured (issue 42):
+        # every notification of a 1k-token transfer left after the last copy, and the
+        # consumer checked its 12 layers after the copies instead of alongside them. This
+        # wait releases the GIL (_HANDOFF_WAIT at most); with nothing queued this thread
+        # goes idle, which releases the GIL anyway. With integrity none the consumer has
+        # nothing to check: the notifications may go together after the copies (waiting
+        # measured slower there).
+        with self._queued_lock:
+            more = self._queued > 0
+        if more and self.config.integrity != "none":
+            wait([sent], timeout=_HANDOFF_WAIT)
 
     def _notify(self, peer: str, header: dict) -> Future:
         """Queue the write's notification (no payload; the send gate bounds the wait)."""
