@@ -335,6 +335,26 @@ def test_triton_backend_fp8_cache(kv_dtype):
     _close(got, want, torch.float32)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+def test_triton_backend_fp8_prefill_attends_fresh_kv(kv_dtype):
+    """Prefill chunks over an FP8 cache (attention/fresh_prefill.py) through the Triton
+    kernels: fresh K/V for the chunk, the dequantised cache for its context and for decodes."""
+    from pd_cluster.attention.torch_backend import TorchAttentionBackend
+    from pd_cluster.attention.triton_backend import TritonAttentionBackend
+    from tests.test_kv_fp8_fresh import fp8_step
+
+    meta, cache, query, key, value, ref = fp8_step(
+        kv_dtype, [1, 1, 12, 30, 16], [17, 40, 40, 77, 16], hq=4, hkv=2, d=64)
+    args = [t.to(DEV) for t in (query, key, value, cache, ref)]
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        setattr(meta, name, getattr(meta, name).to(DEV))
+    q, k, v, cache, ref = args
+    opts = AttentionOptions(64 ** -0.5, sliding_window=20)
+    got = TritonAttentionBackend(num_splits=2).forward_fresh(q, k, v, cache, meta, opts)
+    _close(got, TorchAttentionBackend().forward(q, ref, meta, opts), torch.float32)
+
+
 def _write_meta(slots):
     """Just enough metadata for a write_kv of ``slots``."""
     n = slots.shape[0]

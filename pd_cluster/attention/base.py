@@ -35,6 +35,15 @@ class AttentionBackend(ABC):
         """query: [num_tokens, num_heads, head_dim] -> output of the same shape (causal,
         with the layer's window, soft-cap and sinks from ``opts``)."""
 
+    def forward_fresh(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      opts: AttentionOptions) -> torch.Tensor:
+        """``forward`` after ``write_kv(key, value, ...)``; with an FP8 cache the prefill
+        chunks attend over this fresh K/V instead of its quantised copy
+        (attention/fresh_prefill.py)."""
+        from pd_cluster.attention.fresh_prefill import forward_fresh
+        return forward_fresh(self, query, key, value, kv_cache, meta, opts)
+
     # Whether forward_latent also serves prefill chunks (else latent layers decompress them).
     latent_prefill_in_place: bool = False
 

@@ -59,11 +59,12 @@ def run_paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: tor
                         opts: AttentionOptions, ctx: ForwardContext,
                         kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """Standard attention through the step's backend (K and V in the cache; ``kv_scales``:
-    the checkpoint's static K/V scales, used by an FP8 cache)."""
+    the checkpoint's static K/V scales, used by an FP8 cache, whose prefill chunks attend
+    over this fresh K/V rather than its quantised copy)."""
     meta = ctx.meta_for(layer_idx)  # its KV cache group's block tables
     return paged_layer(layer_idx, ctx,
                        lambda cache: ctx.backend.write_kv(k, v, cache, meta, kv_scales),
-                       lambda cache: ctx.backend.forward(q, cache, meta, opts))
+                       lambda cache: ctx.backend.forward_fresh(q, k, v, cache, meta, opts))
 
 
 class Attention(nn.Module):
