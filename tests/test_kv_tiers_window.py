@@ -33,17 +33,18 @@ def _generate(llm: LLM, model: str, prompt: list[int]) -> Any:
     return out
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("tier,tp", [("host", 1), ("disk", 1), ("host", 2)])
 def test_windowed_history_evicted_comes_back_from_the_tier_exactly(gemma3: str, tmp_path: Path,
-                                                                    tier: str) -> None:
+                                                                    tier: str, tp: int) -> None:
+    """At TP 2 each rank saves and loads its own heads' page of every group's block."""
     probe = LLM(model=gemma3, block_size=BS, num_kv_blocks=16, kv_offloading_size=1 / 1024)
-    block_bytes = probe.engine.runner.kv_spec.block_bytes
+    block_bytes = probe.engine.runner.kv_spec.block_bytes  # every head: one rank at TP 1
     probe.close()
     # disk: a host tier of 8 blocks: the history is pushed on to the disk tier
     host_blocks = 64 if tier == "host" else 8
     disk = {"path": str(tmp_path / "kv"), "size": 256 * (block_bytes + 4096) / 2**30} \
         if tier == "disk" else None
-    llm = LLM(model=gemma3, block_size=BS, num_kv_blocks=20,
+    llm = LLM(model=gemma3, block_size=BS, num_kv_blocks=20, tensor_parallel_size=tp,
               kv_offloading_size=host_blocks * block_bytes / 2**30, kv_offloading_disk=disk)
     try:
         groups = llm.engine.block_manager.groups
