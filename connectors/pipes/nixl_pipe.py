@@ -192,6 +192,7 @@ class NixlPipe(WrittenCheck, ZmqPipe):
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "nixl_writes": self._worker.writes,
                 "nixl_bytes_written": self._worker.bytes_written,
+                "nixl_descriptors": self._worker.descriptors,
                 "nixl_write_failures": self._worker.failures}
 
     def close(self) -> None:
