@@ -82,11 +82,14 @@ def _consumer(conn, num_blocks: int, transport: str, extra: dict | None = None) 
 
 
 def transfer_throughput(n_tokens: int, producer: PDConnectorWorker, conn, peer: str,
-                        repeats: int) -> tuple[float, int]:
+                        repeats: int, dst_in_order: bool = False) -> tuple[float, int]:
+    """Best bytes/s of a request's KV from the producer into the consumer's blocks: shuffled
+    (the default: a fragmented free pool), or ``dst_in_order`` (a fresh pool's blocks)."""
     bs = SHAPE["block_size"]
     blocks = list(range(-(-n_tokens // bs)))
     gen = torch.Generator().manual_seed(n_tokens)
-    dst = torch.randperm(len(blocks) * 2, generator=gen)[:len(blocks)].tolist()  # shuffled
+    dst = (list(range(len(blocks), 2 * len(blocks))) if dst_in_order  # past the source's
+           else torch.randperm(len(blocks) * 2, generator=gen)[:len(blocks)].tolist())
     best, nbytes = 0.0, 0
     for rep in range(repeats):
         rid = f"bench-{n_tokens}-{rep}"

@@ -61,21 +61,43 @@ class CacheLayout(msgspec.Struct, frozen=True):
                         f"against {a.parts} of {a.block_bytes}")
         return None
 
-    def descs(self, layer: int, block_ids: Sequence[int]) -> np.ndarray:
-        """Nx3 (address, bytes, device) of every part of ``block_ids`` of ``layer``, part
-        by part, blocks in the order given. ValueError for a layer or block out of range."""
+    def _rows(self, layer: int, block_ids: Sequence[int]) -> tuple[LayerLayout, np.ndarray]:
+        """The layer and the block-sized rows (``p * num_blocks + b``) of every part of
+        ``block_ids``, part by part; ValueError for a layer or block out of range."""
         if not 0 <= layer < len(self.layers):
             raise ValueError(f"layer {layer} out of range")
         lay = self.layers[layer]
         ids = np.asarray(block_ids, dtype=np.int64)
-        if ids.size == 0 or ids.min() < 0 or ids.max() >= lay.num_blocks:
+        if ids.size == 0:
+            raise ValueError("no block ids")
+        if ids.min() < 0 or ids.max() >= lay.num_blocks:
             raise ValueError(f"block ids out of range 0..{lay.num_blocks - 1}")
-        rows = (np.arange(lay.parts, dtype=np.int64)[:, None] * lay.num_blocks + ids).ravel()
-        out = np.empty((rows.size, 3), dtype=np.uint64)
-        out[:, 0] = lay.addr + rows.astype(np.uint64) * lay.block_bytes
-        out[:, 1] = lay.block_bytes
-        out[:, 2] = lay.device
-        return out
+        return lay, (np.arange(lay.parts, dtype=np.int64)[:, None] * lay.num_blocks
+                     + ids).ravel()
+
+    def descs(self, layer: int, block_ids: Sequence[int]) -> np.ndarray:
+        """Nx3 (address, bytes, device) of every part of ``block_ids`` of ``layer``, part
+        by part, blocks in the order given. ValueError for a layer or block out of range."""
+        lay, rows = self._rows(layer, block_ids)
+        return _table(lay, rows, np.ones(rows.size, dtype=np.int64))
+
+    def write_descs(self, remote: "CacheLayout", layer: int, src_ids: Sequence[int],
+                    dst_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The descriptors of a WRITE of every part of our ``src_ids`` of ``layer`` into
+        ``remote``'s ``dst_ids``: one pair per run of rows consecutive on both sides (a run
+        may cross from K into V where both caches' last and first blocks meet), so the
+        same bytes as ``descs`` block by block in fewer descriptors (UCX's cost is per
+        descriptor). ValueError for blocks out of range or sides that differ."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError("source and destination blocks differ in number")
+        here, src = self._rows(layer, src_ids)
+        there, dst = remote._rows(layer, dst_ids)
+        if (here.parts, here.block_bytes) != (there.parts, there.block_bytes):
+            raise ValueError(f"layer {layer}'s blocks differ between the caches")
+        breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
+        starts = np.flatnonzero(np.concatenate(([True], breaks)))
+        lengths = np.diff(np.append(starts, src.size))
+        return _table(here, src[starts], lengths), _table(there, dst[starts], lengths)
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -96,6 +118,15 @@ class BlockChunks(list):
     """block_chunks' buffers, and ``blocks``: (the layer as [parts, blocks, bytes] uint8,
     the block ids), so a hash kernel may take them in one call (written_check)."""
     blocks: tuple[torch.Tensor, list[int]]
+
+
+def _table(lay: LayerLayout, rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Nx3 (address, bytes, device): ``lengths[i]`` rows from row ``rows[i]`` of ``lay``."""
+    out = np.empty((rows.size, 3), dtype=np.uint64)
+    out[:, 0] = lay.addr + rows.astype(np.uint64) * lay.block_bytes
+    out[:, 1] = lengths.astype(np.uint64) * lay.block_bytes
+    out[:, 2] = lay.device
+    return out
 
 
 def block_chunks(kv_layer: torch.Tensor, block_ids: Sequence[int]) -> list[memoryview]:

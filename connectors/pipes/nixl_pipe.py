@@ -159,17 +159,16 @@ class NixlPipe(WrittenCheck, ZmqPipe):
         """WRITE every part of our blocks ``src_ids`` of ``layer`` into the consumer's
         ``dst_ids``, then notify it with ``head`` and the code of the bytes. The future
         resolves once the write completed (our blocks may change again); ValueError for
-        blocks out of range, PipeError for a consumer without a handshake."""
+        blocks out of range, PipeError for a consumer without a handshake. Blocks
+        consecutive on both sides go as one descriptor (CacheLayout.write_descs)."""
         remote = self._remotes.get(peer)
         if remote is None or self._layout is None:
             raise PipeError(f"nixl pipe: no handshake with {peer}")
-        if len(src_ids) != len(dst_ids) or not src_ids:
-            raise ValueError("source and destination blocks differ in number")
-        src_ids, dst_ids = list(src_ids), list(dst_ids)
+        src_ids = list(src_ids)
+        local, far = self._layout.write_descs(remote.layout, layer, src_ids, dst_ids)
         return self._worker.submit(Write(
-            remote.agent, self._layout.descs(layer, src_ids), remote.layout.descs(layer, dst_ids),
-            self._layout.mem, remote.layout.mem, lambda: block_chunks(kv_layer, src_ids), head,
-            remote.key, Future()))
+            remote.agent, local, far, self._layout.mem, remote.layout.mem,
+            lambda: block_chunks(kv_layer, src_ids), head, remote.key, Future()))
 
     # ---- consumer: notifications -----------------------------------------------------------
     def _deliver(self, agent: str, msg: bytes) -> None:
@@ -193,6 +192,7 @@ class NixlPipe(WrittenCheck, ZmqPipe):
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "nixl_writes": self._worker.writes,
                 "nixl_bytes_written": self._worker.bytes_written,
+                "nixl_descriptors": self._worker.descriptors,
                 "nixl_write_failures": self._worker.failures}
 
     def close(self) -> None:

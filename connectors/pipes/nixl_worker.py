@@ -46,6 +46,7 @@ class NixlWorker:
         self._inflight: list[tuple[Write, Any, float]] = []  # (write, handle, deadline)
         self.listening = False  # a consumer: poll for notifications
         self.writes = self.bytes_written = self.failures = 0
+        self.descriptors = 0  # of the writes done: fewer than blocks where runs coalesced
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="nixl-pipe", daemon=True)
         self._thread.start()
@@ -128,6 +129,7 @@ class NixlWorker:
             if state == "DONE":
                 self.writes += 1
                 self.bytes_written += int(job.local[:, 1].sum())
+                self.descriptors += len(job.local)
                 settle(job.future)
             else:
                 self.failures += 1
