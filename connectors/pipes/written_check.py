@@ -37,6 +37,20 @@ from kernels import ghash_copy
 _MAC_LABEL = b"pd-cluster written v2\0"
 
 
+class _OpenSslGmac:
+    """OpenSSL's AES-GMAC (nonce 0) with ghash_copy.Gmac's interface: update, tag."""
+
+    def __init__(self, key: bytes) -> None:
+        self._enc = Cipher(algorithms.AES(key), modes.GCM(bytes(12))).encryptor()
+
+    def update(self, chunk: Any) -> None:
+        self._enc.authenticate_additional_data(chunk)
+
+    def tag(self) -> bytes:
+        self._enc.finalize()
+        return self._enc.tag
+
+
 class Sealer:
     """The code of a write, fed in pieces (the bytes in order: part by part, blocks in
     order, as nixl_layout.block_chunks lists them). In mode mac with the GHASH kernel
@@ -51,7 +65,7 @@ class Sealer:
             once = hmac.new(key, prefix + nonce + head, hashlib.sha256).digest()
             self.fused = ghash_copy.available()
             self._mac: Any = (ghash_copy.Gmac(once, bytes(12)) if self.fused else
-                              Cipher(algorithms.AES(once), modes.GCM(bytes(12))).encryptor())
+                              _OpenSslGmac(once))
         self._crc = zlib.crc32(head, zlib.crc32(prefix)) if mode == "crc32" else 0
 
     def copy_blocks(self, src: Any, dst: Any, src_ids: list[int], dst_ids: list[int]) -> None:
@@ -65,19 +79,13 @@ class Sealer:
 
     def update(self, chunk: Any) -> None:
         if self._mode == "mac":
-            if self.fused:
-                self._mac.update(chunk)
-            else:
-                self._mac.authenticate_additional_data(chunk)
+            self._mac.update(chunk)
         elif self._mode == "crc32":
             self._crc = zlib.crc32(chunk, self._crc)
 
     def tag(self) -> bytes:
         if self._mode == "mac":
-            if self.fused:
-                return self._mac.tag()
-            self._mac.finalize()
-            return self._mac.tag
+            return self._mac.tag()
         return struct.pack("<I", self._crc) if self._mode == "crc32" else b""
 
 

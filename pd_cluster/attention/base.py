@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from pd_cluster.attention.fresh_prefill import forward_fresh
 from pd_cluster.attention.metadata import AttentionMetadata
 from pd_cluster.attention.options import AttentionOptions
 
@@ -41,7 +42,6 @@ class AttentionBackend(ABC):
         """``forward`` after ``write_kv(key, value, ...)``; with an FP8 cache the prefill
         chunks attend over this fresh K/V instead of its quantised copy
         (attention/fresh_prefill.py)."""
-        from pd_cluster.attention.fresh_prefill import forward_fresh
         return forward_fresh(self, query, key, value, kv_cache, meta, opts)
 
     # Whether forward_latent also serves prefill chunks (else latent layers decompress them).
