@@ -232,3 +232,31 @@ def test_pruning_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.setenv(artifact_store.MAX_DAYS_ENV, bad)
         with pytest.raises(ValueError, match=artifact_store.MAX_DAYS_ENV):
             artifact_store.limits_from_env()
+
+
+def test_a_truncated_kernel_in_inductors_cache_is_removed_and_only_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile killed while inductor wrote a .so leaves it short; the next compile's import
+    error names it: that file goes (so the retry rebuilds it), nothing outside the cache."""
+    from pd_cluster.engine.compile_cache import drop_corrupt_kernel
+    cache = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    short = cache / "pg" / "abc.main.so"
+    short.parent.mkdir(parents=True)
+    short.write_bytes(b"\x7fELF")
+    outside = tmp_path / "other.so"
+    outside.write_bytes(b"\x7fELF")
+    try:
+        raise ImportError(f"{outside}: file too short")
+    except ImportError as e:
+        assert drop_corrupt_kernel(e) is None
+    assert outside.exists()
+    try:
+        try:
+            raise ImportError(f"{short}: file too short")
+        except ImportError as inner:
+            raise RuntimeError("InductorError: the compile failed") from inner
+    except RuntimeError as e:
+        assert drop_corrupt_kernel(e) == short.resolve()
+    assert not short.exists()
+    assert drop_corrupt_kernel(RuntimeError("a graph break")) is None

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +202,23 @@ def remember_isa_probe() -> None:
     claimed = _claimed_isas()
     if [str(isa) for isa in valid_vec_isa_list()] == claimed:
         write_artifact(record, json.dumps(claimed).encode())
+
+
+_CORRUPT_SO = re.compile(r"(/\S+\.so): (?:file too short|invalid ELF header)")
+
+
+def drop_corrupt_kernel(error: BaseException) -> Path | None:
+    """Remove the truncated kernel library in inductor's cache that ``error`` (an import of
+    it failed) names, and return its path; None when it names none there. A compile killed
+    while inductor wrote a .so (an engine stopped mid-compile) leaves it short, and inductor
+    loads it again on every later compile of that graph instead of rebuilding it."""
+    root = inductor_cache_dir().resolve()
+    seen: BaseException | None = error
+    while seen is not None:
+        for found in _CORRUPT_SO.finditer(str(seen)):
+            path = Path(found.group(1)).resolve()
+            if root in path.parents and path.is_file():
+                path.unlink()
+                return path
+        seen = seen.__cause__ or seen.__context__
+    return None

@@ -32,8 +32,9 @@ import torch
 
 from pd_cluster.config import COMPILE_MODES
 from pd_cluster.engine import artifact_store
-from pd_cluster.engine.compile_cache import (artifact_dir, artifact_key, inductor_cache_dir,
-                                             remember_isa_probe, skip_known_isa_probe)
+from pd_cluster.engine.compile_cache import (artifact_dir, artifact_key, drop_corrupt_kernel,
+                                             inductor_cache_dir, remember_isa_probe,
+                                             skip_known_isa_probe)
 from pd_cluster.models.context import ForwardContext
 from pd_cluster.models.layers.paged_call import step_scope
 from pd_cluster.private_files import UnsafePath
@@ -109,11 +110,18 @@ class CompiledModel:
         start = time.monotonic()
         skip_known_isa_probe()
         with torch.inference_mode():  # the engine's steps run in it: so do the guards' checks
-            try:
-                self._fn = (self._load_or_compile(device) if folder is not None
-                            else self._compile(device, save=False))
-            except Exception:  # a graph break in a new model, an inductor error
-                logger.exception("compiling the model failed: it runs eagerly")
+            for attempt in range(2):
+                try:
+                    self._fn = (self._load_or_compile(device) if folder is not None
+                                else self._compile(device, save=False))
+                    break
+                except Exception as e:  # a graph break in a new model, an inductor error
+                    dropped = drop_corrupt_kernel(e) if attempt == 0 else None
+                    if dropped is None:
+                        logger.exception("compiling the model failed: it runs eagerly")
+                        break
+                    logger.warning("removed a truncated kernel from inductor's cache (%s); "
+                                   "compiling again", dropped)
         self.state = "compiled" if self._fn is not None else "failed"
         self.compile_seconds = time.monotonic() - start
         remember_isa_probe()
