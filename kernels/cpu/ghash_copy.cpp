@@ -154,17 +154,24 @@ __m128i blocks512(__m128i x, const __m512i* rev, const uint8_t* src, uint8_t* ds
     return _mm_xor_si128(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
   };
   const __m128i top = _mm512_castsi512_si128(rev[0]);  // H^(4G): the hash's multiplier
+  // Streaming stores when the destination is line-aligned (a KV block is): the copy's
+  // lines go to memory without first being read into the cache (one pass less of memory
+  // traffic; measured 5.5 -> 8.7-9.3 GB/s for a 16k-token layer set into /dev/shm here).
+  const bool stream = dst && (reinterpret_cast<uintptr_t>(dst) & 63) == 0;
   for (int64_t i = 0; i < groups; ++i) {
     const uint8_t* s = src + 64 * G * i;
     __m512i d[G];
     if (pf)  // the next block, as far into it as we are into this one
       for (int k = 0; k < G; ++k) {
         _mm_prefetch(reinterpret_cast<const char*>(pf + 64 * G * i + 64 * k), _MM_HINT_T0);
-        if (pfd) _mm_prefetch(reinterpret_cast<const char*>(pfd + 64 * G * i + 64 * k),
-                              _MM_HINT_ET0);
+        if (pfd && !stream)
+          _mm_prefetch(reinterpret_cast<const char*>(pfd + 64 * G * i + 64 * k), _MM_HINT_ET0);
       }
     for (int k = 0; k < G; ++k) d[k] = _mm512_loadu_si512(s + 64 * k);
-    if (dst)
+    if (dst && stream)  // past the caches: no read of the destination's old lines
+      for (int k = 0; k < G; ++k) _mm512_stream_si512(
+          reinterpret_cast<__m512i*>(dst + 64 * G * i + 64 * k), d[k]);
+    else if (dst)
       for (int k = 0; k < G; ++k) _mm512_storeu_si512(dst + 64 * G * i + 64 * k, d[k]);
     __m512i lo = _mm512_setzero_si512(), hi = lo, mid = lo;
     for (int k = 0; k < G; ++k) {
@@ -364,6 +371,9 @@ void ghash_copy_blocks(const at::Tensor& state, const at::Tensor& src, const at:
              more ? sb + np * src.stride(0) + s[ni] * bytes : nullptr,
              more ? db + np * dst.stride(0) + d[ni] * bytes : nullptr);
     }
+#ifdef GH_X86
+  _mm_sfence();  // streaming stores are weakly ordered: visible before the notification
+#endif
 }
 
 // Hashes src[part, ids[i]] for every part, then i (the consumer's check of a write).
