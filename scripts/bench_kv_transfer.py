@@ -41,6 +41,7 @@ from connectors.config import KVTransferConfig  # noqa: E402
 from connectors.metadata import FinishSpec, KVConnectorMetadata, RecvSpec, SendSpec  # noqa: E402
 from connectors.pd_connector import PDConnectorWorker  # noqa: E402
 from connectors.transfer_params import RecvKV, SendKV  # noqa: E402
+from churned_grant import churned_blocks  # noqa: E402
 from kv_integrity_modes import PIPES, SECURITY_MODES, part4  # noqa: E402
 from nixl_bench import part_nixl  # noqa: E402
 from pipe_raw import bench_context  # noqa: E402
@@ -82,14 +83,21 @@ def _consumer(conn, num_blocks: int, transport: str, extra: dict | None = None) 
 
 
 def transfer_throughput(n_tokens: int, producer: PDConnectorWorker, conn, peer: str,
-                        repeats: int, dst_in_order: bool = False) -> tuple[float, int]:
-    """Best bytes/s of a request's KV from the producer into the consumer's blocks: shuffled
-    (the default: a fragmented free pool), or ``dst_in_order`` (a fresh pool's blocks)."""
+                        repeats: int, dst_in_order: bool = False, churned: bool = False
+                        ) -> tuple[float, int]:
+    """Best bytes/s of a request's KV from the producer's blocks (in order) into the
+    consumer's: shuffled (the default: every block apart, the worst case), ``dst_in_order``
+    (a fresh pool's blocks), or ``churned``: both ends' blocks as our engine's pool hands them
+    out after serving a while (churned_grant.py)."""
     bs = SHAPE["block_size"]
     blocks = list(range(-(-n_tokens // bs)))
     gen = torch.Generator().manual_seed(n_tokens)
     dst = (list(range(len(blocks), 2 * len(blocks))) if dst_in_order  # past the source's
            else torch.randperm(len(blocks) * 2, generator=gen)[:len(blocks)].tolist())
+    if churned:  # both pools hold 2x the largest request (_pair)
+        pool = producer.kv_caches[0].shape[1]
+        blocks = churned_blocks(pool, len(blocks), seed=2 * n_tokens)
+        dst = churned_blocks(pool, len(blocks), seed=2 * n_tokens + 1)
     best, nbytes = 0.0, 0
     for rep in range(repeats):
         rid = f"bench-{n_tokens}-{rep}"

@@ -126,7 +126,7 @@ def part_nixl(sizes: list[int], repeats: int, pair: Callable, throughput: Callab
     print(f"{'tokens':>7} {'KV MiB':>8} {'ours GB/s':>10} {'raw GB/s':>9} {'ratio':>6} "
           f"{'raw-blocks GB/s':>15} {'ratio':>6}")
     block = producer.kv_caches[0][0, 0].nbytes
-    same, in_order, raws = [], [], []
+    same, in_order, churned, raws = [], [], [], []
     try:
         for n in sizes:
             ours, nbytes = throughput(n, producer, here, peer, repeats)
@@ -144,6 +144,12 @@ def part_nixl(sizes: list[int], repeats: int, pair: Callable, throughput: Callab
             ours, _ = throughput(n, producer, here, peer, repeats, dst_in_order=True)
             in_order.append(ours / raw)
             print(f"{n:>7} {'':>8} {ours / 1e9:>10.2f} {raw / 1e9:>9.2f} {ours / raw:>6.2f}")
+        print("churned grant (both ends' blocks as our engine's pool hands them out after "
+              "serving a while: churned_grant.py; raw as above):")
+        for n, raw in zip(sizes, raws):
+            ours, _ = throughput(n, producer, here, peer, repeats, churned=True)
+            churned.append(ours / raw)
+            print(f"{n:>7} {'':>8} {ours / 1e9:>10.2f} {raw / 1e9:>9.2f} {ours / raw:>6.2f}")
     finally:
         here.send(None)
         proc.join(timeout=30)
@@ -151,5 +157,6 @@ def part_nixl(sizes: list[int], repeats: int, pair: Callable, throughput: Callab
     efficiency = statistics.median(ratios)
     print(f"nixl_efficiency_same_descriptors={statistics.median(same):.3f}")
     print(f"nixl_efficiency_contiguous_grant={statistics.median(in_order):.3f}")
+    print(f"nixl_efficiency_churned_grant={statistics.median(churned):.3f}")
     print(f"nixl_efficiency={efficiency:.3f}")
     return efficiency

@@ -106,6 +106,7 @@ def part_shm(sizes: list[int], repeats: int, pair: Callable, throughput: Callabl
           "shuffled blocks, the connector's pattern here)")
     ratios: dict[str, list[float]] = {m: [] for m in modes}
     same: list[float] = []
+    churned: list[float] = []
     for mode in modes:
         producer, here, proc, peer = pair(max(sizes), "ipc", {"pipe": "shm", "integrity": mode})
         print(f"integrity {mode}:")
@@ -124,6 +125,14 @@ def part_shm(sizes: list[int], repeats: int, pair: Callable, throughput: Callabl
                     same.append(ours / raw_blocks)
                 print(f"{n:>7} {nbytes / 2**20:>8.1f} {ours / 1e9:>10.2f} {raw / 1e9:>9.2f} "
                       f"{ours / raw:>6.2f} {raw_blocks / 1e9:>15.2f} {ours / raw_blocks:>6.2f}")
+            if mode == modes[0]:
+                print("churned grant (both ends' blocks as our engine's pool hands them out "
+                      "after serving a while: churned_grant.py; raw as above):")
+                for n in sizes:
+                    ours, _ = throughput(n, producer, here, peer, repeats, churned=True)
+                    churned.append(ours / raws[n][0])
+                    print(f"{n:>7} {'':>8} {ours / 1e9:>10.2f} {raws[n][0] / 1e9:>9.2f} "
+                          f"{ours / raws[n][0]:>6.2f}")
         finally:
             here.send(None)
             proc.join(timeout=30)
@@ -131,6 +140,7 @@ def part_shm(sizes: list[int], repeats: int, pair: Callable, throughput: Callabl
     for mode in modes[1:]:
         print(f"shm_efficiency_integrity_{mode}={statistics.median(ratios[mode]):.3f}")
     print(f"shm_efficiency_same_copies={statistics.median(same):.3f}")
+    print(f"shm_efficiency_churned_grant={statistics.median(churned):.3f}")
     seal_rates((256 << 10, 4 << 20), 64 << 20 if len(sizes) > 1 else 8 << 20)
     efficiency = statistics.median(ratios[modes[0]])
     print(f"shm_efficiency={efficiency:.3f}")

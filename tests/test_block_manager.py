@@ -335,3 +335,40 @@ def test_trim_returns_rejected_drafts_lookahead_blocks() -> None:
     assert bm.hashed[r.request_id] == 1  # block 2 (tokens 4..7) is not all computed
     bm.free(r)
     bm.check_no_leaks()
+
+
+def test_a_freed_request_s_blocks_come_back_as_an_ascending_run() -> None:
+    """A request gets the blocks the pool would evict next (least recently released first),
+    handed out in ascending order: a finished request's blocks (released tail first) return
+    as one run of consecutive ids, which a KV transfer moves as one piece."""
+    bm = BlockManager(num_blocks=32, block_size=BS, enable_prefix_caching=False)
+    a = req(toks(8 * BS))
+    admit(bm, a)
+    assert a.block_ids == list(range(8))
+    filler = req(toks(24 * BS, 500))
+    admit(bm, filler)  # the rest of the pool
+    bm.free(a)  # released 7, 6, ..., 0: the pool's oldest now
+    b = req(toks(5 * BS, 900))
+    admit(bm, b)
+    assert b.block_ids == [3, 4, 5, 6, 7]  # the five released first, ascending
+    b.num_computed_tokens = b.num_tokens
+    bm.append_slots(b, 3 * BS)  # grows with the three left, ascending too
+    assert b.block_ids == [3, 4, 5, 6, 7, 0, 1, 2]
+    for r in (filler, b):
+        bm.free(r)
+    bm.check_no_leaks()
+
+
+def test_churned_grants_are_long_runs() -> None:
+    """The bench's churned grant (scripts/churned_grant.py) runs the real pool: after a
+    serving history a large request's blocks come in a few runs (each block its own run
+    when the pool handed them out as released, tail first)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from churned_grant import churned_blocks, num_runs
+    ids = churned_blocks(2048, 1024, seed=3)
+    assert len(ids) == len(set(ids)) == 1024 and all(0 <= i < 2048 for i in ids)
+    assert num_runs(ids) < 64
+    with pytest.raises(ValueError, match="want"):
+        churned_blocks(16, 16)

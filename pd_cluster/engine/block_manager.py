@@ -155,9 +155,11 @@ class BlockManager:
             self.pool.take(block_id)
         tables = []
         for k, length in enumerate(self._table_lengths(request, cached, max_new_tokens)):
-            table = [NULL_BLOCK if i < firsts[k] else b if b is not None else self.pool.pop_free()
-                     for i, b in enumerate(hits[k] + [None] * (length - len(hits[k])))]
-            tables.append(table)
+            entries = hits[k] + [None] * (length - len(hits[k]))
+            fresh = iter(self.pool.pop_free_run(sum(
+                1 for i, b in enumerate(entries) if b is None and i >= firsts[k])))
+            tables.append([NULL_BLOCK if i < firsts[k] else b if b is not None else next(fresh)
+                           for i, b in enumerate(entries)])
         for (k, i), slot in slots.items():
             self.tiers.load(slot, tables[k][i])
         self.tables[rid] = tables
@@ -197,8 +199,7 @@ class BlockManager:
         self._release_out_of_window(request)
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
         for table in self.tables[request.request_id]:
-            while len(table) < need:
-                table.append(self.pool.pop_free())
+            table += self.pool.pop_free_run(max(0, need - len(table)))
 
     def trim(self, request: Request) -> None:
         """Speculation: give back the blocks past the request's computed tokens (lookahead

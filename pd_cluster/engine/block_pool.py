@@ -100,6 +100,14 @@ class BlockPool:
         block.ref_count = 1
         return block_id
 
+    def pop_free_run(self, n: int) -> list[int]:
+        """``n`` free blocks, the same ones as ``n`` pop_free calls (eviction order unchanged),
+        in ascending id order: blocks released together (a finished request's, released tail
+        first) come back as ascending runs, so a request's table holds long runs of
+        consecutive blocks, which a KV transfer moves as one piece (one NIXL descriptor, one
+        sequential copy) instead of block by block in descending order."""
+        return sorted(self.pop_free() for _ in range(n))
+
     def leaked(self) -> list[int]:
         """Blocks still referenced."""
         return [b.block_id for b in self.blocks if b.ref_count != 0]
