@@ -363,11 +363,13 @@ void ghash_copy_blocks(const at::Tensor& state, const at::Tensor& src, const at:
   uint8_t* db = dst.data_ptr<uint8_t>();
   int64_t n = src_ids.numel(), parts = src.size(0);
   for (int64_t part = 0; part < parts; ++part)
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t np = i + 1 < n ? part : part + 1, ni = i + 1 < n ? i + 1 : 0;
-      bool more = np < parts && bytes <= kPrefetchMax;
+    for (int64_t i = 0, k; i < n; i += k) {
+      // blocks consecutive on both sides go as one stretch (the same bytes in the same order)
+      for (k = 1; i + k < n && s[i + k] == s[i] + k && d[i + k] == d[i] + k; ++k) {}
+      int64_t np = i + k < n ? part : part + 1, ni = i + k < n ? i + k : 0;
+      bool more = np < parts && k * bytes <= kPrefetchMax;
       absorb(use, st, sb + part * src.stride(0) + s[i] * bytes,
-             db + part * dst.stride(0) + d[i] * bytes, bytes,
+             db + part * dst.stride(0) + d[i] * bytes, k * bytes,
              more ? sb + np * src.stride(0) + s[ni] * bytes : nullptr,
              more ? db + np * dst.stride(0) + d[ni] * bytes : nullptr);
     }
@@ -386,11 +388,12 @@ void ghash_blocks(const at::Tensor& state, const at::Tensor& src, const at::Tens
   const uint8_t* sb = src.data_ptr<uint8_t>();
   int64_t n = ids.numel(), parts = src.size(0);
   for (int64_t part = 0; part < parts; ++part)
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t np = i + 1 < n ? part : part + 1, ni = i + 1 < n ? i + 1 : 0;
-      absorb(use, st, sb + part * src.stride(0) + s[i] * bytes, nullptr, bytes,
-             np < parts && bytes <= kPrefetchMax ? sb + np * src.stride(0) + s[ni] * bytes
-                                                 : nullptr);
+    for (int64_t i = 0, k; i < n; i += k) {
+      for (k = 1; i + k < n && s[i + k] == s[i] + k; ++k) {}  // a run: one stretch
+      int64_t np = i + k < n ? part : part + 1, ni = i + k < n ? i + k : 0;
+      absorb(use, st, sb + part * src.stride(0) + s[i] * bytes, nullptr, k * bytes,
+             np < parts && k * bytes <= kPrefetchMax ? sb + np * src.stride(0) + s[ni] * bytes
+                                                     : nullptr);
     }
 }
 
