@@ -9,7 +9,10 @@ process; this process copies the same bytes into it, one contiguous copy per lay
 one copy per KV block into shuffled blocks (raw-blocks, the connector's pattern when the
 consumer's blocks are scattered), then tells the other process and waits for its answer (one
 round trip, as the ACK is): no grant, no MAC, no control messages. Both copy with torch on one
-thread (the bench sets one). Importable with scripts/ on sys.path.
+thread (the bench sets one). Beside them: the ceiling (shm_ceiling.py: the pipe's fused copy
+and the other process's check with no protocol, same grant) and the pipe with a churned grant
+(churned_grant.py: both ends' blocks as our pool hands them out after serving a while).
+Importable with scripts/ on sys.path.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from pipe_raw import bench_context
+from shm_ceiling import ceiling
 
 TIMEOUT_S = 120.0
 
@@ -107,12 +111,14 @@ def part_shm(sizes: list[int], repeats: int, pair: Callable, throughput: Callabl
     ratios: dict[str, list[float]] = {m: [] for m in modes}
     same: list[float] = []
     churned: list[float] = []
+    tops: list[float] = []
     for mode in modes:
         producer, here, proc, peer = pair(max(sizes), "ipc", {"pipe": "shm", "integrity": mode})
         print(f"integrity {mode}:")
         print(f"{'tokens':>7} {'KV MiB':>8} {'ours GB/s':>10} {'raw GB/s':>9} {'ratio':>6} "
               f"{'raw-blocks GB/s':>15} {'ratio':>6}")
         block = producer.kv_caches[0][0, 0].nbytes
+        block_tokens = producer.kv_caches[0].shape[2]
         try:
             for n in sizes:
                 ours, nbytes = throughput(n, producer, here, peer, repeats)
@@ -126,6 +132,20 @@ def part_shm(sizes: list[int], repeats: int, pair: Callable, throughput: Callabl
                 print(f"{n:>7} {nbytes / 2**20:>8.1f} {ours / 1e9:>10.2f} {raw / 1e9:>9.2f} "
                       f"{ours / raw:>6.2f} {raw_blocks / 1e9:>15.2f} {ours / raw_blocks:>6.2f}")
             if mode == modes[0]:
+                print("ceiling (shm_ceiling.py: the fused copy and the other process's check "
+                      "alone, same shuffled grant, no protocol; raw as above):")
+                for n in sizes:
+                    nb = -(-n // block_tokens)
+                    gen = torch.Generator().manual_seed(n)  # transfer_throughput's grant
+                    dst_ids = torch.randperm(2 * nb, generator=gen)[:nb].tolist()
+                    top = ceiling(list(range(nb)), dst_ids, num_layers, 2,
+                                  producer.kv_caches[0].shape[1], block, repeats)
+                    if top is None:
+                        print("(no GHASH kernel here: no ceiling)")
+                        break
+                    tops.append(top / raws[n][0])
+                    print(f"{n:>7} {'':>8} {top / 1e9:>10.2f} {raws[n][0] / 1e9:>9.2f} "
+                          f"{top / raws[n][0]:>6.2f}")
                 print("churned grant (both ends' blocks as our engine's pool hands them out "
                       "after serving a while: churned_grant.py; raw as above):")
                 for n in sizes:
@@ -141,6 +161,8 @@ def part_shm(sizes: list[int], repeats: int, pair: Callable, throughput: Callabl
         print(f"shm_efficiency_integrity_{mode}={statistics.median(ratios[mode]):.3f}")
     print(f"shm_efficiency_same_copies={statistics.median(same):.3f}")
     print(f"shm_efficiency_churned_grant={statistics.median(churned):.3f}")
+    if tops:
+        print(f"shm_ceiling_with_mac={statistics.median(tops):.3f}")
     seal_rates((256 << 10, 4 << 20), 64 << 20 if len(sizes) > 1 else 8 << 20)
     efficiency = statistics.median(ratios[modes[0]])
     print(f"shm_efficiency={efficiency:.3f}")

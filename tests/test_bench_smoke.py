@@ -44,6 +44,8 @@ def test_bench_smoke(script: str, last_line: str, script_runs: ScriptRuns,
     assert run.stdout.strip().splitlines()[-1].lstrip().startswith(last_line), out
     if script == "bench_kv_transfer.py":  # every pipe's part ran (issue 42)
         assert "shm_efficiency=" in run.stdout, out
+        assert "shm_efficiency_churned_grant=" in run.stdout, out
+        assert "shm_ceiling_with_mac=" in run.stdout or "no ceiling" in run.stdout, out
         assert "nixl_efficiency=" in run.stdout or "nixl rows skipped" in run.stdout, out
 
 
