@@ -276,3 +276,22 @@ def test_the_range_comes_back_on_cancel_and_on_timeout(pair) -> None:
     assert p.in_use() > 0
     assert p.verdict("t") is None  # nothing written: timed out
     assert p.in_use() == 0
+
+
+@needs_nixl
+def test_engines_through_staging_are_exact(tiny_model, monkeypatch) -> None:
+    """A real P/D pair (chunked prefill, two prompts) with every write staged: the outputs
+    equal the colocated engine's, no block and no range left."""
+    from connectors.pipes.nixl_pipe import NixlPipe
+    from tests.conftest import random_prompt
+    from tests.pd_helpers import colocated_tokens
+    from tests.test_nixl_pipe import GREEDY, _pair, _run
+    monkeypatch.setattr(NixlPipe, "stage_min_saved", 0)  # stage even where it saves nothing
+    model = tiny_model()
+    prompts = [random_prompt(n, seed=n) for n in (45, 70)]
+    want = colocated_tokens(model, prompts, [GREEDY] * 2, block_size=8)
+    with _pair(model) as (p, d):
+        assert _run(p, d, prompts, "st") == want
+        assert d.stats()["kv_fallbacks"] == 0
+        assert p.runner.connector.pipe.stats()["nixl_staged_writes"] > 0
+        assert d.runner.connector.pipe.stats()["nixl_staging_in_use"] == 0
