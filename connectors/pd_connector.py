@@ -260,8 +260,8 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
             hold = HoldHeader(rid, num_tokens, granted if self._in_place else (),
                               draft if self._in_place else (), groups if self._in_place else (),
                               tuple(self.layer_groups or ()) if self._in_place and groups
-                              else (), grant_staging(self.pipe, self.receiver, rid,
-                                                     len(granted)) if self._in_place else ())
+                              else (), grant_staging(self.pipe, self.receiver, rid, granted,
+                                                     groups) if self._in_place else ())
             try:
                 self.pipe.send_tensor(peer, encode_header(hold), None)
             except PipeError as e:

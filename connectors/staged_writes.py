@@ -47,16 +47,27 @@ def staged_offset(pipe: Any, ranges: StagingRanges, endpoint: str, request_id: s
     return ranges.take(endpoint, request_id, need) if need else -1
 
 
-def grant_staging(pipe: Any, receiver: Any, request_id: str, granted_blocks: int
-                  ) -> tuple[int, ...]:
+def _runs(ids: Sequence[int]) -> int:
+    return sum(1 for i, b in enumerate(ids) if i == 0 or b != ids[i - 1] + 1)
+
+
+def grant_staging(pipe: Any, receiver: Any, request_id: str, granted: Sequence[int],
+                  groups: Sequence[Sequence[int]] = ()) -> tuple[int, ...]:
     """Consumer, building a HOLD: a staging range for every granted block of every target
-    layer, () when the pipe has none or it is full. A request that ended meanwhile gets its
+    layer, () when the pipe has none, it is full, or the grant has too few runs of blocks for
+    staging to save ``stage_min_saved`` descriptors on any write (a fresh pool's contiguous
+    grant: the slab stays free for fragmented ones). A request that ended meanwhile gets its
     range back at once (its end's release may have run before this grant)."""
     grant = getattr(pipe, "grant_staging", None)
-    if grant is None or granted_blocks <= 0:
+    caches = receiver.kv_caches[:receiver.num_layers]
+    if grant is None or not granted or not caches:
         return ()
-    per_block = sum(c[:, 0].nbytes for c in receiver.kv_caches[:receiver.num_layers])
-    got = grant(request_id, per_block * granted_blocks)
+    # a write posts at least one descriptor per part per run of our blocks, staged at least 1
+    most = max(c.shape[0] for c in caches) * max(_runs(t) for t in (granted, *groups)) - 1
+    if most < getattr(pipe, "stage_min_saved", 0):
+        return ()
+    per_block = sum(c[:, 0].nbytes for c in caches)
+    got = grant(request_id, per_block * len(granted))
     if got is None:
         return ()
     if not receiver.is_receiving(request_id):

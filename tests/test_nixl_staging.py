@@ -271,6 +271,10 @@ def test_the_range_comes_back_on_cancel_and_on_timeout(pair) -> None:
     assert p.in_use() >= 2 * 2 * 32 * BLOCK  # granted with the HOLD
     p.cons.bind_connector_metadata(KVConnectorMetadata(cancels=["x"]))
     assert p.in_use() == 0
+    p.register("c", list(range(40, 72)))  # contiguous: staging could never pay, none granted
+    p.offer("c", list(range(32)))
+    assert p.in_use() == 0
+    p.cons.bind_connector_metadata(KVConnectorMetadata(cancels=["c"]))
     p.register("t", _shuffled(32, 8))
     p.offer("t", list(range(32)))
     assert p.in_use() > 0
