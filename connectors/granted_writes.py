@@ -32,9 +32,12 @@ Checker = Callable[[str, bytes, list, bytes, bytes], Optional[str]]  # peer head
 
 def written_head(header: KVWrittenHeader) -> bytes:
     """The bytes a write's code covers besides the KV: the header without its tag and nonce
-    (both ends build them with this function, so they agree byte for byte)."""
-    return msgpack.packb(encode_header(msgspec.structs.replace(header, tag=b"", nonce=b"")),
-                         use_bin_type=True)
+    (both ends build them with this function, so they agree byte for byte). A direct
+    write's head has no ``staged_at`` (as before staging existed: older peers agree)."""
+    body = encode_header(msgspec.structs.replace(header, tag=b"", nonce=b""))
+    if header.staged_at < 0:
+        body.pop("staged_at", None)
+    return msgpack.packb(body, use_bin_type=True)
 
 
 class Grants:
@@ -86,16 +89,22 @@ def granted_targets(grant: Grant, first_block: int, count: int) -> tuple[int, ..
 
 def check_written(header: KVWrittenHeader, caches: Sequence[torch.Tensor],
                   block_ids: Sequence[int], held_blocks: int, peer: str,
-                  checker: Checker | None) -> int:
+                  checker: Checker | None, stager: Any = None) -> int:
     """Consumer: a producer's notification that it wrote ``header``'s blocks; returns the
     bytes they hold once their code checked out, else ValueError (the request fails closed).
-    ``block_ids``: the request's prompt blocks; the held ones were never granted."""
+    ``block_ids``: the request's prompt blocks; the held ones were never granted.
+    ``stager``: the pipe's copy_staged, for writes into its staging slab (nixl_staging.py)."""
     if checker is None:
         raise ValueError("a write notification, but this pipe does not write in place")
     if not 0 <= header.layer < len(caches):
         raise ValueError("bad layer index")
     targets = granted_targets((held_blocks, tuple(block_ids[held_blocks:])),
                               header.first_block, header.num_blocks)
+    if header.staged_at >= 0:
+        if stager is None:
+            raise ValueError("a staged write, but this pipe stages none")
+        return stager(peer, header.request_id, header.staged_at, written_head(header),
+                      header.tag, header.nonce, caches[header.layer], targets)
     # a checker marked on_device (the cuda_ipc pipe's) takes the blocks where they are
     chunker = device_block_rows if getattr(checker, "on_device", False) else block_chunks
     chunks = chunker(caches[header.layer], list(targets))

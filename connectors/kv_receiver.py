@@ -64,6 +64,7 @@ class KVReceiver:
         # (granted_writes.check_written), and layers still missing at the FIN are waited for
         # ``fin_grace`` seconds (notifications and FINs travel apart); else 0: failed at once.
         self.check_written: Checker | None = None
+        self.copy_staged = None  # the pipe's, for writes into its staging slab (nixl)
         self.fin_grace = fin_grace
         self.timeout, self.max_staging_bytes = timeout, max_staging_bytes
         self.kv_caches: list[torch.Tensor] = []  # the target's layers, then a draft's
@@ -146,6 +147,9 @@ class KVReceiver:
 
     def num_receiving(self) -> int:
         return len(self._active)
+
+    def is_receiving(self, request_id: str) -> bool:
+        return request_id in self._active
 
     def take_finished(self) -> dict[str, int | None]:
         """Completed receives (first token) and expired ones (None: fall back)."""
@@ -243,7 +247,7 @@ class KVReceiver:
             ids, held = self._table(state, header.layer)
         try:
             return state, check_written(header, self.kv_caches, ids, held, peer,
-                                        self.check_written)
+                                        self.check_written, self.copy_staged)
         except ValueError as e:
             return state, e
 
@@ -379,7 +383,7 @@ class KVReceiver:
             raise checked
         nbytes = checked if checked is not None else check_written(
             header, self.kv_caches, *self._table(state, header.layer), peer,
-            self.check_written)
+            self.check_written, self.copy_staged)
         end = header.first_block + header.num_blocks
         state.written[header.layer, :, header.first_block:end] = True  # every part and head
         self.bytes_received += nbytes

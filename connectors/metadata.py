@@ -132,19 +132,26 @@ class HoldHeader(msgspec.Struct, frozen=True, tag="hold", tag_field="kind"):
     # entries as block_ids, group 0's) and each layer's group. Empty: one table.
     group_block_ids: tuple[tuple[_Count, ...], ...] = ()
     layer_groups: tuple[_Count, ...] = ()
+    # The nixl pipe's staging range for this request's fragmented writes, (offset, bytes) in
+    # the consumer's slab (connectors/pipes/nixl_staging.py); empty: none granted.
+    staging: tuple[_Count, ...] = ()
 
 
 class KVWrittenHeader(msgspec.Struct, frozen=True, tag="kvw", tag_field="kind"):
     """Producer -> consumer, a NIXL notification (no payload): every part of ``layer`` of the
     request's blocks first_block .. first_block + num_blocks - 1 is in the granted blocks;
     ``tag`` is the MAC of those bytes under a key derived from ``nonce`` (nixl_worker.py),
-    checked by the consumer before use."""
+    checked by the consumer before use. ``staged_at`` >= 0: the bytes were written into the
+    consumer's staging slab at that offset (inside the request's range), part by part, blocks
+    in order; the consumer copies them into the granted blocks and checks the copy
+    (connectors/pipes/nixl_staging.py). The MAC covers it like the rest of the header."""
     request_id: str
     layer: _Count
     first_block: _Count
     num_blocks: Annotated[int, msgspec.Meta(ge=1)]
     tag: bytes = b""
     nonce: bytes = b""
+    staged_at: Annotated[int, msgspec.Meta(ge=-1)] = -1
 
 
 Header = (KVLayerHeader | FinHeader | AckHeader | RenewHeader | OfferHeader | HoldHeader

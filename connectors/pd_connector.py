@@ -44,6 +44,7 @@ from connectors.pd_roles import PDRoles
 from connectors.pd_scheduler import PDConnectorScheduler
 from connectors.pipes.base import PipeError, create_pipe
 from connectors.send_leases import SendLeases
+from connectors.staged_writes import StagingRanges, grant_staging, release_staging
 from connectors.tp_topology import Route, routes_for, split_endpoint
 from connectors.window_shipping import layer_windows
 
@@ -67,6 +68,7 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         self._in_place = self.writes_in_place = getattr(self.pipe, "writes_in_place", False)
         self.grants = Grants(config.kv_transfer_timeout / 2)
         self.draft_grants = Grants(config.kv_transfer_timeout / 2)  # draft_layers.py
+        self.staging_ranges = StagingRanges()  # producer: staged_writes.py
         self.receiver = KVReceiver(engine_info["num_layers"], engine_info["block_size"],
                                    config.kv_transfer_timeout, config.max_staging_bytes,
                                    config.record_timings, self.windows,
@@ -74,6 +76,7 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         self.receiver.layer_groups = self.layer_groups
         if self._in_place:
             self.receiver.check_written = self.pipe.check_written
+            self.receiver.copy_staged = getattr(self.pipe, "copy_staged", None)
         self._endpoint: str | None = None
         self._listening = False
         if config.is_consumer:
@@ -174,6 +177,7 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
             self._ack(self.receiver.register(spec))
         for rid in metadata.cancels:
             self._ack(self.receiver.cancel(rid))
+        release_staging(self.pipe, metadata.cancels)
         self._send_holds()
         for spec in metadata.sends:
             if spec.request_id not in self._offered:
@@ -204,6 +208,7 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
             self._flush_deferred()
             self._send_ready_fins()
         recving = self.receiver.take_finished()
+        release_staging(self.pipe, recving)  # every end but a cancel comes through here
         self._ack(self.receiver.take_nacks())  # gave up: the producers free at once
         return FinishedTransfers(self.leases.take_done(), recving)
 
@@ -236,6 +241,7 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
                     self.grants.record(peer, header.request_id,
                                        header.num_tokens // self.block_size, header.block_ids,
                                        header.group_block_ids, header.layer_groups)
+                    self.staging_ranges.record(peer, header.request_id, header.staging)
                     if header.draft_block_ids:  # a draft model's blocks (draft_layers.py)
                         self.draft_grants.record(peer, header.request_id, 0,
                                                  header.draft_block_ids)
@@ -254,7 +260,8 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
             hold = HoldHeader(rid, num_tokens, granted if self._in_place else (),
                               draft if self._in_place else (), groups if self._in_place else (),
                               tuple(self.layer_groups or ()) if self._in_place and groups
-                              else ())
+                              else (), grant_staging(self.pipe, self.receiver, rid, granted,
+                                                     groups) if self._in_place else ())
             try:
                 self.pipe.send_tensor(peer, encode_header(hold), None)
             except PipeError as e:

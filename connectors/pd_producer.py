@@ -26,6 +26,7 @@ from connectors.group_tables import spec_for_layer
 from connectors.granted_writes import granted_targets, route_is_whole, written_head
 from connectors.metadata import FinHeader, KVWrittenHeader, OfferHeader, SendSpec, encode_header
 from connectors.pipes.base import PipeError
+from connectors.staged_writes import staged_offset
 from connectors.tp_topology import num_feeders, split_endpoint
 from connectors.window_shipping import first_shipped_token
 from pd_cluster import ttft_trace
@@ -138,11 +139,15 @@ class PDProducer:
         is failed: recomputed)."""
         rid = spec.request_id
         try:
-            header = KVWrittenHeader(rid, layer, spec.first_block, len(spec.block_ids))
+            targets = granted_targets(grant, spec.first_block, len(spec.block_ids))
+            # a fragmented grant: through the consumer's staging range (staged_writes.py)
+            at = staged_offset(self.pipe, self.staging_ranges, endpoint, rid, layer,
+                               spec.block_ids, targets)
+            header = KVWrittenHeader(rid, layer, spec.first_block, len(spec.block_ids),
+                                     staged_at=at)
             future = self.pipe.write_blocks(endpoint, layer, kv_layer, spec.block_ids,
-                                            granted_targets(grant, spec.first_block,
-                                                            len(spec.block_ids)),
-                                            written_head(header))
+                                            targets, written_head(header),
+                                            **({"staged_at": at} if at >= 0 else {}))
         except (ValueError, PipeError) as e:
             self._write_failed(spec, f"{what} {layer}", e)
             return None
@@ -269,6 +274,7 @@ class PDProducer:
         self._failed_sends.discard(fin.request_id)
         self._offered.pop(fin.request_id, None)
         self.grants.drop(fin.request_id)
+        self.staging_ranges.drop(fin.request_id)
         with self._holds_lock:
             self._holds.pop(fin.request_id, None)
         routes = self._routes.get(fin.peer, []) if self._usable(fin.peer) else []

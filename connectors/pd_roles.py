@@ -65,9 +65,11 @@ class PDRoles:
 
     def holds(self) -> dict[str, int]:
         """What this rank still holds for KV transfers: bytes staged for requests not yet
-        registered, requests being received, and finished sends whose blocks wait for the
+        registered (and nixl staging ranges granted), requests being received, and finished sends whose blocks wait for the
         consumer's answer (or deferred layers / FINs). All zero on an idle engine."""
-        return {"kv_staging_bytes": int(self.receiver.staging_bytes()),
+        in_use = getattr(self.pipe, "staging_in_use", None)  # the nixl pipe's staging ranges
+        return {"kv_staging_bytes": int(self.receiver.staging_bytes())
+                + (int(in_use()) if in_use is not None else 0),
                 "kv_receiving": int(self.receiver.num_receiving()),
                 "kv_send_holds": int(self.leases.num_held())
                 + len(getattr(self, "_deferred", {})) + len(getattr(self, "_waiting_fins", {}))}

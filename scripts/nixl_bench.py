@@ -3,7 +3,10 @@
 End to end: the producer connector's WRITEs of every layer's blocks into the consumer
 process's granted (shuffled) blocks, each with its notification and MAC, timed from the OFFER
 to the consumer's ACK (bench_kv_transfer.transfer_throughput); a second, labelled line with
-the consumer's blocks in order. Raw: two bare NIXL agents in
+the consumer's blocks in order. With the consumer's staging slab (on by default for host
+caches) the shuffled grant's writes go contiguously into it and the consumer copies them into
+the blocks (connectors/pipes/nixl_staging.py): ``nixl_staged_share`` says how many bytes did.
+Raw: two bare NIXL agents in
 two processes, the same bytes as one contiguous WRITE per layer with a notification on each,
 no grant, no MAC, timed from the first post until the target saw every notification.
 Importable with scripts/ on sys.path; needs NIXL (pip install torch==2.13.0 ".[nixl]").
@@ -127,6 +130,7 @@ def part_nixl(sizes: list[int], repeats: int, pair: Callable, throughput: Callab
           f"{'raw-blocks GB/s':>15} {'ratio':>6}")
     block = producer.kv_caches[0][0, 0].nbytes
     same, in_order, churned, raws = [], [], [], []
+    before = producer.pipe.stats()
     try:
         for n in sizes:
             ours, nbytes = throughput(n, producer, here, peer, repeats)
@@ -137,6 +141,12 @@ def part_nixl(sizes: list[int], repeats: int, pair: Callable, throughput: Callab
             raws.append(raw)
             print(f"{n:>7} {nbytes / 2**20:>8.1f} {ours / 1e9:>10.2f} {raw / 1e9:>9.2f} "
                   f"{ours / raw:>6.2f} {raw_blocks / 1e9:>15.2f} {ours / raw_blocks:>6.2f}")
+        after = producer.pipe.stats()
+        staged, written = (after[k] - before[k] for k in ("nixl_staged_bytes",
+                                                           "nixl_bytes_written"))
+        # of the shuffled grant's bytes, how many went through the consumer's staging slab
+        # (connectors/pipes/nixl_staging.py; kv_transfer.extra.nixl_staging_mb)
+        print(f"nixl_staged_share={staged / max(written, 1):.3f}")
         # Not the figure above: the consumer's blocks in order (a fresh free pool), so each
         # layer's K and V go as one descriptor each (nixl_layout.CacheLayout.write_descs)
         print("contiguous grant (the consumer's blocks in order; raw as above):")

@@ -64,7 +64,10 @@ class PipeConfig(BaseModel):
     # crc32, a checksum against accidents only (the default with security none); none.
     # Compared at the handshake: both ends must agree.
     integrity: Literal["mac", "crc32", "none"] = "mac"
-    extra: dict[str, Any] = Field(default_factory=dict)  # transport-specific options
+    # Transport-specific options, e.g. nixl_staging_mb (nixl: the decode engine's host staging
+    # slab for writes into a fragmented grant, MiB, default 512 with a host cache, 0 off),
+    # shm_dir (shm, auto), io_threads (zmq), nccl_buffer_bytes and max_peers (nccl).
+    extra: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod

@@ -99,6 +99,21 @@ class CacheLayout(msgspec.Struct, frozen=True):
         lengths = np.diff(np.append(starts, src.size))
         return _table(here, src[starts], lengths), _table(there, dst[starts], lengths)
 
+    def staged_descs(self, layer: int, src_ids: Sequence[int], addr: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """The descriptors of a staged WRITE (nixl_staging.py): every part of our ``src_ids``
+        of ``layer`` laid out contiguously from ``addr`` (host memory) in block_chunks'
+        order, one pair per run of our rows: as many descriptors as our own runs, whatever
+        the consumer's grant looks like."""
+        here, src = self._rows(layer, src_ids)
+        starts = np.flatnonzero(np.concatenate(([True], np.diff(src) != 1)))
+        lengths = np.diff(np.append(starts, src.size))
+        far = np.empty((starts.size, 3), dtype=np.uint64)
+        far[:, 0] = addr + starts.astype(np.uint64) * here.block_bytes
+        far[:, 1] = lengths.astype(np.uint64) * here.block_bytes
+        far[:, 2] = 0
+        return _table(here, src[starts], lengths), far
+
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
 

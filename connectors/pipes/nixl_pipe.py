@@ -13,8 +13,9 @@ keys derived from the connection's); the consumer checks it over its own blocks 
 as received (check_written), so a corrupted or forged write fails the request closed.
 
 What a producer may write: NIXL refuses descriptors outside the memory the consumer
-registered (its KV cache, nothing else); within it, the producer writes only the blocks the
-consumer granted for the request (checked by connectors/granted_writes.py before every write).
+registered (its KV cache and its staging slab, nothing else); within it, the producer writes
+only the blocks the consumer granted for the request (checked by connectors/granted_writes.py
+before every write), or into the request's staging range (nixl_staging.py: fragmented grants).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import torch
 from connectors.pipes import integrity
 from connectors.pipes.base import HandshakeError, PipeConfig, PipeError, register_pipe
 from connectors.pipes.nixl_layout import CacheLayout, block_chunks
+from connectors.pipes.nixl_staging import StagingSlab, copy_and_check, staging_bytes
 from connectors.pipes.nixl_worker import NixlWorker, Write
 from connectors.pipes.written_check import WrittenCheck
 from connectors.pipes.zmq_pipe import ZmqPipe
@@ -53,12 +55,16 @@ class _Remote(NamedTuple):
     agent: str
     layout: CacheLayout
     key: bytes  # our notifications' key on this connection
+    staging: tuple[int, int]  # its staging slab (address, bytes); (0, 0): none
 
 
 @register_pipe("nixl")
 class NixlPipe(WrittenCheck, ZmqPipe):
     writes_in_place = True  # the connector grants blocks and writes them (granted_writes.py)
     notif_label = _NOTIF_LABEL  # the key of its write notifications' MACs
+    # A write goes through the consumer's staging range when that saves at least this many
+    # UCX descriptors (~10 us each here; the consumer's copy costs ~3 us per 16 KiB block)
+    stage_min_saved = 8
 
     def __init__(self, config: PipeConfig) -> None:
         nixl = load_nixl()  # says what is missing before anything starts
@@ -76,7 +82,10 @@ class NixlPipe(WrittenCheck, ZmqPipe):
         self._user_fn: Optional[Callable[[dict], Optional[str]]] = None
         self._user_info: dict = {}
         self._peer_hook = self._on_producer
-        self._n.update(nixl_unknown_notifications=0)
+        self._n.update(nixl_unknown_notifications=0, nixl_staged_writes=0,
+                       nixl_staged_bytes=0)
+        self._staging_bytes = staging_bytes(config.extra, "DRAM")  # CUDA caches: checked later
+        self._slab: Optional[StagingSlab] = None
         self._worker = NixlWorker(self._agent, config.integrity, config.send_timeout,
                                   self._deliver)
 
@@ -87,12 +96,26 @@ class NixlPipe(WrittenCheck, ZmqPipe):
         layout = CacheLayout.of(caches)
         self._registered = self._agent.register_memory(layout.regions(), layout.mem)
         self._layout = layout
+        self._open_staging()
         super().set_handshake_validator(self._validate, self._reply_info())
 
     def listen(self) -> str:
         addr = super().listen()
         self._worker.listening = True
+        if self._layout is not None and self._open_staging():
+            super().set_handshake_validator(self._validate, self._reply_info())
         return addr
+
+    def _open_staging(self) -> bool:
+        """A consumer with a host cache registers its staging slab (before its metadata goes
+        out: the slab's keys are in it); True when it did now."""
+        if (self._slab is not None or not self._worker.listening or self._layout is None
+                or self._layout.mem != "DRAM" or self._staging_bytes <= 0):
+            return False
+        slab = StagingSlab(self._staging_bytes)
+        slab.registered = self._agent.register_memory(slab.region(), "DRAM")
+        self._slab = slab
+        return True
 
     def set_handshake_validator(self, fn: Optional[Callable[[dict], Optional[str]]],
                                 info: Optional[dict] = None) -> None:
@@ -102,8 +125,10 @@ class NixlPipe(WrittenCheck, ZmqPipe):
     def _reply_info(self) -> dict:
         if self._layout is None:
             return self._user_info
+        slab = [self._slab.addr, self._slab.size] if self._slab is not None else [0, 0]
         return {**self._user_info, NIXL_KEY: {"md": self._agent.get_agent_metadata(),
-                                              "layout": self._layout.encode()}}
+                                              "layout": self._layout.encode(),
+                                              "staging": slab}}
 
     def _validate(self, hello: dict) -> Optional[str]:
         """Consumer, I/O thread, after the producer proved the secret."""
@@ -135,13 +160,17 @@ class NixlPipe(WrittenCheck, ZmqPipe):
             why = self._layout.mismatch(layout)
             if why is not None:
                 raise ValueError(f"its KV cache differs: {why}")
+            staging = theirs.get("staging", [0, 0])  # older consumers: none
+            if not (isinstance(staging, list) and len(staging) == 2
+                    and all(isinstance(v, int) and v >= 0 for v in staging)):
+                raise ValueError("malformed staging slab")
             agent = self._agent.add_remote_agent(bytes(theirs["md"]))
         except Exception as e:
             self.disconnect(peer_addr)
             raise HandshakeError(f"{peer_addr}: {e}") from None
         agent = agent.decode() if isinstance(agent, bytes) else str(agent)
         key = self._channels[peer_addr].side_keys(_NOTIF_LABEL)[0]
-        self._remotes[peer_addr] = _Remote(agent, layout, key)
+        self._remotes[peer_addr] = _Remote(agent, layout, key, (staging[0], staging[1]))
         return reply
 
     def disconnect(self, peer_addr: str) -> None:
@@ -155,20 +184,75 @@ class NixlPipe(WrittenCheck, ZmqPipe):
 
     # ---- producer: writes ------------------------------------------------------------------
     def write_blocks(self, peer: str, layer: int, kv_layer: torch.Tensor,
-                     src_ids: Sequence[int], dst_ids: Sequence[int], head: bytes) -> Future:
+                     src_ids: Sequence[int], dst_ids: Sequence[int], head: bytes,
+                     staged_at: int = -1) -> Future:
         """WRITE every part of our blocks ``src_ids`` of ``layer`` into the consumer's
         ``dst_ids``, then notify it with ``head`` and the code of the bytes. The future
         resolves once the write completed (our blocks may change again); ValueError for
         blocks out of range, PipeError for a consumer without a handshake. Blocks
-        consecutive on both sides go as one descriptor (CacheLayout.write_descs)."""
+        consecutive on both sides go as one descriptor (CacheLayout.write_descs).
+        ``staged_at`` >= 0: the bytes go contiguously into the consumer's staging slab at
+        that offset instead (``head`` says so; the consumer copies them into ``dst_ids``)."""
         remote = self._remotes.get(peer)
         if remote is None or self._layout is None:
             raise PipeError(f"nixl pipe: no handshake with {peer}")
         src_ids = list(src_ids)
-        local, far = self._layout.write_descs(remote.layout, layer, src_ids, dst_ids)
+        if staged_at >= 0:
+            need = kv_layer[:, 0].nbytes * len(src_ids)
+            if len(src_ids) != len(dst_ids) or staged_at + need > remote.staging[1]:
+                raise ValueError(f"a staged write of {need} bytes at {staged_at} does not fit "
+                                 f"the consumer's staging slab")
+            local, far = self._layout.staged_descs(layer, src_ids,
+                                                   remote.staging[0] + staged_at)
+            self._n["nixl_staged_writes"] += 1
+            self._n["nixl_staged_bytes"] += need
+        else:
+            local, far = self._layout.write_descs(remote.layout, layer, src_ids, dst_ids)
         return self._worker.submit(Write(
             remote.agent, local, far, self._layout.mem, remote.layout.mem,
             lambda: block_chunks(kv_layer, src_ids), head, remote.key, Future()))
+
+    def staging_plan(self, peer: str, layer: int, src_ids: Sequence[int],
+                     dst_ids: Sequence[int]) -> int:
+        """Bytes to stage for this write when staging saves ``stage_min_saved`` descriptors
+        or more and the consumer has a slab; 0: write directly."""
+        remote = self._remotes.get(peer)
+        if remote is None or self._layout is None or remote.staging[1] == 0:
+            return 0
+        local, _ = self._layout.write_descs(remote.layout, layer, list(src_ids), dst_ids)
+        staged, _ = self._layout.staged_descs(layer, list(src_ids), 0)
+        if len(local) - len(staged) < self.stage_min_saved:
+            return 0
+        return int(local[:, 1].sum())
+
+    # ---- consumer: staging and notifications -----------------------------------------------
+    def grant_staging(self, request_id: str, nbytes: int) -> tuple[int, int] | None:
+        """A range of the slab for the request's staged writes (its HOLD names it)."""
+        return self._slab.ranges.grant(request_id, nbytes) if self._slab is not None else None
+
+    def release_staging(self, request_id: str) -> None:
+        if self._slab is not None:
+            self._slab.ranges.release(request_id)
+
+    def staging_in_use(self) -> int:
+        return self._slab.ranges.in_use if self._slab is not None else 0
+
+    def copy_staged(self, peer: str, request_id: str, at: int, head: bytes, tag: bytes,
+                    nonce: bytes, kv_layer: torch.Tensor, targets: Sequence[int]) -> int:
+        """A staged write's bytes into the request's ``targets`` blocks of ``kv_layer``,
+        checked over what was copied; the bytes, else ValueError (fail closed)."""
+        if self._slab is None:
+            raise ValueError("a staged write, but this engine has no staging slab")
+        rows = kv_layer.reshape(kv_layer.shape[0], kv_layer.shape[1], -1).view(torch.uint8)
+        staged = self._slab.rows(request_id, at, rows.shape[0], len(targets), rows.shape[2])
+        key = self.written_key(peer) if self.config.integrity != "none" else b""
+        if key is None:
+            raise ValueError("no connection with the producer")
+        bad = copy_and_check(self.config.integrity, key, nonce, head, tag, staged, rows,
+                             targets)
+        if bad is not None:
+            raise ValueError(f"the staged blocks fail their check ({bad})")
+        return staged.numel()
 
     # ---- consumer: notifications -----------------------------------------------------------
     def _deliver(self, agent: str, msg: bytes) -> None:
@@ -193,7 +277,8 @@ class NixlPipe(WrittenCheck, ZmqPipe):
         return {**super().stats(), "nixl_writes": self._worker.writes,
                 "nixl_bytes_written": self._worker.bytes_written,
                 "nixl_descriptors": self._worker.descriptors,
-                "nixl_write_failures": self._worker.failures}
+                "nixl_write_failures": self._worker.failures,
+                "nixl_staging_in_use": self.staging_in_use()}
 
     def close(self) -> None:
         self._worker.stop()
@@ -205,4 +290,10 @@ class NixlPipe(WrittenCheck, ZmqPipe):
             except Exception:
                 pass
             self._registered = None
+        if self._slab is not None and self._slab.registered is not None:
+            try:
+                self._agent.deregister_memory(self._slab.registered)
+            except Exception:
+                pass
+            self._slab.registered = None
         super().close()

@@ -116,10 +116,14 @@ class WrittenCheck:
         mode = self.config.integrity  # type: ignore[attr-defined]
         if mode == "none":
             return None
-        conn = self._conns.get(identity(peer))  # type: ignore[attr-defined]
-        if conn is None:
+        key = self.written_key(peer)
+        if key is None:
             return "no connection with the producer"
-        key = conn.channel.side_keys(self.notif_label)[1]
         if not hmac.compare_digest(written_code(mode, key, nonce, head, chunks), tag):
             return f"{mode} mismatch"
         return None
+
+    def written_key(self, peer: str) -> Optional[bytes]:
+        """The key of ``peer``'s write notifications to us (None: no connection)."""
+        conn = self._conns.get(identity(peer))  # type: ignore[attr-defined]
+        return None if conn is None else conn.channel.side_keys(self.notif_label)[1]
