@@ -19,6 +19,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import msgspec
 import numpy as np
@@ -33,6 +34,7 @@ from connectors.group_tables import layer_table
 from connectors.kv_staging import Staging
 
 logger = logging.getLogger(__name__)
+_COPY_WAIT = 10.0  # seconds a receive that ended waits for a staged copy into its blocks
 Ack = tuple[str, str, bool]  # (producer peer, request id, ok)
 # (producer peer, request id, prompt tokens held here, the blocks granted after them, the
 # draft model's blocks granted: draft_layers.py, each KV cache group's granted: group_tables.py)
@@ -75,6 +77,10 @@ class KVReceiver:
         self.draft_state_bytes = 0  # what a FIN with draft KV carries (mtp's hidden state)
         self.draft_bytes_received = 0
         self._lock = threading.Lock()
+        # Staged copies into a request's blocks running now (the receiver thread's, outside
+        # the lock): a receive that ends waits for its copy before its blocks are freed.
+        self._copying: set[str] = set()
+        self._copied = threading.Condition(self._lock)
         self._active: dict[str, _Receiving] = {}
         self._staging = Staging(max_staging_bytes)  # early arrivals, bounded per peer
         # Requests whose KV failed before they were registered: (why, peer), bounded.
@@ -140,6 +146,7 @@ class KVReceiver:
             while len(self._cancelled) > 4096:
                 self._cancelled.popitem(last=False)
             peers = state.peers if state else staged_peers
+            self._wait_copies((request_id,))
             return [(peer, request_id, False) for peer in sorted(peers)]
 
     def staging_bytes(self) -> int:
@@ -164,6 +171,7 @@ class KVReceiver:
                     self._cancelled[rid] = now  # a late FIN is NACKed at once
                     # the producers may free their blocks now
                     self._nacks += [(peer, rid, False) for peer in sorted(state.peers)]
+            self._wait_copies(self._done)
             for rid in self._staging.expired(now, self.timeout):
                 # never claimed: an unknown request (or one that ended before it was staged)
                 n = len(self._staging.pop(rid))
@@ -240,16 +248,34 @@ class KVReceiver:
         """A written layer's MAC, checked without the lock (a layer of a long prompt takes
         milliseconds; the engine thread's take_finished and register wait on the lock): the
         request's state and the bytes checked, or why they failed. None: not receiving it."""
+        rid = header.request_id
         with self._lock:
-            state = self._active.get(header.request_id)
+            state = self._active.get(rid)
             if state is None:
                 return None
             ids, held = self._table(state, header.layer)
+            if header.staged_at >= 0:
+                self._copying.add(rid)
         try:
             return state, check_written(header, self.kv_caches, ids, held, peer,
                                         self.check_written, self.copy_staged)
         except ValueError as e:
             return state, e
+        finally:
+            if header.staged_at >= 0:
+                with self._lock:
+                    self._copying.discard(rid)
+                    self._copied.notify_all()
+
+    def _wait_copies(self, request_ids: Iterable[str]) -> None:
+        """(Lock held.) Until no staged copy into these requests' blocks runs: the scheduler
+        frees and reuses their blocks once told the receive ended (a copy is a local memcpy
+        of one layer, milliseconds; bounded all the same)."""
+        ids = set(request_ids)
+        if self._copying and not self._copied.wait_for(lambda: self._copying.isdisjoint(ids),
+                                                       timeout=_COPY_WAIT):
+            logger.error("a staged copy into %s still runs after %.0fs",
+                         sorted(self._copying & ids)[:4], _COPY_WAIT)
 
     # ---- internals (lock held) -----------------------------------------------------------
     def _apply(self, state: _Receiving, header: KVLayerHeader | FinHeader | OfferHeader,

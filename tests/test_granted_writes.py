@@ -4,7 +4,9 @@ at its cutoff, both ends cover the same header bytes, a chunk ending mid-block l
 block to the next write, and a write's code catches one flipped bit."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -141,3 +143,48 @@ def test_the_consumer_checks_written_blocks_outside_its_lock() -> None:
     assert locked == [False, False, False]
     assert rx.take_finished() == {"r": 9, "s": None} and rx.num_failed_closed == 1
     assert rx.bytes_received == 2 * 2 * rx.kv_caches[0][0, 0].nbytes  # "r" only
+
+
+@pytest.mark.parametrize("end", ["cancel", "timeout"])
+def test_a_receive_that_ends_waits_for_its_staged_copy(end: str) -> None:
+    """A staged write (nixl staging) is copied into the request's blocks by the receiver
+    thread outside the lock; when the request ends meanwhile (cancelled, or given up after
+    the timeout), the engine thread is told so only after that copy finished: the scheduler
+    frees and reuses the blocks once told, and a late copy would write into another
+    request's KV."""
+    import threading
+    from connectors.kv_receiver import KVReceiver
+    from connectors.metadata import RecvSpec
+    rx = KVReceiver(1, 4, timeout=0.3 if end == "timeout" else 30.0, max_staging_bytes=1024)
+    rx.kv_caches = [torch.zeros(2, 8, 4, 1, 8)]
+    rx.check_written = lambda *a: None
+    copying, release, order = threading.Event(), threading.Event(), []
+
+    def copy_staged(*args: Any) -> int:
+        copying.set()
+        release.wait(10)
+        order.append("copied")
+        return 0
+    rx.copy_staged = copy_staged
+    rx.register(RecvSpec("r", (3, 5), 8))
+    recv = threading.Thread(target=rx.on_message, args=(
+        KVWrittenHeader("r", 0, 0, 2, tag=b"t", nonce=b"n", staged_at=0), None, "p"))
+    recv.start()
+    assert copying.wait(10)
+
+    def ends() -> None:
+        if end == "cancel":
+            rx.cancel("r")
+        else:
+            time.sleep(0.4)  # past the deadline
+            assert rx.take_finished() == {"r": None}
+        order.append("ended")
+    engine = threading.Thread(target=ends)
+    engine.start()
+    engine.join(0.6)
+    assert engine.is_alive() and order == []  # waits for the copy
+    release.set()
+    engine.join(10)
+    recv.join(10)
+    assert order == ["copied", "ended"]
+    assert rx.take_finished() == {} and rx.num_receiving() == 0
