@@ -111,7 +111,7 @@ def check_written(header: KVWrittenHeader, caches: Sequence[torch.Tensor],
     bad = checker(peer, written_head(header), chunks, header.tag, header.nonce)
     if bad is not None:
         raise ValueError(f"the written blocks fail their check ({bad})")
-    return sum(c.nbytes for c in chunks)
+    return chunks.nbytes if hasattr(chunks, "nbytes") else sum(c.nbytes for c in chunks)
 
 
 def route_is_whole(route: Any, kv_layer: torch.Tensor) -> bool:
