@@ -17,7 +17,6 @@ Importable with scripts/ on sys.path.
 from __future__ import annotations
 
 import mmap
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -25,8 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipe_raw import bench_context
-from shm_ceiling import ceiling
+from shm_ceiling import ceiling, shared_peer
 
 TIMEOUT_S = 120.0
 
@@ -49,27 +47,9 @@ def raw_shm_copy(nbytes: int, repeats: int, ways: tuple[tuple[int, int], ...]) -
     copies (or, with ``block`` not 0, one per block of that many bytes into shuffled blocks
     of each of the ``layers`` parts) into a buffer another process maps, plus one round trip
     to it. One target process serves every way (each costs a second to start)."""
-    from connectors.pipes.shm_arena import shm_folder
-    path = str(shm_folder("/dev/shm") / f"raw-bench-{os.getpid()}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    ctx = bench_context()
-    here, there = ctx.Pipe()
-    proc = None
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-        dst = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
-        proc = ctx.Process(target=_raw_target, args=(there, path, nbytes), daemon=True)
-        proc.start()
-        if not here.poll(TIMEOUT_S) or here.recv() != "mapped":
-            raise TimeoutError("raw shm target did not start")
+    with shared_peer("raw-bench", nbytes, _raw_target) as (dst, here):
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
         return [_raw_rounds(here, src, dst, layers, repeats, block) for layers, block in ways]
-    finally:
-        if proc is not None:
-            here.send(None)
-            proc.join(timeout=30)
-        os.close(fd)
-        os.unlink(path)
 
 
 def _raw_rounds(here: Any, src: torch.Tensor, dst: torch.Tensor, layers: int, repeats: int,

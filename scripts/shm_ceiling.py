@@ -15,7 +15,8 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -53,31 +54,47 @@ def _checker(conn: Any, path: str, nbytes: int, shape: tuple[int, int, int, int]
             conn.send("checked")
 
 
-def ceiling(src_ids: list[int], dst_ids: list[int], layers: int, parts: int, blocks: int,
-            block: int, repeats: int) -> float | None:
-    """Best bytes/s of the fused copy + the other process's check over ``layers`` layers of
-    ``src_ids`` -> ``dst_ids`` (``blocks`` per cache part of ``block`` bytes); None without
-    the kernel."""
+@contextmanager
+def shared_peer(name: str, nbytes: int, target: Callable, *args: Any
+                ) -> Iterator[tuple[torch.Tensor, Any]]:
+    """A /dev/shm file of ``nbytes`` mapped here, and a process running ``target(conn, path,
+    nbytes, *args)`` that maps it and sends "mapped": yields (the buffer, our end of the
+    pipe); on exit the process is told None and joined, the file removed."""
     from connectors.pipes.shm_arena import shm_folder
-    from kernels import ghash_copy
-    if not ghash_copy.available():
-        return None
-    half = layers * parts * blocks * block
-    path = str(shm_folder("/dev/shm") / f"ceiling-bench-{os.getpid()}")
+    path = str(shm_folder("/dev/shm") / f"{name}-{os.getpid()}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     ctx = bench_context()
     here, there = ctx.Pipe()
     proc = None
     try:
-        os.posix_fallocate(fd, 0, 2 * half)
-        buf = torch.frombuffer(mmap.mmap(fd, 2 * half), dtype=torch.uint8)
-        buf[:half].random_(0, 255)
-        shape = (layers, parts, blocks, block)
-        src, dst = _layers(buf[:half], *shape), _layers(buf[half:], *shape)
-        proc = ctx.Process(target=_checker, args=(there, path, 2 * half, shape), daemon=True)
+        os.posix_fallocate(fd, 0, nbytes)
+        buf = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+        proc = ctx.Process(target=target, args=(there, path, nbytes, *args), daemon=True)
         proc.start()
         if not here.poll(TIMEOUT_S) or here.recv() != "mapped":
-            raise TimeoutError("ceiling checker did not start")
+            raise TimeoutError(f"{name}: the other process did not start")
+        yield buf, here
+    finally:
+        if proc is not None:
+            here.send(None)
+            proc.join(timeout=30)
+        os.close(fd)
+        os.unlink(path)
+
+
+def ceiling(src_ids: list[int], dst_ids: list[int], layers: int, parts: int, blocks: int,
+            block: int, repeats: int) -> float | None:
+    """Best bytes/s of the fused copy + the other process's check over ``layers`` layers of
+    ``src_ids`` -> ``dst_ids`` (``blocks`` per cache part of ``block`` bytes); None without
+    the kernel."""
+    from kernels import ghash_copy
+    if not ghash_copy.available():
+        return None
+    half = layers * parts * blocks * block
+    shape = (layers, parts, blocks, block)
+    with shared_peer("ceiling-bench", 2 * half, _checker, shape) as (buf, here):
+        buf[:half].random_(0, 255)
+        src, dst = _layers(buf[:half], *shape), _layers(buf[half:], *shape)
         best = 0.0
         for _ in range(repeats + 1):  # the first round faults the pages in
             t0 = time.perf_counter()
@@ -90,9 +107,3 @@ def ceiling(src_ids: list[int], dst_ids: list[int], layers: int, parts: int, blo
                 raise TimeoutError("ceiling checker did not answer")
             best = max(best, layers * parts * len(src_ids) * block / (time.perf_counter() - t0))
         return best
-    finally:
-        if proc is not None:
-            here.send(None)
-            proc.join(timeout=30)
-        os.close(fd)
-        os.unlink(path)
