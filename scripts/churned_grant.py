@@ -3,10 +3,10 @@ nixl and shm parts (issue 42): a grant's layout (how many runs of consecutive bl
 how many NIXL descriptors and separate copies a transfer takes.
 
 ``churned_blocks`` runs the engine's own BlockManager through a serving history (requests of
-1/64 to 1/2 of the pool, any size between arriving and finishing at random), then frees live requests in random
-order until the wanted blocks are free, and returns the blocks it gives a request of that
-size: what a decode engine that has been serving for a while grants (or a prefill engine
-holds). Deterministic per seed. Importable with scripts/ on sys.path.
+any size from 1/64 to 1/2 of the pool arriving and finishing at random), then frees live
+requests in random order until the wanted blocks are free, and returns the blocks it gives a
+request of that size: what a decode engine that has been serving for a while grants (or a
+prefill engine holds). Deterministic per seed. Importable with scripts/ on sys.path.
 """
 from __future__ import annotations
 
