@@ -46,7 +46,7 @@ def _wrap(owner: Any, name: str, label: str, timers: Timers) -> None:
 
 
 def _instrument(timers: Timers) -> None:
-    from connectors import kv_receiver, layer_sender, pd_connector
+    from connectors import kv_landing, kv_receiver, layer_sender, pd_connector
     from connectors.pipes import shm_pipe, zmq_pipe
     _wrap(pd_connector.PDConnectorWorker, "save_kv_layer", "P save_kv_layer (engine thread)",
           timers)
@@ -54,8 +54,8 @@ def _instrument(timers: Timers) -> None:
     _wrap(shm_pipe.ShmPipe, "_notify", "P shm notification", timers)
     _wrap(layer_sender.LayerSender, "layer_messages", "P zmq gather+queue", timers)
     _wrap(zmq_pipe.ZmqPipe, "recv_tensor", "D recv_tensor (pipe check, dequeue)", timers)
-    _wrap(kv_receiver, "check_written", "D shm MAC check", timers)
-    _wrap(kv_receiver, "scatter_blocks", "D zmq scatter into blocks", timers)
+    _wrap(kv_landing, "check_written", "D shm MAC check", timers)
+    _wrap(kv_landing, "scatter_blocks", "D zmq scatter into blocks", timers)
     _wrap(kv_receiver.KVReceiver, "on_message", "D on_message (all)", timers)
 
 
