@@ -65,8 +65,9 @@ class PDRoles:
 
     def holds(self) -> dict[str, int]:
         """What this rank still holds for KV transfers: bytes staged for requests not yet
-        registered (and nixl staging ranges granted), requests being received, and finished sends whose blocks wait for the
-        consumer's answer (or deferred layers / FINs). All zero on an idle engine."""
+        registered (and nixl staging ranges granted), requests being received, and finished
+        sends whose blocks wait for the consumer's answer (or deferred layers / FINs). All
+        zero on an idle engine."""
         in_use = getattr(self.pipe, "staging_in_use", None)  # the nixl pipe's staging ranges
         return {"kv_staging_bytes": int(self.receiver.staging_bytes())
                 + (int(in_use()) if in_use is not None else 0),

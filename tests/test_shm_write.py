@@ -95,6 +95,14 @@ def test_a_file_whose_owner_is_gone_is_swept(tmp_path) -> None:
         os.close(fd)
 
 
+def _peer_cache(pipe: shm_pipe.ShmPipe) -> torch.Tensor:
+    """A consumer's cache mapped as if after the handshake (peer "peer"), for write tests."""
+    dst = _cache(seed=2)
+    pipe._remotes["peer"] = shm_pipe._Remote(
+        [dst.reshape(2, dst.shape[1], -1).view(torch.uint8)], CacheLayout.of([dst]), KEY)
+    return dst
+
+
 def test_a_queued_copy_waits_for_the_notification_before_it(monkeypatch) -> None:
     """copy_and_seal holds the GIL: with a second write queued, the pipe thread lets the
     first write's notification leave before it copies again (else every notification
@@ -120,9 +128,7 @@ def test_a_queued_copy_waits_for_the_notification_before_it(monkeypatch) -> None
         return sent[header["n"]]
     pipe._notify = notify
     try:
-        src, dst = _cache(seed=1), _cache(seed=2)
-        pipe._remotes["peer"] = shm_pipe._Remote(
-            [dst.reshape(2, dst.shape[1], -1).view(torch.uint8)], CacheLayout.of([dst]), KEY)
+        src, dst = _cache(seed=1), _peer_cache(pipe)
         writes = [pipe.write_blocks("peer", 0, src, [i], [i + 3], msgpack.packb({"n": i}))
                   for i in range(2)]
         both_queued.set()
@@ -157,9 +163,7 @@ def test_with_the_ghash_kernel_the_next_copy_does_not_wait(monkeypatch) -> None:
         return sent[header["n"]]
     pipe._notify = notify
     try:
-        src, dst = _cache(seed=1), _cache(seed=2)
-        pipe._remotes["peer"] = shm_pipe._Remote(
-            [dst.reshape(2, dst.shape[1], -1).view(torch.uint8)], CacheLayout.of([dst]), KEY)
+        src, dst = _cache(seed=1), _peer_cache(pipe)
         pipe._pool.submit(time.sleep, 0.2)  # both writes queue behind this
         writes = [pipe.write_blocks("peer", 0, src, [i], [i + 3], msgpack.packb({"n": i}))
                   for i in range(2)]
