@@ -16,6 +16,7 @@ import torch
 
 from connectors.block_io import BufferPool
 from connectors.pipes.base import PipeTimeout
+from pd_cluster.futures import settle, settle_with
 
 
 class HostStaging:
@@ -52,7 +53,7 @@ class HostStaging:
                     self.pool.release(device_buf)  # its copy is done: reusable
                 inner = self._send(peer, header, payload)
             except BaseException as e:  # noqa: BLE001 - reported through the future
-                out.set_exception(e)
+                settle(out, e)
                 return
             inner.add_done_callback(lambda f: _copy_outcome(f, out))
 
@@ -72,8 +73,10 @@ def _wait_event(event: Any, timeout: float) -> None:
 
 
 def _copy_outcome(src: Future, dst: Future) -> None:
-    e = src.exception()
-    if e is not None:
-        dst.set_exception(e)
+    # ``dst`` may have been cancelled by a caller that stopped waiting: never raise here.
+    if src.cancelled():
+        settle(dst, PipeTimeout("the send was cancelled"))
+    elif src.exception() is not None:
+        settle(dst, src.exception())
     else:
-        dst.set_result(src.result())
+        settle_with(dst, src.result())

@@ -19,6 +19,7 @@ for by name, raises) and in the engine's stats (``kernel_stats``).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -46,6 +47,8 @@ ISA_ENV = "PD_CLUSTER_CPU_ISA"
 ISAS = ("native", "avx512", "portable")
 _BUILD_TIMEOUT_S = 600.0  # a build waiting on another process's gives up after this
 _lock = threading.Lock()
+_background_lock = threading.Lock()
+_background: list[threading.Thread] = []  # the one background build, once started
 # This process's one attempt: "ok": bool, "error": str, "in_use": the fd holding its build.
 _state: dict[str, Any] = {}
 
@@ -81,7 +84,12 @@ def cflags(isa_name: str) -> list[str]:
 
 
 def _compiler_version() -> str:
-    cxx = os.environ.get("CXX", "c++")
+    return _version_of(os.environ.get("CXX", "c++"))
+
+
+@functools.lru_cache(maxsize=8)
+def _version_of(cxx: str) -> str:
+    # Cached: the build key is asked for on paths that must stay fast (loaded_without_waiting).
     try:
         return subprocess.run([cxx, "--version"], capture_output=True, text=True,
                               timeout=30).stdout
@@ -134,6 +142,48 @@ def kernels_ready() -> bool:
         return (cache_dir() / name / f"{name}.so").is_file()
     except Exception:  # noqa: BLE001 - a bad setting or toolchain: load_cpu_kernels says it
         return True
+
+
+def loaded_without_waiting() -> bool:
+    """Whether the kernels are loaded now, loading them here only when that needs neither a
+    build nor a wait on one. False while this process builds them (or they are off or
+    failed): a path that must never stall (a KV send) takes its fallback now, asks again
+    later, and switches once they are loaded, as the attention does. A build is started in
+    the background when none has been (``build_in_background``)."""
+    if "ok" in _state:
+        return bool(_state["ok"])
+    if disabled_by_env() or not _lock.acquire(blocking=False):
+        return False  # off, or another thread of ours is building (or loading) them
+    try:
+        if "ok" not in _state:
+            if not kernels_ready():
+                build_in_background()
+                return False
+            _state["ok"] = _load()  # built already: a dlopen
+        return bool(_state["ok"])
+    finally:
+        _lock.release()
+
+
+def build_in_background() -> None:
+    """Start building (and loading) the kernels on a niced daemon thread, once per process;
+    a no-op once they were tried. Compilers run as child processes: the thread holds no GIL
+    while they work."""
+    with _background_lock:
+        if "ok" in _state or _background:
+            return
+        thread = threading.Thread(target=_build_niced, name="cpu-kernel-build", daemon=True)
+        _background.append(thread)
+        thread.start()
+
+
+def _build_niced() -> None:
+    from pd_cluster.thread_priority import BUILD_NICE, lower_this_thread
+    try:
+        lower_this_thread(BUILD_NICE)
+    except OSError:  # a priority we may not set: build at the engine's level
+        pass
+    load_cpu_kernels()  # warns itself when the build fails
 
 
 def load_error() -> str:

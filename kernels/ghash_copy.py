@@ -10,8 +10,9 @@ then the length block) and the tag is GHASH xor E_K(J0). The kernel runs without
 (torch ops release it).
 
 ``available()`` is False when the CPU kernels are off (``PD_CLUSTER_CPU_KERNELS=0``), failed to
-build, or have no carry-less multiply (their bit-serial path is far slower than OpenSSL):
-callers keep OpenSSL's GMAC then, with the same tags.
+build, are still building (the first start: a send never waits for the compiler), or have no
+carry-less multiply (their bit-serial path is far slower than OpenSSL): callers keep OpenSSL's
+GMAC then, with the same tags.
 """
 from __future__ import annotations
 
@@ -28,11 +29,16 @@ BEST = -1  # the kernel's fastest path (2: VPCLMULQDQ 512-bit, 1: PCLMULQDQ, 0: 
 _ready: list[bool] = []
 
 
-def available() -> bool:
-    """Whether the kernel is loaded and has a carry-less multiply path."""
+def available(wait: bool = False) -> bool:
+    """Whether the kernel is loaded and has a carry-less multiply path. Never waits for the
+    kernels' build unless ``wait`` (tests, benchmarks): False until it finished (OpenSSL's
+    tags are the same), True from the call after it did."""
     if not _ready:
-        ok = cpu_build.load_cpu_kernels() and hasattr(torch.ops.pd_cluster_cpu, "ghash_impl")
-        _ready.append(bool(ok) and int(torch.ops.pd_cluster_cpu.ghash_impl()) >= 1)
+        loaded = cpu_build.load_cpu_kernels() if wait else cpu_build.loaded_without_waiting()
+        if not loaded:
+            return False  # building (asked again next time), or off / failed
+        ok = hasattr(torch.ops.pd_cluster_cpu, "ghash_impl")
+        _ready.append(ok and int(torch.ops.pd_cluster_cpu.ghash_impl()) >= 1)
     return _ready[0]
 
 

@@ -196,7 +196,7 @@ def seal_rates(pieces: tuple[int, ...], total: int, rounds: int = 3) -> None:
 
     ways: dict[str, Callable[[int], None]] = {"copy": copy, "copy+openssl": copy_openssl,
                                               "openssl hash": openssl}
-    if ghash_copy.available():
+    if ghash_copy.available(wait=True):
         ways.update({"fused copy+ghash": fused, "kernel hash": kernel_hash})
     else:
         print("(no GHASH kernel here: fused and kernel rows left out)")

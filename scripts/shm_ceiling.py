@@ -36,7 +36,7 @@ def _checker(conn: Any, path: str, nbytes: int, shape: tuple[int, int, int, int]
     """The other process: hashes each layer's destination blocks when told."""
     from kernels import ghash_copy
     torch.set_num_threads(1)
-    ghash_copy.available()
+    ghash_copy.available(wait=True)
     fd = os.open(path, os.O_RDWR)
     buf = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
     os.close(fd)
@@ -88,7 +88,7 @@ def ceiling(src_ids: list[int], dst_ids: list[int], layers: int, parts: int, blo
     ``src_ids`` -> ``dst_ids`` (``blocks`` per cache part of ``block`` bytes); None without
     the kernel."""
     from kernels import ghash_copy
-    if not ghash_copy.available():
+    if not ghash_copy.available(wait=True):
         return None
     half = layers * parts * blocks * block
     shape = (layers, parts, blocks, block)

@@ -82,7 +82,8 @@ def test_every_layout_computes_the_loaded_linears(dtype: torch.dtype, layout: st
 def test_the_cpp_registered_packed_op_equals_the_aten_one(dtype: torch.dtype) -> None:
     """What a compiled step calls (kernels/cpu/onednn_linear.cpp) is oneDNN's own GEMM, bit for
     bit, with and without a bias; a wrong output size is an error, not a silent reshape."""
-    if cpu_gemm.layout_for(dtype, "packed") != "packed" or not cpu_gemm.cpp_op_loaded():
+    from kernels.cpu_build import load_cpu_kernels
+    if cpu_gemm.layout_for(dtype, "packed") != "packed" or not load_cpu_kernels():
         pytest.skip("no packed GEMM or no CPU kernels here")
     torch.manual_seed(0)
     w, b, x = torch.randn(48, 64, dtype=dtype), torch.randn(48, dtype=dtype), torch.randn(

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kernels import cpu_build, ghash_copy
 
-pytestmark = pytest.mark.skipif(not ghash_copy.available(),
+pytestmark = pytest.mark.skipif(not ghash_copy.available(wait=True),
                                 reason=f"no GHASH kernel ({cpu_build.load_error()})")
 
 LENGTHS = [0, 1, 15, 16, 17, 63, 64, 65, 255, 256, 257, 4096 + 3, (1 << 20) + 5]
@@ -23,7 +23,7 @@ LENGTHS = [0, 1, 15, 16, 17, 63, 64, 65, 255, 256, 257, 4096 + 3, (1 << 20) + 5]
 
 def paths() -> list[int]:
     """Every path this build has (none listed without the kernel: the module is skipped)."""
-    return list(range(ghash_copy.best_path() + 1)) if ghash_copy.available() else [-1]
+    return list(range(ghash_copy.best_path() + 1)) if ghash_copy.available(wait=True) else [-1]
 
 
 # the bit-serial path (~50 MB/s) runs the lengths below 1 MiB

@@ -151,7 +151,7 @@ def test_with_the_ghash_kernel_the_next_copy_does_not_wait(monkeypatch) -> None:
     the pipe thread does not wait for it (1k-token transfers' copies ended 3 ms sooner of 13,
     traced)."""
     from kernels import ghash_copy
-    if not ghash_copy.available():
+    if not ghash_copy.available(wait=True):
         pytest.skip("no GHASH kernel here (PD_CLUSTER_CPU_KERNELS=0 or no carry-less multiply)")
     events: list[str] = []
     monkeypatch.setattr(shm_pipe, "_HANDOFF_WAIT", 30.0)  # would hold the test if it waited

@@ -90,7 +90,7 @@ def test_serve_startup_smoke() -> None:
 def test_the_kernel_build_thread_never_outranks_a_niced_server() -> None:
     """Its level is relative (as the compile child's os.nice): a server started at nice 15 (or
     more) builds at 19, not at 10, above its own engines (where it may: as root)."""
-    code = ("import os, threading; from pd_cluster.attention.background_kernels import "
+    code = ("import os, threading; from pd_cluster.thread_priority import "
             "lower_this_thread as lower; out = []; t = threading.Thread(target=lambda: "
             "out.append(lower(10))); t.start(); t.join(); "
             "print(out[0], os.getpriority(os.PRIO_PROCESS, 0))")

@@ -33,7 +33,8 @@ from connectors.pipes import wire
 from connectors.pipes.base import KVPipe, Message, PipeClosed, PipeConfig, PipeError, PipeTimeout
 from connectors.pipes.communicators import CommBackend, Communicator
 from connectors.pipes.payload_digest import payload_digest
-from connectors.pipes.sync import InflightGate, settle
+from connectors.pipes.sync import InflightGate
+from pd_cluster.futures import settle
 from connectors.pipes.zmq_pipe import ZmqPipe
 
 log = logging.getLogger(__name__)

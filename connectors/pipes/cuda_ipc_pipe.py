@@ -33,7 +33,7 @@ from connectors.pipes.cuda_ipc_handles import export_layers, open_layer
 from connectors.pipes.device_hash import block_rows, device_tag, one_time_seed
 from connectors.pipes.nixl_layout import CacheLayout
 from connectors.pipes.shm_pipe import ShmPipe, _Remote
-from connectors.pipes.sync import settle
+from pd_cluster.futures import settle
 from connectors.pipes.zmq_peers import identity
 from connectors.pipes.zmq_pipe import ZmqPipe
 

@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 
 from connectors.pipes.base import PipeClosed, PipeError, PipeTimeout
-from connectors.pipes.sync import settle
+from pd_cluster.futures import settle
 from connectors.pipes.written_check import written_code
 
 log = logging.getLogger(__name__)

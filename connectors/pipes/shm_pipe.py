@@ -32,7 +32,7 @@ import torch
 from connectors.pipes.base import (HandshakeError, PipeClosed, PipeConfig, PipeError,
                                    register_pipe)
 from connectors.pipes.nixl_layout import CacheLayout
-from connectors.pipes.sync import settle
+from pd_cluster.futures import settle
 from connectors.pipes.shm_arena import SharedCache, host_id, open_peer_cache
 from connectors.pipes.written_check import Sealer, WrittenCheck
 from connectors.pipes.zmq_pipe import ZmqPipe

@@ -4,23 +4,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 from connectors.pipes.base import PipeClosed, PipeTimeout
-
-
-def settle(fut: Optional[Future], exc: Optional[BaseException] = None) -> None:
-    """Resolve a future once; ignores None and futures already resolved or cancelled."""
-    if fut is None or fut.done():
-        return
-    try:
-        if exc is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(exc)
-    except Exception:  # InvalidStateError: raced with cancel()
-        pass
 
 
 class InflightGate:

@@ -21,7 +21,7 @@ from connectors.pipes import auth, integrity, wire
 from connectors.pipes.addressing import route_address
 from connectors.pipes.base import PipeError
 from connectors.pipes.zmq_conns import Conn, disconnected_fds, source_fd, watch_disconnects
-from connectors.pipes.sync import settle
+from pd_cluster.futures import settle
 from pd_cluster.ipc_files import sweep_stale
 
 log = logging.getLogger("connectors.pipes.zmq_pipe")

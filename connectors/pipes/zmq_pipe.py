@@ -29,7 +29,8 @@ from connectors.pipes import auth, integrity, wire
 from connectors.pipes.base import (HandshakeError, KVPipe, Message, PipeClosed, PipeConfig,
                                    PipeError, PipeTimeout, register_pipe)
 from connectors.pipes.log_limit import LimitedLog
-from connectors.pipes.sync import InflightGate, RecvQueue, ReleaseReaper, settle
+from connectors.pipes.sync import InflightGate, RecvQueue, ReleaseReaper
+from pd_cluster.futures import settle
 from connectors.pipes.zmq_conns import Connections
 from connectors.pipes.zmq_peers import Outgoing as _Out
 from connectors.pipes.zmq_peers import ZmqPeers
@@ -221,6 +222,7 @@ class ZmqPipe(ZmqSends, ZmqPeers, KVPipe):
         try:
             return fut.result(timeout=self.config.handshake_timeout)
         except FutureTimeout:
+            fut.cancel()  # not run late, for nobody
             raise PipeTimeout("the pipe's I/O thread did not answer") from None
 
     def _finish(self, out: _Out, exc: Optional[BaseException]) -> None:

@@ -15,6 +15,7 @@ import zmq
 from connectors.pipes.base import PipeError, PipeTimeout
 from connectors.pipes.zmq_peers import Outgoing as _Out
 from connectors.pipes.zmq_peers import identity as _identity
+from pd_cluster.futures import run_into
 
 log = logging.getLogger("connectors.pipes.zmq_pipe")
 
@@ -47,10 +48,7 @@ class ZmqSends:
             except queue.Empty:
                 return
             if cmd[0] == "call":
-                try:
-                    cmd[2].set_result(cmd[1]())
-                except BaseException as e:  # re-raised in the calling thread
-                    cmd[2].set_exception(e)
+                run_into(cmd[2], cmd[1])  # skipped when its caller gave up waiting
                 continue
             out: _Out = cmd[1]
             s = self._dealers.get(out.peer, self._router)

@@ -10,15 +10,14 @@ against other engines building it, bounded); a failed build leaves the torch att
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
 
 from pd_cluster.attention.base import AttentionBackend, create_backend
+from pd_cluster.thread_priority import BUILD_NICE, lower_this_thread
 
 logger = logging.getLogger(__name__)
-BUILD_NICE = 10  # as the compile child's (engine/background_compile.py)
 
 
 def needs_build(name: str, device: torch.device) -> bool:
@@ -27,16 +26,6 @@ def needs_build(name: str, device: torch.device) -> bool:
         return False
     from kernels.cpu_build import kernels_ready
     return not kernels_ready()
-
-
-def lower_this_thread(by: int) -> int:
-    """The calling thread ``by`` nice levels below where it is (19 at most), as the compile
-    child's ``os.nice``: an absolute level would raise it above a server started niced (a
-    root one may). Returns the thread's level now."""
-    tid = threading.get_native_id()
-    level = min(19, os.getpriority(os.PRIO_PROCESS, tid) + by)
-    os.setpriority(os.PRIO_PROCESS, tid, level)
-    return level
 
 
 class BackgroundKernels:

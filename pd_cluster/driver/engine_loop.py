@@ -15,6 +15,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from pd_cluster.futures import run_into
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.driver.messages import (ERROR_ENGINE, ERROR_INVALID_REQUEST, EngineDelta,
                                         EngineRequest)
@@ -46,7 +47,7 @@ class EngineLoop:
         # (parked steps, e.g. waiting for remote KV, would dilute the per-token step time).
         self.counters = {"requests_total": 0, "requests_finished": 0, "requests_rejected": 0,
                          "tokens_generated": 0, "steps": 0, "step_seconds": 0.0,
-                         "output_steps": 0, "output_step_seconds": 0.0}
+                         "output_steps": 0, "output_step_seconds": 0.0, "calls_dropped": 0}
         self.snapshot: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -175,10 +176,9 @@ class EngineLoop:
                 self._emit_outputs(self.engine.abort_request(ids))
         elif kind == "call":
             fn, fut = cmd[1], cmd[2]
-            try:
-                fut.set_result(fn(self.engine))
-            except Exception as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
+            # A caller whose bound ran out cancelled its future: its call is dropped, counted.
+            if not run_into(fut, lambda: fn(self.engine)):
+                self.counters["calls_dropped"] += 1
 
     def _add(self, req: EngineRequest) -> None:
         try:

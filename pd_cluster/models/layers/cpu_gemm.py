@@ -78,10 +78,11 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
 
 def cpp_op_loaded() -> bool:
     """Whether the packed GEMM is registered from C++ too (kernels/cpu/onednn_linear.cpp: a
-    boxed call, ~12 us a call less than the Python custom op above); builds or loads the CPU
-    kernels once per process."""
-    from kernels.cpu_build import load_cpu_kernels
-    return load_cpu_kernels()
+    boxed call, ~12 us a call less than the Python custom op above). Loads the CPU kernels
+    when they are built, never waits for their first build (the Python op serves meanwhile:
+    a model's weights are packed at start)."""
+    from kernels.cpu_build import loaded_without_waiting
+    return loaded_without_waiting()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from pd_cluster.driver.messages import EngineDelta, encode
+from pd_cluster.futures import run_into
 from pd_cluster.serving.engine.frame_socket import FrameSession
 from pd_cluster.serving.engine.session_sockets import (listen_session_socket, sweep_stale_ipc,
                                                        unlink_quietly)
@@ -205,21 +206,21 @@ class OutputSender:
                 self._drop(name, f"nothing accepted for {self._backlog_seconds:.1f}s")
 
     def _open(self, session: str, ipc: bool, fut: Future) -> None:
-        try:
-            s = self._sessions.get(session)
-            if s is not None and s.conn is None:
-                fut.set_result(s.endpoint)  # asked again before its proxy connected
-                return
-            if s is not None:  # the proxy lost its link and opens anew: the old one is stale
-                self._drop(session, "the proxy opened the session again")
-            while len(self._sessions) >= _MAX_SESSIONS:  # the oldest is a proxy long gone
-                self._drop(next(iter(self._sessions)), "too many proxy sessions")
-            self._sessions[session] = FrameSession(*listen_session_socket(
-                ipc, self._host, self.ipc_dir), session, self._secret,
-                functools.partial(self._refused, session))
-            fut.set_result(self._sessions[session].endpoint)
-        except Exception as e:  # noqa: BLE001 - handed to the caller (the proxy retries)
-            fut.set_exception(e)
+        # Skipped when the proxy gave up waiting (it opens again); errors go to the proxy.
+        run_into(fut, lambda: self._open_session(session, ipc))
+
+    def _open_session(self, session: str, ipc: bool) -> str:
+        s = self._sessions.get(session)
+        if s is not None and s.conn is None:
+            return s.endpoint  # asked again before its proxy connected
+        if s is not None:  # the proxy lost its link and opens anew: the old one is stale
+            self._drop(session, "the proxy opened the session again")
+        while len(self._sessions) >= _MAX_SESSIONS:  # the oldest is a proxy long gone
+            self._drop(next(iter(self._sessions)), "too many proxy sessions")
+        self._sessions[session] = FrameSession(*listen_session_socket(
+            ipc, self._host, self.ipc_dir), session, self._secret,
+            functools.partial(self._refused, session))
+        return self._sessions[session].endpoint
 
     def _refused(self, session: str, why: str) -> None:
         """A connection to a session's listener that did not prove the secret: closed."""

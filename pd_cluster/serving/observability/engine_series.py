@@ -120,6 +120,8 @@ ENGINE_SERIES: dict[str, EngineSeries] = {
     "requests_total": EngineSeries("Requests the engine accepted", counter=True),
     "requests_finished": EngineSeries("Requests the engine finished", counter=True),
     "requests_rejected": EngineSeries("Requests the engine rejected as invalid", counter=True),
+    "calls_dropped": EngineSeries(
+        "Control calls dropped unrun: their caller had given up waiting", counter=True),
     "tokens_generated": EngineSeries(
         "Tokens the engine generated (a prefill engine's first tokens included)", counter=True),
     "steps": EngineSeries("Engine steps (one batch through the model)", counter=True),
