@@ -120,15 +120,18 @@ def engine_section(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compute_references(items: list[Item], engine: dict[str, Any]) -> None:
-    """Each item's greedy output from the offline engine, one request at a time."""
+    """Each item's greedy output from the offline engine, one request at a time. Eager (the
+    engines serve eagerly until their compiled step is ready, token-exact either way): no
+    compile competing with the cluster's start for the cores."""
     from pd_cluster import LLM, SamplingParams
     from pd_cluster.serving.cluster.cluster_config import resolve_model
-    llm = LLM(model=resolve_model(MODEL), **engine)
-    for it in items:
-        sp = SamplingParams(temperature=0.0, max_tokens=it.max_tokens, ignore_eos=it.ignore_eos)
-        out = (llm.chat(it.prompt, sp) if it.chat else llm.generate([it.prompt], sp))[0]
-        o = out.outputs[0]
-        it.ref_ids, it.ref_text, it.ref_finish = list(o.token_ids), o.text, o.finish_reason
+    with LLM(model=resolve_model(MODEL), compile=False, **engine) as llm:
+        for it in items:
+            sp = SamplingParams(temperature=0.0, max_tokens=it.max_tokens,
+                                ignore_eos=it.ignore_eos)
+            out = (llm.chat(it.prompt, sp) if it.chat else llm.generate([it.prompt], sp))[0]
+            o = out.outputs[0]
+            it.ref_ids, it.ref_text, it.ref_finish = list(o.token_ids), o.text, o.finish_reason
 
 
 # ---- the cluster --------------------------------------------------------------------------
