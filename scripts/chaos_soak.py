@@ -168,7 +168,8 @@ class Cluster:
             argv += ["--set", s]
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_stop_with_parent)
         self.url = ""
 
     def wait_for_url(self, timeout: float) -> str:
@@ -205,6 +206,13 @@ class Cluster:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+
+
+def _stop_with_parent() -> None:
+    """In the launcher's child: SIGTERM (drain and stop) when this script dies, however it
+    dies: its own process group keeps it out of a killpg of ours."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def is_engine(pid: int) -> bool:
@@ -401,6 +409,7 @@ class Chaos:
     stops: int = 0
     long_stops: int = 0
     kills: int = 0
+    killed_paused: int = 0  # of the kills, those of a paused engine
     killed: Counter = field(default_factory=Counter)
     paused: set[int] = field(default_factory=set)  # PIDs SIGSTOPped now
     restart_waits: list[float] = field(default_factory=list)
@@ -459,12 +468,21 @@ async def chaos_loop(watch: Watch, chaos: Chaos, rng: random.Random, stop: async
             continue
         long = rng.random() < 0.2
         seconds = rng.uniform(5.0, 11.0) if long else rng.uniform(0.5, 5.0)
+        # Now and then a paused engine is killed instead of resumed (it dies frozen).
+        kill_paused = pending is None and rng.random() < args.kill_rate / 2
         os.kill(pid, signal.SIGSTOP)
         chaos.paused.add(pid)
         chaos.stops += 1
         chaos.long_stops += long
         try:
             await asyncio.sleep(seconds)  # not cut short: the run's end waits for the SIGCONT
+            if kill_paused:
+                os.kill(pid, signal.SIGKILL)
+                chaos.kills += 1
+                chaos.killed_paused += 1
+                chaos.killed[name] += 1
+                pending = (name, pid, time.monotonic())
+                say(f"chaos: SIGKILL {name} (pid {pid}) after {seconds:.1f}s paused")
         finally:
             chaos.resume(pid)
     if pending is not None:  # the end waits for it (final checks)
@@ -620,8 +638,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _interrupted(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupted)  # the cleanup below runs, as on Ctrl-C
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="chaos-soak-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
@@ -682,7 +705,7 @@ def report(args: argparse.Namespace, tally: Tally, chaos: Chaos, watch: Watch,
         f"{args.prefill}P{args.decode}D, {args.clients} clients, seed {args.seed}, "
         f"fault rate {args.fault_rate:g} ===")
     say(f"chaos: {chaos.stops} SIGSTOPs ({chaos.long_stops} of 5-11 s), {chaos.kills} SIGKILLs "
-        f"({dict(chaos.killed)}; back in {', '.join(f'{w:.0f}s' for w in waits) or '-'}"
+        f"({chaos.killed_paused} of them paused; {dict(chaos.killed)}; back in {', '.join(f'{w:.0f}s' for w in waits) or '-'}"
         f"{'; ' + str(chaos.restart_timeouts) + ' not back in time' if chaos.restart_timeouts else ''})")
     say(f"hang-ups: {c['hangup']} ({c['hangup_wrong']} with a wrong token before)")
     say("proxy: " + ", ".join(f"{k.removeprefix('pd_').removesuffix('_total')} {v:g}"
