@@ -11,11 +11,12 @@ max_tokens 8-128, some ignoring EOS.
 
 Load: --clients closed-loop clients (httpx), completions and chat, streamed or not, every
 call bounded. Some clients hang up: a stream closed after a few tokens, a non-streamed request
-closed before its first token (mid-prefill). Chaos, one event every 2-8 s: SIGSTOP of a random
-engine for 0.5-5 s (a fifth of them 5-11 s: past the proxy's health timeout, so the engine is
-routed around and its requests move), then SIGCONT; now and then a SIGKILL (an expected
-restart; the next kill waits until Ray has restarted it). --fault-rate F also turns on the
-engines' fault hook (engine.faults) at F per site and kind.
+closed before its first token (mid-prefill). Chaos, from --chaos-workers workers at once,
+each an event every 2-8 s: SIGSTOP of a random engine for 0.5-5 s (a fifth of them 5-11 s:
+past the proxy's health timeout, so the engine is routed around and its requests move), then
+SIGCONT; now and then a SIGKILL, of a running or a paused engine (an expected restart; the
+next kill waits until Ray has restarted it). --fault-rate F also turns on the engines' fault
+hook (engine.faults) at F per site and kind.
 
 A completed request is exact when its token ids, text and finish reason equal the reference.
 A failure is clear when it is an HTTP error with an OpenAI-style error body or a stream that
@@ -32,7 +33,7 @@ PASS: exact == completed, no unclear failure, no hang, no wrong token before a h
 block leaked and no leak report, restarts == expected_restarts, every engine back.
 
   python scripts/chaos_soak.py --minutes 10            # the soak
-  python scripts/chaos_soak.py --smoke                 # about 2 minutes with start-up (tests)
+  python scripts/chaos_soak.py --smoke                 # 40 s of load, ~80 s in all (tests)
 """
 from __future__ import annotations
 
@@ -322,8 +323,8 @@ async def _stream(http: Any, path: str, body: dict[str, Any], item: Item,
             raw = await resp.aread()
             msg = error_message(raw)
             tally.add("failed_clear" if msg else "failed_unclear", item,
-                      {"status": resp.status_code, "error": msg or raw[:300].decode(errors="replace"),
-                       "rid": rid, "stream": True})
+                      {"status": resp.status_code, "rid": rid, "stream": True,
+                       "error": msg or raw[:300].decode(errors="replace")})
             return
         async for line in resp.aiter_lines():
             if not line.startswith("data: "):
@@ -415,6 +416,29 @@ class Chaos:
     restart_waits: list[float] = field(default_factory=list)
     restart_timeouts: int = 0
 
+    pending: tuple[str, int, float] | None = None  # the killed engine not back yet
+
+    def kill(self, name: str, pid: int, say: Any, how: str = "") -> None:
+        os.kill(pid, signal.SIGKILL)
+        self.kills += 1
+        self.killed[name] += 1
+        self.pending = (name, pid, time.monotonic())
+        say(f"chaos: SIGKILL {name} (pid {pid}){how}")
+
+    def check_pending(self, watch: Watch, timeout: float, say: Any) -> None:
+        """The killed engine is back (healthy, a new PID), or overdue."""
+        if self.pending is None:
+            return
+        name, old_pid, since = self.pending
+        e = watch.engines.get(name, {})
+        if e.get("healthy") and e.get("pid") not in (None, 0, old_pid):
+            self.restart_waits.append(time.monotonic() - since)
+            self.pending = None
+        elif time.monotonic() - since > timeout:
+            self.restart_timeouts += 1
+            say(f"chaos: {name} not back {timeout:.0f}s after its SIGKILL")
+            self.pending = None
+
     def resume(self, pid: int) -> None:
         try:
             os.kill(pid, signal.SIGCONT)
@@ -429,8 +453,8 @@ class Chaos:
 
 async def chaos_loop(watch: Watch, chaos: Chaos, rng: random.Random, stop: asyncio.Event,
                      t0: float, duration: float, args: argparse.Namespace, say: Any) -> None:
-    pending: tuple[str, int, float] | None = None  # a killed engine not yet back
-
+    """One chaos worker: an event every --chaos-gap s until the run ends. Workers share
+    ``chaos``: their pauses may overlap (on other engines), one killed engine at a time."""
     async def pause(seconds: float) -> bool:
         """Sleep unless the run ends first (True: it did)."""
         try:
@@ -440,53 +464,33 @@ async def chaos_loop(watch: Watch, chaos: Chaos, rng: random.Random, stop: async
             return False
 
     while not await pause(rng.uniform(*args.chaos_gap)):
-        if pending is not None:
-            name, old_pid, since = pending
-            e = watch.engines.get(name, {})
-            if e.get("healthy") and e.get("pid") not in (None, 0, old_pid):
-                chaos.restart_waits.append(time.monotonic() - since)
-                pending = None
-            elif time.monotonic() - since > args.restart_timeout:
-                chaos.restart_timeouts += 1
-                say(f"chaos: {name} not back {args.restart_timeout:.0f}s after its SIGKILL")
-                pending = None
+        chaos.check_pending(watch, args.restart_timeout, say)
         targets = [(n, e["pid"]) for n, e in watch.engines.items()
-                   if e.get("healthy") and (pending is None or n != pending[0])
-                   and is_engine(e.get("pid") or 0)]
+                   if e.get("healthy") and n != (chaos.pending or ("",))[0]
+                   and e["pid"] not in chaos.paused and is_engine(e.get("pid") or 0)]
         if not targets:
             continue
         name, pid = rng.choice(sorted(targets))
         elapsed = time.monotonic() - t0
-        kill = pending is None and (rng.random() < args.kill_rate or
-                                    (chaos.kills == 0 and elapsed > 0.2 * duration))
-        if kill:
-            os.kill(pid, signal.SIGKILL)
-            chaos.kills += 1
-            chaos.killed[name] += 1
-            pending = (name, pid, time.monotonic())
-            say(f"chaos: SIGKILL {name} (pid {pid})")
+        if chaos.pending is None and (rng.random() < args.kill_rate or
+                                      (chaos.kills == 0 and elapsed > 0.2 * duration)):
+            chaos.kill(name, pid, say)
             continue
         long = rng.random() < 0.2
         seconds = rng.uniform(5.0, 11.0) if long else rng.uniform(0.5, 5.0)
         # Now and then a paused engine is killed instead of resumed (it dies frozen).
-        kill_paused = pending is None and rng.random() < args.kill_rate / 2
+        kill_paused = rng.random() < args.kill_rate / 2
         os.kill(pid, signal.SIGSTOP)
         chaos.paused.add(pid)
         chaos.stops += 1
         chaos.long_stops += long
         try:
             await asyncio.sleep(seconds)  # not cut short: the run's end waits for the SIGCONT
-            if kill_paused:
-                os.kill(pid, signal.SIGKILL)
-                chaos.kills += 1
+            if kill_paused and chaos.pending is None:
+                chaos.kill(name, pid, say, f" after {seconds:.1f}s paused")
                 chaos.killed_paused += 1
-                chaos.killed[name] += 1
-                pending = (name, pid, time.monotonic())
-                say(f"chaos: SIGKILL {name} (pid {pid}) after {seconds:.1f}s paused")
         finally:
             chaos.resume(pid)
-    if pending is not None:  # the end waits for it (final checks)
-        chaos.restart_waits.append(-1.0)
 
 
 async def watch_loop(watch: Watch, stop: asyncio.Event, tally: Tally, chaos: Chaos,
@@ -520,8 +524,9 @@ async def soak(url: str, items: list[Item], args: argparse.Namespace, tally: Tal
     async with httpx.AsyncClient() as http:
         await watch.poll(http)
     watcher = asyncio.create_task(watch_loop(watch, stop, tally, chaos, t0, say))
-    chaos_task = asyncio.create_task(chaos_loop(watch, chaos, random.Random(rng.random()), stop,
-                                                t0, duration, args, say))
+    chaos_tasks = [asyncio.create_task(chaos_loop(watch, chaos, random.Random(rng.random()),
+                                                  stop, t0, duration, args, say))
+                   for _ in range(args.chaos_workers)]
     clients = [asyncio.create_task(client(url, items, random.Random(rng.random()), stop,
                                           tally, args)) for _ in range(args.clients)]
     try:
@@ -529,7 +534,7 @@ async def soak(url: str, items: list[Item], args: argparse.Namespace, tally: Tal
     finally:
         stop.set()
         # Each client ends after its call (each call bounded by CALL_TIMEOUT).
-        await asyncio.gather(chaos_task, *clients, return_exceptions=True)
+        await asyncio.gather(*chaos_tasks, *clients, return_exceptions=True)
         chaos.resume_all()
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
@@ -621,6 +626,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=256, help="per engine (16 tokens each)")
     p.add_argument("--kill-rate", type=float, default=0.15, help="share of chaos events that "
                    "are SIGKILLs (at least one per run)")
+    p.add_argument("--chaos-workers", type=int, default=2,
+                   help="chaos events this many at a time (pauses of different engines overlap)")
     p.add_argument("--hangup-stream", type=float, default=0.08,
                    help="share of requests: a stream closed after 1-6 tokens")
     p.add_argument("--hangup-prefill", type=float, default=0.05,
@@ -700,13 +707,13 @@ def report(args: argparse.Namespace, tally: Tally, chaos: Chaos, watch: Watch,
     proxy_restarts = sum(int(e.get("restarts") or 0) for e in engines)
     restarts = max(proxy_restarts, sum(watch.pid_changes.values()))
     fallbacks = sum(int(e.get("stats", {}).get("kv_fallbacks") or 0) for e in engines)
-    waits = [w for w in chaos.restart_waits if w >= 0]
+    waits = ", ".join(f"{w:.0f}s" for w in chaos.restart_waits if w >= 0) or "-"
+    late = f"; {chaos.restart_timeouts} not back in time" if chaos.restart_timeouts else ""
     say(f"\n=== chaos soak: {args.minutes:g} min of load ({wall:.0f}s in all), "
         f"{args.prefill}P{args.decode}D, {args.clients} clients, seed {args.seed}, "
         f"fault rate {args.fault_rate:g} ===")
     say(f"chaos: {chaos.stops} SIGSTOPs ({chaos.long_stops} of 5-11 s), {chaos.kills} SIGKILLs "
-        f"({chaos.killed_paused} of them paused; {dict(chaos.killed)}; back in {', '.join(f'{w:.0f}s' for w in waits) or '-'}"
-        f"{'; ' + str(chaos.restart_timeouts) + ' not back in time' if chaos.restart_timeouts else ''})")
+        f"({chaos.killed_paused} of them paused; {dict(chaos.killed)}; back in {waits}{late})")
     say(f"hang-ups: {c['hangup']} ({c['hangup_wrong']} with a wrong token before)")
     say("proxy: " + ", ".join(f"{k.removeprefix('pd_').removesuffix('_total')} {v:g}"
                               for k, v in metrics.items())
