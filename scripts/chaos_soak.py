@@ -65,6 +65,9 @@ HEALTH_INTERVAL, HEALTH_TIMEOUT = 1.0, 2.0
 REQUEST_TIMEOUT = 60.0  # proxy.request_timeout: the bound on every request in the proxy
 CALL_TIMEOUT = REQUEST_TIMEOUT + 30.0  # the client's bound: past it a call is hung
 KV_TRANSFER_TIMEOUT = 5.0
+# After the load, every engine is idle with its KV free within this: a P frees a dead D's
+# blocks after kv_transfer_timeout, aborts land at once.
+IDLE_TIMEOUT = 3 * KV_TRANSFER_TIMEOUT + 30.0
 # The fault hook's sites and kinds this soak turns on with --fault-rate (engine.faults).
 FAULTS = {"kv_send": ("drop", "corrupt", "fail"), "kv_recv": ("delay",), "token": ("delay",),
           "control": ("delay",)}
@@ -541,13 +544,16 @@ async def soak(url: str, items: list[Item], args: argparse.Namespace, tally: Tal
 
 
 # ---- the end: everything back, nothing held ------------------------------------------------
-def wait_back(watch: Watch, timeout: float) -> tuple[dict[str, Any] | None, list[str]]:
-    """Until every engine is healthy and idle with no KV block used (bounded): the last status
-    and what was still wrong at the deadline."""
+def wait_back(watch: Watch, healthy_timeout: float, idle_timeout: float, require_idle: bool
+              ) -> tuple[dict[str, Any] | None, list[str]]:
+    """Until every engine is healthy (within ``healthy_timeout``), and with ``require_idle``
+    then idle with no KV block used (within ``idle_timeout`` more: a P frees the blocks of a
+    dead D's KV after kv_transfer_timeout): the last status and what was still wrong."""
     import httpx
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + healthy_timeout
     why: list[str] = ["no status"]
     st = None
+    idle_phase = False
     with httpx.Client() as http:
         while time.monotonic() < deadline:
             try:
@@ -556,20 +562,36 @@ def wait_back(watch: Watch, timeout: float) -> tuple[dict[str, Any] | None, list
                 why = [f"status: {type(e).__name__}: {e}"]
                 time.sleep(1.0)
                 continue
-            why = [f"{st['inflight']} request(s) in flight"] if st["inflight"] else []
-            for e in st["engines"]:
-                s = e.get("stats", {})
-                if not e["healthy"]:
-                    why.append(f"{e['name']} unhealthy ({e.get('last_error')})")
-                elif e["inflight"] or s.get("num_running") or s.get("num_waiting") \
-                        or s.get("kv_blocks_used"):
-                    why.append(f"{e['name']}: inflight {e['inflight']}, running "
-                               f"{s.get('num_running')}, waiting {s.get('num_waiting')}, "
-                               f"kv_blocks_used {s.get('kv_blocks_used')}")
+            why = [f"{e['name']} unhealthy ({e.get('last_error')})"
+                   for e in st["engines"] if not e["healthy"]]
+            if not why and require_idle:
+                if not idle_phase:
+                    idle_phase, deadline = True, time.monotonic() + idle_timeout
+                why = [f"{st['inflight']} request(s) in flight"] if st["inflight"] else []
+                for e in st["engines"]:
+                    s = e.get("stats", {})
+                    if e["inflight"] or s.get("num_running") or s.get("num_waiting") \
+                            or s.get("kv_blocks_used"):
+                        why.append(f"{e['name']}: inflight {e['inflight']}, running "
+                                   f"{s.get('num_running')}, waiting {s.get('num_waiting')}, "
+                                   f"kv_blocks_used {s.get('kv_blocks_used')}")
             if not why:
                 return st, []
             time.sleep(1.0)
     return st, why
+
+
+async def after_pass(url: str, items: list[Item], tally: Tally) -> None:
+    """Every pool request once more, four at a time, on the cluster left by the chaos."""
+    import httpx
+    sem = asyncio.Semaphore(4)
+
+    async def one(http: Any, item: Item, stream: bool) -> None:
+        async with sem:
+            await one_request(http, item, stream, None, None, tally)
+    async with httpx.AsyncClient(base_url=url,
+                                 timeout=httpx.Timeout(CALL_TIMEOUT, connect=10.0)) as http:
+        await asyncio.gather(*(one(http, it, i % 2 == 1) for i, it in enumerate(items)))
 
 
 def leak_reports(record: dict[str, Any] | None, names: list[str]) -> dict[str, str]:
@@ -681,7 +703,14 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(soak(url, items, args, tally, watch, chaos, say))
         say(f"load over; waiting for every engine back, idle and with its KV free "
             f"({time.monotonic() - t_start:.0f}s)")
-        st, not_back = wait_back(watch, args.restart_timeout + 60.0)
+        _, not_back = wait_back(watch, args.restart_timeout, 0.0, require_idle=False)
+        after = Tally(log=tally.log)
+        if not not_back:
+            asyncio.run(after_pass(url, items, after))
+        t_idle = time.monotonic()
+        st, not_back = wait_back(watch, 60.0, IDLE_TIMEOUT, require_idle=True)
+        say(f"engines back and idle ({time.monotonic() - t_start:.0f}s; idle after "
+            f"{time.monotonic() - t_idle:.0f}s)")
         names = sorted(watch.engines)
         leaks = leak_reports(cluster.record(namespace), names)
         metrics = metric_sums(url, ("pd_migrations_total", "pd_retries_total",
@@ -694,11 +723,11 @@ def main(argv: list[str] | None = None) -> int:
         raise
     cluster.stop()
     tally.log.close()
-    return report(args, tally, chaos, watch, st, not_back, leaks, metrics,
+    return report(args, tally, after, chaos, watch, st, not_back, leaks, metrics,
                   time.monotonic() - t_start, say)
 
 
-def report(args: argparse.Namespace, tally: Tally, chaos: Chaos, watch: Watch,
+def report(args: argparse.Namespace, tally: Tally, after: Tally, chaos: Chaos, watch: Watch,
            st: dict[str, Any] | None, not_back: list[str], leaks: dict[str, str],
            metrics: dict[str, float], wall: float, say: Any) -> int:
     c = tally.counts
@@ -721,11 +750,15 @@ def report(args: argparse.Namespace, tally: Tally, chaos: Chaos, watch: Watch,
           f"PID changes {dict(watch.pid_changes)}")
     for reason, n in tally.reasons.most_common(8):
         say(f"  {n:4d}x {reason}")
+    a = after.counts
+    say(f"after the chaos: {a['exact']}/{a['requests']} pool requests exact"
+        + (f" ({dict(a)})" if a["exact"] != a["requests"] else ""))
     if not_back:
-        say("not back at the end: " + "; ".join(not_back))
+        say("not back (healthy and idle) at the end: " + "; ".join(not_back))
     say("leak reports: " + (json.dumps(leaks) if leaks else "none"))
     ok = (c["exact"] == c["completed"] and not c["failed_unclear"] and not c["hung"]
           and not c["hangup_wrong"] and leaked == 0 and not leaks and not not_back
+          and a["requests"] and a["exact"] == a["requests"]
           and restarts == chaos.kills and not chaos.restart_timeouts)
     say(f"requests={c['requests']} completed={c['completed']} exact={c['exact']} "
         f"failed_clear={c['failed_clear']} failed_unclear={c['failed_unclear']} hung={c['hung']} "
