@@ -207,10 +207,12 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         if self._deferred or self._waiting_fins:  # every engine step asks: send what can go
             self._flush_deferred()
             self._send_ready_fins()
+        self.receiver.lose_peers(self.pipe.take_lost_peers())
         recving = self.receiver.take_finished()
         release_staging(self.pipe, recving)  # every end but a cancel comes through here
         self._ack(self.receiver.take_nacks())  # gave up: the producers free at once
-        return FinishedTransfers(self.leases.take_done(), recving)
+        return FinishedTransfers(self.leases.take_done(), recving,
+                                 frozenset(self.receiver.take_unfenced()))
 
     # ---- receiver thread -----------------------------------------------------------------
     def _recv_loop(self) -> None:

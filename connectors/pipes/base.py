@@ -179,6 +179,11 @@ class KVPipe(ABC):
     def close(self) -> None:
         """Idempotent: stop threads, close sockets (bounded linger), fail pending futures."""
 
+    def take_lost_peers(self) -> list[str]:
+        """Peers (as messages name them) whose connection to us was lost since the last
+        call; a pipe that cannot tell returns none."""
+        return []
+
     def stats(self) -> dict[str, int]:
         return {}
 

@@ -79,6 +79,7 @@ class ZmqPipe(ZmqSends, ZmqPeers, KVPipe):
         self._monitors: dict[zmq.Socket, Optional[str]] = {}  # -> dealer's peer; None: ROUTER
         self._watched: dict[zmq.Socket, zmq.Socket] = {}  # socket -> its monitor
         self._conns = Connections()                   # authenticated producer connections
+        self._lost_peers: deque[str] = deque(maxlen=1024)  # their peers once disconnected
         self._channels: dict[str, integrity.Channel] = {}  # consumer address -> ours to it
         self._challenges: dict[bytes, tuple[bytes, bytes, float]] = {}  # auth.py, round 1
         self._io = threading.Thread(target=self._io_loop, name="zmq-pipe-io", daemon=True)

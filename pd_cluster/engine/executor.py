@@ -137,16 +137,19 @@ class Executor:
         result = ModelRunnerOutput()
         with self.workers.step(step) if self.workers else nullcontext():
             logits = self.runner.run_step(step)
-            sending, recving = self.runner.finished_transfers()
+            ended = self.runner.finished_transfers()
+            sending, recving, unfenced = set(ended.sent), dict(ended.received), set(ended.unfenced)
             if self.workers and self.runner.connector is not None:
                 stats = self.runner.connector.stats()
                 reports = self.workers.gather_transfers(RankTransfers(
-                    sorted(sending), recving, stats["kv_bytes_sent"], stats["kv_bytes_received"]))
+                    sorted(sending), recving, stats["kv_bytes_sent"], stats["kv_bytes_received"],
+                    sorted(unfenced)))
                 self._rank_bytes = {r: (t.bytes_sent, t.bytes_received)
                                     for r, t in enumerate(reports)}
-                sending, recving = self._tally.add(reports)
+                sending, recving, unfenced = self._tally.add(reports)
         sample_step(plan, logits, self.sampler, result)
         result.finished_sending, result.finished_recving = sending, recving
+        result.unfenced = unfenced
         return result
 
     @property

@@ -47,6 +47,8 @@ class ModelRunnerOutput:
     finished_sending: set[str] = field(default_factory=set)
     # request id -> first token sampled by the producer, or None when the transfer failed
     finished_recving: dict[str, int | None] = field(default_factory=dict)
+    # ended receives no producer can write into any more (connectors/base.FinishedTransfers)
+    unfenced: set[str] = field(default_factory=set)
     # Speculation: request id -> the drafts accepted (before its sampled token), their logprobs
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     accepted_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
@@ -100,12 +102,15 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.remote_waiting.pop(request.request_id, None)
+        receiving = self.remote_waiting.pop(request.request_id, None) is not None
         delay_free = False
         if self.connector is not None:
             delay_free = self.connector.request_finished(request, request.block_ids)
         if delay_free and self.block_manager.holds(request.request_id):
             self.sending[request.request_id] = request
+        elif receiving:  # its receive is cancelled: a producer may still write into its blocks
+            self.block_manager.fence(request)
+            self.requests.pop(request.request_id, None)
         else:
             self._release(request)
 
@@ -260,6 +265,8 @@ class Scheduler:
             updated.append(request)
         for rid, first_token in result.finished_recving.items():
             updated.extend(self._remote_kv_ready(rid, first_token))
+        for rid in result.unfenced:
+            self.block_manager.lift_fence(rid)
         for rid in result.finished_sending:
             request = self.sending.pop(rid, None)
             if request is not None:
@@ -273,9 +280,10 @@ class Scheduler:
         if first_token is None:
             self.num_kv_fallbacks += 1
             logger.warning("KV for %s did not arrive; prefilling locally", request_id)
-            # KV did not (fully) arrive: the blocks may hold partial data, so free them and
-            # compute the whole prompt here on re-admission.
-            self.block_manager.free(request)
+            # KV did not (fully) arrive: the blocks may hold partial data, and a producer
+            # may still write into them (in place, late): they are fenced until the
+            # connector says none can, and the whole prompt is computed here, in new blocks.
+            self.block_manager.fence(request)
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
             request.prefill_locally = True

@@ -35,6 +35,9 @@ PIPE_SERIES = {"kv_bytes_sent", "kv_bytes_received", "kv_send_seconds", "kv_recv
                "kv_draft_bytes_received"}
 
 ENGINE_SERIES: dict[str, EngineSeries] = {
+    "num_kv_fenced_blocks": EngineSeries(
+        "KV blocks of ended receives kept out of use because a producer writing in place "
+        "may still write into them (until its FIN, its connection's loss or a bound)"),
     "num_waiting_for_remote_kv": EngineSeries(
         "Requests on a decode engine waiting for their prompt's KV from a prefill engine "
         "(also counted in vllm:num_requests_waiting)"),
