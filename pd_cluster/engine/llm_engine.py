@@ -216,6 +216,7 @@ class LLMEngine:
             item.request.is_decoding for item in sched_out.scheduled) else None
         started = time.perf_counter()
         result = self.executor.execute(sched_out)
+        self.scheduler.step_times.add(sched_out.num_tokens, time.perf_counter() - started)
         if cost is not None:  # a decode-only step: what its width cost (spec/step_cost.py)
             cost.record(sum(item.num_new_tokens for item in sched_out.scheduled),
                         time.perf_counter() - started)

@@ -15,6 +15,7 @@ from typing import Any
 from pd_cluster.config import EngineConfig
 from pd_cluster import ttft_trace
 from pd_cluster.engine.block_manager import BlockManager
+from pd_cluster.engine.step_time_model import StepTimeModel
 from pd_cluster.engine.spec.stats import SpecStats
 from pd_cluster.request import Request, RequestStatus
 
@@ -71,6 +72,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_kv_fallbacks = 0
         self.proposer: Any = None  # speculation's proposer (told each verification's outcome)
+        self.step_times = StepTimeModel()  # the engine records each step's width and time
         self.spec_stats = SpecStats(config.speculative.max_drafts
                                     if config.speculative else 0)
 
@@ -124,10 +126,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.next_step_budget is not None:  # one step's own budget (core lending sizes it)
             budget, self.next_step_budget = min(budget, self.next_step_budget), None
-        # Prompt tokens this step may still take (the cap applies while decodes run).
-        cap = self.config.max_prefill_tokens_per_step
-        prefill_budget = budget if cap is None or not any(
-            r.is_decoding for r in self.running) else cap
+        prefill_budget = self._prefill_budget(budget)
         scheduled_ids: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
@@ -205,6 +204,23 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         out.tier_ops = self.block_manager.take_tier_ops()
         return out
+
+    def _prefill_budget(self, budget: int) -> int:
+        """Prompt tokens this step may take: while requests decode, the cap, and a width the
+        measured step times say fits the mixed-step target (one block at least, so prompts
+        always progress)."""
+        decoding = sum(1 for r in self.running if r.is_decoding)
+        if not decoding:
+            return budget
+        cap = self.config.max_prefill_tokens_per_step
+        if cap is not None:
+            budget = min(budget, cap)
+        target = self.config.mixed_step_target_ms
+        if target is not None:
+            fits = self.step_times.tokens_within(target / 1e3)
+            if fits is not None:
+                budget = min(budget, max(fits - decoding, self.config.block_size))
+        return budget
 
     def _drafts(self, request: Request, num_new: int, budget: int, others: int) -> list[int]:
         """The proposed tokens a decoding request verifies this step (taken off it): what
