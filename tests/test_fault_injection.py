@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from connectors.pipes import PipeConfig, create_pipe
 from pd_cluster import SamplingParams
 from pd_cluster.config import EngineArgs, EngineConfig
 from pd_cluster.driver.engine_loop import EngineLoop
@@ -85,10 +86,15 @@ def test_kv_faults_at_a_rate_keep_every_output_exact_and_hold_nothing(
                 p.connect_kv_peer(endpoint)
         got = run_in_process(p, d, timeout=60, after_step=relink)
         assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected
+        if pipe == "auto":  # one host: the link writes into D's shared cache
+            assert p.stats()["kv_links"] == {endpoint: "shm"}
         # both still receive (a failed receive once ended the connector's receiver thread)
         assert all(e.runner.connector._thread.is_alive() for e in (p, d))
         drain(p, d)
         p.check_no_leaks(), d.check_no_leaks()
+        # the connectors too (a late message staged for a request gone expires in a timeout)
+        wait_until(lambda: not any(v for e in (p, d) for v in e.kv_holds().values()),
+                   2 * KV["kv_transfer_timeout"], "the connectors to hold nothing", 0.01)
         assert _injected((p, d), site, kind) > 0
         others = [k for k in ("drop", "delay", "corrupt", "fail") if k != kind]
         assert all(_injected((p, d), s, k) == 0 for s in ("kv_send", "kv_recv")
@@ -291,6 +297,12 @@ def test_bad_rates_are_errors_naming_the_field_and_off_is_the_default(tiny_model
         EngineConfig(model=tiny_model(), faults={"kv_recv": {"corrupt": 0.1}},
                      kv_transfer={"role": "consumer", "security": "none",
                                   "integrity": "none"})
+    with pytest.raises(ValueError, match=r"faults\.kv_send\.corrupt: the GlooPipe has no "
+                                         r"integrity channel"):
+        create_pipe("gloo", PipeConfig(), FaultsConfig(kv_send={"corrupt": 0.1}))
+    plain = create_pipe("zmq", PipeConfig(), FaultsConfig(token={"drop": 0.1}))
+    assert type(plain).__name__ == "ZmqPipe"  # no KV rate: the pipe itself, unwrapped
+    plain.close()
 
 
 def test_set_keys_reach_every_engine_and_bad_ones_name_the_key() -> None:

@@ -32,7 +32,11 @@ def with_faults(pipe: KVPipe, faults: Optional[FaultsConfig]) -> KVPipe:
     recv = fault_site(faults, "kv_recv", counters)
     if send is None and recv is None:
         return pipe
-    return FaultyPipe(pipe, send, recv, counters)
+    try:
+        return FaultyPipe(pipe, send, recv, counters)
+    except ValueError:
+        pipe.close()  # its threads and sockets: nobody else holds it
+        raise
 
 
 class FaultyPipe(KVPipe):
@@ -44,14 +48,18 @@ class FaultyPipe(KVPipe):
         super().__init__(inner.config)
         self.inner, self._send, self._recv = inner, send, recv
         self.fault_counters = counters  # the connector's stats show them
-        if any(s is not None and s.has("corrupt") for s in (send, recv)):
+        corrupt = [s.name for s in (send, recv) if s is not None and s.has("corrupt")]
+        if corrupt:
             if not hasattr(inner, "wrap_channel"):
-                raise ValueError(f"faults.kv_*.corrupt: the {type(inner).__name__} has no "
-                                 f"integrity channel to corrupt under (use zmq, shm or auto)")
+                raise ValueError(f"faults.{corrupt[0]}.corrupt: the {type(inner).__name__} has "
+                                 f"no integrity channel to corrupt under (use zmq, shm or auto)")
             inner.wrap_channel = self._wrap_channel
         if hasattr(inner, "write_blocks"):
             self.write_blocks = self._write_blocks
-        if hasattr(inner, "check_written"):
+        if hasattr(inner, "check_written") and recv is not None and recv.has("corrupt"):
+            if getattr(inner.check_written, "on_device", False):
+                raise ValueError("faults.kv_recv.corrupt: the cuda_ipc pipe checks its writes "
+                                 "on the device (flipping a bit there is not supported)")
             self.check_written = self._check_written
 
     def __getattr__(self, name: str) -> Any:
