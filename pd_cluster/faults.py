@@ -14,14 +14,16 @@ What each kind means at each site:
   HOLD, FIN, ACK and RENEW, write notifications) and every write into a decode engine's
   blocks (pipes that write in place). ``drop``: it never leaves (its future resolves as if
   sent): a lost layer fails its transfer closed at the FIN and the decode engine recomputes;
-  a lost FIN or HOLD ends in the decode engine's ``kv_transfer_timeout``, a lost ACK in the
-  producer's lease. ``fail``: the send's future holds a PipeError (nothing left): the
-  producer fails the transfer (the FIN says recompute) and re-links the peer. ``delay``: it
-  leaves after ``delay_s`` (the sending thread waits). ``corrupt``: a bit of the message
+  a lost FIN ends in the decode engine's ``kv_transfer_timeout``, a lost HOLD in the
+  producer's wait for it (or, written in place, a write without a grant: recomputed), a
+  lost ACK in the producer's lease. ``fail``: the send's future holds a PipeError (nothing
+  left): a producer fails that transfer (its FIN says recompute) and drops the link, which
+  the cluster links again; a consumer's answer is lost as if dropped. ``delay``: it leaves
+  after ``delay_s`` (the sending thread waits). ``corrupt``: a bit of the message
   (its payload, else its header) flips after its integrity code was computed, so the code
   vouches for other bytes than those on the wire: the receiver's check must refuse it (fail
   closed, recompute). Needs ``kv_transfer.integrity`` mac or crc32, and a pipe with an
-  integrity channel (zmq, shm, auto, nixl).
+  integrity channel (zmq, shm, auto; not gloo or nccl).
 - ``kv_recv``: every message the KV pipe receives, and every write a producer made into this
   engine's blocks. ``drop``: lost before the connector sees it; ``fail``: the receive raises
   a PipeError and its message is lost; ``delay``: handed over after ``delay_s``;
