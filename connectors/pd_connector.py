@@ -42,7 +42,7 @@ from connectors.metadata import (
 from connectors.pd_producer import PDProducer
 from connectors.pd_roles import PDRoles
 from connectors.pd_scheduler import PDConnectorScheduler
-from connectors.pipes.base import PipeError, create_pipe
+from connectors.pipes.base import PipeClosed, PipeError, create_pipe
 from connectors.send_leases import SendLeases
 from connectors.staged_writes import StagingRanges, grant_staging, release_staging
 from connectors.tp_topology import Route, routes_for, split_endpoint
@@ -63,7 +63,7 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         # Each layer's sliding window: those layers ship only what decodes read.
         self.windows = layer_windows(self.hello["kv_specs"])
         self._routes: dict[str, list[tuple[str, Route]]] = {}  # consumer -> its ranks I feed
-        self.pipe = create_pipe(config.pipe, config.pipe_config)
+        self.pipe = create_pipe(config.pipe, config.pipe_config, engine_info.get("faults"))
         # Pipes that write into the consumer's blocks (nixl): granted_writes.py.
         self._in_place = self.writes_in_place = getattr(self.pipe, "writes_in_place", False)
         self.grants = Grants(config.kv_transfer_timeout / 2)
@@ -219,10 +219,12 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         while self._running:
             try:
                 msg = self.pipe.recv_tensor(timeout=0.05)
-            except PipeError:
-                if self._running:
-                    logger.exception("KV pipe receive failed")
+            except PipeClosed:
                 return
+            except PipeError as e:  # one receive failed: its transfer fails closed or times out
+                if self._running:
+                    logger.warning("KV pipe receive failed: %s", e)
+                continue
             self._renew_leases()
             if msg is None:
                 continue
@@ -309,7 +311,8 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
                 # Words, not series: the /metrics label pipe= of the kv_* series above, and
                 # `pd-cluster status`'s per-link column (every link of an engine uses its pipe).
                 "kv_pipe": self._pipe_label(),
-                "kv_links": {peer: self._link_pipe(peer) for peer in self._peers}}
+                "kv_links": {peer: self._link_pipe(peer) for peer in self._peers},
+                **getattr(self.pipe, "fault_counters", {})}  # test-only (faulty_pipe.py)
 
     def _link_pipe(self, peer: str) -> str:
         """The pipe a link uses: the configured one, or with pipe auto what its handshake

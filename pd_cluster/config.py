@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from connectors.config import KVTransferConfig
+from pd_cluster.faults import FaultsConfig
 
 if TYPE_CHECKING:  # torch loads with an engine, not with the config (fast CLI checks)
     import torch
@@ -235,6 +236,10 @@ class EngineArgs(BaseModel):
     # --override-generation-config), e.g. {temperature: 0.5}; with generation_config vllm,
     # only these.
     override_generation_config: dict[str, int | float] | None = None
+    # Test-only: drop, delay, corrupt or fail a share of the KV pipe's sends and receives,
+    # the token path's frames and the control calls ({kv_send: {drop: 0.05}, seed: 1, ...};
+    # pd_cluster/faults.py says what each means). None: off (never set it in production).
+    faults: FaultsConfig | None = None
 
     @field_validator("block_size")
     @classmethod
@@ -368,6 +373,18 @@ class EngineConfig(EngineArgs):
         if self.kv_offloading_size:
             raise ValueError("speculative.method: mtp turns prefix caching off, which the KV "
                              "tiers need; unset kv_offloading_size")
+        return self
+
+    @model_validator(mode="after")
+    def _corrupt_needs_a_check(self) -> "EngineConfig":
+        # A flipped bit nothing checks would be decoded on: wrong tokens, not a test.
+        faults, kv = self.faults, self.kv_transfer
+        if faults is None or kv is None or kv.pipe_config.integrity != "none":
+            return self
+        for site in ("kv_send", "kv_recv"):
+            if faults.site(site).corrupt:
+                raise ValueError(f"faults.{site}.corrupt: needs kv_transfer.integrity mac or "
+                                 f"crc32 (with none nothing would catch it)")
         return self
 
     @classmethod

@@ -245,8 +245,7 @@ class ZmqPeers:
             err = "handshake check failed"
         if err is None:  # the consumer receives with the producer's sending key
             p2c, c2p = keys
-            self._conns.add(ident, Conn(hello, integrity.Channel(
-                self.config.integrity, send_key=c2p, recv_key=p2c), fd))
+            self._conns.add(ident, Conn(hello, self._channel(send_key=c2p, recv_key=p2c), fd))
             reply = {"ok": True, "identity": peer, "info": self._handshake_info(hello)}
         else:
             self._conns.pop(ident)

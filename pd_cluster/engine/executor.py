@@ -66,7 +66,8 @@ def engine_info(config: EngineConfig, runner: ModelRunner, tp: Any = None) -> di
             "tp_rank": tp.rank if tp else 0, "tp_size": tp.size if tp else 1,
             "spec_state": spec_state(config),
             # each layer's KV cache group (connectors/group_tables.py); None: one table
-            "layer_groups": runner.layer_group}
+            "layer_groups": runner.layer_group,
+            "faults": config.faults}  # test-only fault injection (pd_cluster/faults.py)
 
 
 def spec_state(config: EngineConfig) -> dict[str, Any] | None:
