@@ -11,7 +11,8 @@ A receive that ends without its KV (timed out, failed closed, cancelled) while a
 writes in place (shm, nixl) holds a grant of its blocks and has not sent its FIN is *fenced*:
 that producer may be stalled inside a write that lands later. The scheduler keeps such blocks
 out of use until the fence lifts (take_unfenced): the producer's late FIN, its connection lost
-(a dead process writes nothing), or, past ``fence_limit`` seconds, a logged give-up.
+(a dead process writes nothing), or, past ``fence_limit`` seconds (a FIN that was lost),
+a logged give-up.
 A draft model's layers (layers num_layers.., into RecvSpec.draft_block_ids: draft_layers.py)
 count too when the FIN says they come; every one of their blocks is written (no prefix cache).
 An MTP layer's also, and its FIN carries the hidden state D's first proposal reads (its length
@@ -356,9 +357,10 @@ class KVReceiver(KVLanding):
     def _expire_fences(self, now: float) -> None:
         for rid, (writers, since) in list(self._fences.items()):
             if now - since > self.fence_limit:
-                logger.error("KV blocks of %s released after %.0fs though %s may still write "
-                             "into them (no FIN, connection up: a producer stalled that long)",
-                             rid[:80], now - since, sorted(writers))
+                logger.warning("KV blocks of %s released after %.0fs though %s may still "
+                               "write into them (no FIN, connection up: a FIN lost, or a "
+                               "producer stalled that long)", rid[:80], now - since,
+                               sorted(writers))
                 del self._fences[rid]
                 self._unfenced.add(rid)
                 self.num_fences_expired += 1

@@ -49,6 +49,10 @@ from connectors.tp_topology import Route, routes_for, split_endpoint
 from connectors.window_shipping import layer_windows
 
 logger = logging.getLogger(__name__)
+# A fenced receive's blocks (kv_receiver.py) come back at the latest after this many transfer
+# timeouts: a writer's FIN lost with its connection up (a write starts only within the grant's
+# cutoff, half a timeout, and a copy takes milliseconds).
+FENCE_TIMEOUTS = 4
 _SKIP_ALL = 1 << 62  # "held" tokens after a NACK: the consumer wants nothing of the request
 
 
@@ -72,7 +76,8 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         self.receiver = KVReceiver(engine_info["num_layers"], engine_info["block_size"],
                                    config.kv_transfer_timeout, config.max_staging_bytes,
                                    config.record_timings, self.windows,
-                                   min(5.0, config.kv_transfer_timeout) if self._in_place else 0)
+                                   min(5.0, config.kv_transfer_timeout) if self._in_place else 0,
+                                   FENCE_TIMEOUTS * config.kv_transfer_timeout)
         self.receiver.layer_groups = self.layer_groups
         if self._in_place:
             self.receiver.check_written = self.pipe.check_written

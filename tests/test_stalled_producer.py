@@ -40,7 +40,7 @@ def test_a_write_that_lands_after_the_consumer_gave_up_never_reaches_a_new_reque
     a, b = prompts_of_lengths([40, 41])
     ref = colocated_tokens(model, [a, b], [GREEDY, GREEDY], block_size=8)
     # D has room for two requests: B gets the blocks A gave back (A was granted 6 of 13).
-    d = engine(model, "consumer", timeout=0.5, pipe="shm", block_size=8, num_kv_blocks=13,
+    d = engine(model, "consumer", timeout=1.0, pipe="shm", block_size=8, num_kv_blocks=13,
                enable_prefix_caching=False)
     p = engine(model, "producer", timeout=WAIT_S, pipe="shm", block_size=8)
     entered, release, landed = threading.Event(), threading.Event(), threading.Event()
