@@ -234,6 +234,21 @@ def _load() -> bool:
     return True
 
 
+def staged_sources(build: Path) -> list[Path]:
+    """The sources and headers copied into ``build/src`` (unchanged files left as they are),
+    the compiled ones returned: the build's commands then name the same paths from every
+    checkout whose sources have this key, so ninja does not rebuild when another checkout
+    (a second clone, a worktree, an installed wheel) loaded it last. Call under build_lock."""
+    src = private_dir(build / "src")
+    for f in [*_SOURCES, *_HEADERS]:
+        dest, data = src / f.name, f.read_bytes()
+        if not dest.is_file() or dest.read_bytes() != data:
+            tmp = dest.with_name(dest.name + ".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, dest)
+    return [src / f.name for f in _SOURCES]
+
+
 def _build_and_load(name: str, build: Path, flags: list[str]) -> None:
     from torch.utils import cpp_extension
     with build_cache.build_lock(build, _BUILD_TIMEOUT_S):
@@ -241,7 +256,7 @@ def _build_and_load(name: str, build: Path, flags: list[str]) -> None:
         # Under our lock no other process is building here, so torch's own lock file is a
         # leftover of a build that was killed: torch would wait on it forever.
         (build / "lock").unlink(missing_ok=True)
-        cpp_extension.load(name, [str(s) for s in _SOURCES], extra_cflags=flags,
+        cpp_extension.load(name, [str(s) for s in staged_sources(build)], extra_cflags=flags,
                            build_directory=str(build), is_python_module=False, verbose=False)
         build_cache.seal(build)
         _state["in_use"] = build_cache.hold_in_use(build)

@@ -206,6 +206,47 @@ def test_health_check_that_sees_a_restart_forgets_the_engines_cache() -> None:
     asyncio.run(go())
 
 
+def test_a_restart_seen_by_two_checks_at_once_counts_once() -> None:
+    """The health loop and /cluster/status check concurrently; both see the new incarnation
+    while its token path is being opened (an await): one restart, not two."""
+    from pd_cluster.driver.messages import EngineInfo
+
+    class _Health:
+        incarnation = "i0"
+
+        def remote(self) -> Any:
+            return _done(EngineInfo(name="decode-0", role="decode", incarnation=self.incarnation,
+                                    pid=1, node_ip="x", kv_endpoint=None,
+                                    max_model_len=64).to_dict())
+
+    class _Handle:
+        health = _Health()
+
+    class _Channel:
+        linked_to: str | None = None
+
+        def linked(self, e: Any, incarnation: str) -> bool:
+            return self.linked_to == incarnation
+
+        async def attach(self, e: Any, incarnation: str) -> None:
+            await asyncio.sleep(0.01)
+            self.linked_to = incarnation
+
+    pool = EnginePool([("decode-0", "decode", _Handle())], ProxyConfig())
+    pool.token_channel = _Channel()
+    e = pool.engines[0]
+
+    async def go() -> None:
+        await asyncio.gather(pool.check(e), pool.check(e))
+        assert e.restarts == 0 and e.healthy
+        e.handle.health.incarnation = "i1"
+        await asyncio.gather(pool.check(e), pool.check(e))
+        assert e.restarts == 1 and e.incarnation == "i1"
+        await pool.check(e)
+        assert e.restarts == 1
+    asyncio.run(go())
+
+
 # ---- on a cluster ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):

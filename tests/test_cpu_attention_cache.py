@@ -170,3 +170,26 @@ def test_a_lock_won_on_a_pruned_lock_file_is_taken_again(tmp_path) -> None:
     finally:
         leave.set()
         thread.join(30.0)
+
+
+def test_sources_compile_from_the_build_folder_whichever_checkout_loads(tmp_path,
+                                                                        monkeypatch) -> None:
+    """Two checkouts with the same sources (a clone and a worktree) share a build key: both
+    compile the copies in the build folder, so the build's commands (and ninja's view of them)
+    are the same from either, and a load from the other does not rebuild."""
+    builds = tmp_path / "cache"
+    build = fake_build(builds, "k")
+    staged = []
+    for checkout in ("a", "b"):
+        (tmp_path / checkout).mkdir()
+        src, header = tmp_path / checkout / "k.cpp", tmp_path / checkout / "k.h"
+        src.write_text('#include "k.h"\n')
+        header.write_text("// h\n")
+        monkeypatch.setattr(cpu_build, "_SOURCES", [src])
+        monkeypatch.setattr(cpu_build, "_HEADERS", [header])
+        staged.append(cpu_build.staged_sources(build))
+        if checkout == "a":
+            mtime = (build / "src" / "k.cpp").stat().st_mtime_ns
+    assert staged[0] == staged[1] == [build / "src" / "k.cpp"]
+    assert (build / "src" / "k.h").read_text() == "// h\n"
+    assert (build / "src" / "k.cpp").stat().st_mtime_ns == mtime  # unchanged: not rewritten

@@ -48,6 +48,9 @@ class EngineState:
     failures: int = 0
     incarnation: str | None = None
     restarts: int = 0
+    # Every incarnation a check has seen: a restart counts once even when two checks (the
+    # loop, /cluster/status) see the new one before either has linked it.
+    seen_incarnations: set[str] = field(default_factory=set)
     kv_endpoint: str | None = None
     kv_peers: dict[str, Any] = field(default_factory=dict)  # producer: endpoint -> D incarnation
     node_ip: str = ""
@@ -121,10 +124,14 @@ class EnginePool:
             if not e.healthy and self.token_channel is not None:  # down: move its requests
                 self.token_channel.detach(e, "engine down (health check)", dead)
             return
-        if e.incarnation is not None and info.incarnation != e.incarnation:
-            e.restarts += 1
-            self.cache_feed.forget(e)  # a restarted engine's prefix cache starts empty
-            logger.warning("%s restarted (pid %d -> %d)", e.name, e.pid, info.pid)
+        if e.incarnation is not None:
+            e.seen_incarnations.add(e.incarnation)
+        if info.incarnation not in e.seen_incarnations:
+            if e.seen_incarnations:
+                e.restarts += 1
+                self.cache_feed.forget(e)  # a restarted engine's prefix cache starts empty
+                logger.warning("%s restarted (pid %d -> %d)", e.name, e.pid, info.pid)
+            e.seen_incarnations.add(info.incarnation)
         channel = self.token_channel
         if channel is not None and not channel.linked(e, info.incarnation):
             try:
