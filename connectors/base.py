@@ -49,6 +49,9 @@ class FinishedTransfers(NamedTuple):
     # consumer: request id -> the first token that came with its KV, or None when the KV did
     # not arrive (the request computes its prompt itself)
     received: dict[str, int | None]
+    # consumer: ended receives (any end: done, failed, cancelled) whose blocks no producer can
+    # write into any more; a failed or cancelled one's blocks are fenced until it is here
+    unfenced: frozenset[str] = frozenset()
 
 
 class KVConnectorBase_Worker(ABC):  # noqa: N801

@@ -39,6 +39,9 @@ class Receiving:
     draft_index: torch.Tensor | None = None  # the draft's blocks (None: no draft KV taken)
     first_arrival: float | None = None  # monotonic, for kv_recv_seconds
     group_index: list[torch.Tensor] = field(default_factory=list)  # per KV cache group
+    # Producers granted its blocks to write in place that have not sent their FIN: they may
+    # still write into them, so if the receive ends first its blocks are fenced (kv_receiver)
+    writers: set[str] = field(default_factory=set)
 
 
 class KVLanding:

@@ -7,6 +7,12 @@ is in when every (layer, K/V, block, head) was written and every feeder's FIN ar
 Blocks this engine's prefix cache already holds (RecvSpec.num_cached_tokens) count as written
 from the start and are never written over: producers are told to skip them (a HoldHeader
 answering their OfferHeader), and any that arrive anyway are dropped.
+A receive that ends without its KV (timed out, failed closed, cancelled) while a producer that
+writes in place (shm, nixl) holds a grant of its blocks and has not sent its FIN is *fenced*:
+that producer may be stalled inside a write that lands later. The scheduler keeps such blocks
+out of use until the fence lifts (take_unfenced): the producer's late FIN, its connection lost
+(a dead process writes nothing), or, past ``fence_limit`` seconds (a FIN that was lost),
+a logged give-up.
 A draft model's layers (layers num_layers.., into RecvSpec.draft_block_ids: draft_layers.py)
 count too when the FIN says they come; every one of their blocks is written (no prefix cache).
 An MTP layer's also, and its FIN carries the hidden state D's first proposal reads (its length
@@ -40,7 +46,7 @@ Hold = tuple[str, str, int, tuple[int, ...], tuple[int, ...], tuple[tuple[int, .
 class KVReceiver(KVLanding):
     def __init__(self, num_layers: int, block_size: int, timeout: float, max_staging_bytes: int,
                  record_timings: bool = False, windows: tuple[int | None, ...] = (),
-                 fin_grace: float = 0.0):
+                 fin_grace: float = 0.0, fence_limit: float = 120.0):
         self.num_layers, self.block_size = num_layers, block_size
         # Sliding layers' windows: their blocks before it are not shipped (window_shipping.py)
         self.windows = windows
@@ -82,6 +88,11 @@ class KVReceiver(KVLanding):
         self.num_dropped = 0
         self.num_failed_closed = 0  # transfers failed closed: recomputed, never decoded on
         self.num_refused = 0  # messages refused by a per-peer bound or for unknown requests
+        # Ended receives whose in-place writers may still write: request -> (them, since).
+        self._fences: dict[str, tuple[set[str], float]] = {}
+        self._unfenced: set[str] = set()  # ended receives no producer can write into now
+        self.fence_limit = fence_limit
+        self.num_fences_expired = 0
 
     # ---- scheduler-driven ----------------------------------------------------------------
     def register(self, spec: RecvSpec) -> list[Ack]:
@@ -129,6 +140,7 @@ class KVReceiver(KVLanding):
                 self._cancelled.popitem(last=False)
             peers = state.peers if state else staged_peers
             self._wait_copies((request_id,))
+            self._ended(request_id, state)
             return [(peer, request_id, False) for peer in sorted(peers)]
 
     def staging_bytes(self) -> int:
@@ -153,7 +165,9 @@ class KVReceiver(KVLanding):
                     self._cancelled[rid] = now  # a late FIN is NACKed at once
                     # the producers may free their blocks now
                     self._nacks += [(peer, rid, False) for peer in sorted(state.peers)]
+                    self._ended(rid, state)
             self._wait_copies(self._done)
+            self._expire_fences(now)
             for rid in self._staging.expired(now, self.timeout):
                 # never claimed: an unknown request (or one that ended before it was staged)
                 n = len(self._staging.pop(rid))
@@ -180,6 +194,27 @@ class KVReceiver(KVLanding):
         with self._lock:
             nacks, self._nacks = self._nacks, []
             return nacks
+
+    def take_unfenced(self) -> set[str]:
+        """Ended receives (since the last call) whose blocks no producer can write into."""
+        with self._lock:
+            unfenced, self._unfenced = self._unfenced, set()
+            return unfenced
+
+    @property
+    def num_fenced(self) -> int:
+        return len(self._fences)
+
+    def lose_peers(self, peers: list[str]) -> None:
+        """Producers whose connection is gone: a dead process writes nothing more."""
+        if not peers:
+            return
+        with self._lock:
+            for state in self._active.values():
+                state.writers.difference_update(peers)
+            for rid in list(self._fences):
+                for peer in peers:
+                    self._writer_done(rid, peer)
 
     def receiving_by_peer(self) -> dict[str, list[str]]:
         """Requests still being received, per producer (to renew their leases)."""
@@ -209,6 +244,8 @@ class KVReceiver(KVLanding):
             state = self._active.get(rid)
             if state is not None:
                 return self._apply(state, header, tensor, peer)
+            if isinstance(header, FinHeader):
+                self._writer_done(rid, peer)
             if rid in self._cancelled:
                 # NACK a FIN, and an offer too: the producer then sends nothing for it.
                 return [(peer, rid, False)] \
@@ -239,14 +276,18 @@ class KVReceiver(KVLanding):
             self._holds.append((peer, rid, state.spec.num_cached_tokens,
                                 state.spec.block_ids[held:n], draft,
                                 tuple(ids[held:n] for ids in state.spec.group_block_ids)))
+            if self.check_written is not None:  # granted to write in place
+                state.writers.add(peer)
             return []
         state.first_arrival = state.first_arrival or time.monotonic()
         if isinstance(header, FinHeader):
             state.fins.append(header)
+            state.writers.discard(peer)  # its writes all went before its FIN
             if header.first_token is None:  # a producer aborted: fall back now
                 del self._active[rid]
                 self._done[rid] = None
                 self._cancelled[rid] = time.monotonic()  # the other feeders' FINs: NACKed
+                self._ended(rid, state)
                 return [(p, rid, False) for p in sorted(state.peers - {peer})]
             if len(state.fins) >= state.fins[0].num_fins and not all(
                     f.draft for f in state.fins):  # no draft KV comes: D runs its prefill
@@ -283,6 +324,7 @@ class KVReceiver(KVLanding):
                 and state.written.all()):
             del self._active[rid]
             self._done[rid] = state.fins[0].first_token
+            self._ended(rid, state)
             if state.draft_index is not None:
                 landed = state.fins[0].draft_state
                 self._draft_landed[rid] = landed
@@ -293,6 +335,35 @@ class KVReceiver(KVLanding):
             self.recv_seconds += time.monotonic() - state.first_arrival
             return [(p, rid, True) for p in sorted(state.peers)]
         return []
+
+    def _ended(self, rid: str, state: Receiving | None) -> None:
+        """The receive of ``rid`` ended: fenced while an in-place writer may still write."""
+        if rid in self._fences:
+            return  # an earlier end's fence: it lifts by itself
+        if state is not None and state.writers:
+            self._fences[rid] = (set(state.writers), time.monotonic())
+        else:
+            self._unfenced.add(rid)
+
+    def _writer_done(self, rid: str, peer: str) -> None:
+        fence = self._fences.get(rid)
+        if fence is None:
+            return
+        fence[0].discard(peer)
+        if not fence[0]:
+            del self._fences[rid]
+            self._unfenced.add(rid)
+
+    def _expire_fences(self, now: float) -> None:
+        for rid, (writers, since) in list(self._fences.items()):
+            if now - since > self.fence_limit:
+                logger.warning("KV blocks of %s released after %.0fs though %s may still "
+                               "write into them (no FIN, connection up: a FIN lost, or a "
+                               "producer stalled that long)", rid[:80], now - since,
+                               sorted(writers))
+                del self._fences[rid]
+                self._unfenced.add(rid)
+                self.num_fences_expired += 1
 
     def _unwritten(self, blocks: int) -> np.ndarray:
         """bool [layers, parts, blocks, heads], False where a layer's cache has something to
@@ -315,6 +386,7 @@ class KVReceiver(KVLanding):
         while len(self._cancelled) > 4096:
             self._cancelled.popitem(last=False)
         self.num_failed_closed += 1
+        self._ended(rid, state)
         logger.warning("KV for %s from %s failed closed (%s): recomputing", rid[:80],
                        peer[:120], why)
         return [(p, rid, False) for p in sorted(state.peers | peers)]

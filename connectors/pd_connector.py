@@ -42,13 +42,17 @@ from connectors.metadata import (
 from connectors.pd_producer import PDProducer
 from connectors.pd_roles import PDRoles
 from connectors.pd_scheduler import PDConnectorScheduler
-from connectors.pipes.base import PipeError, create_pipe
+from connectors.pipes.base import PipeClosed, PipeError, create_pipe
 from connectors.send_leases import SendLeases
 from connectors.staged_writes import StagingRanges, grant_staging, release_staging
 from connectors.tp_topology import Route, routes_for, split_endpoint
 from connectors.window_shipping import layer_windows
 
 logger = logging.getLogger(__name__)
+# A fenced receive's blocks (kv_receiver.py) come back at the latest after this many transfer
+# timeouts: a writer's FIN lost with its connection up (a write starts only within the grant's
+# cutoff, half a timeout, and a copy takes milliseconds).
+FENCE_TIMEOUTS = 4
 _SKIP_ALL = 1 << 62  # "held" tokens after a NACK: the consumer wants nothing of the request
 
 
@@ -63,7 +67,7 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         # Each layer's sliding window: those layers ship only what decodes read.
         self.windows = layer_windows(self.hello["kv_specs"])
         self._routes: dict[str, list[tuple[str, Route]]] = {}  # consumer -> its ranks I feed
-        self.pipe = create_pipe(config.pipe, config.pipe_config)
+        self.pipe = create_pipe(config.pipe, config.pipe_config, engine_info.get("faults"))
         # Pipes that write into the consumer's blocks (nixl): granted_writes.py.
         self._in_place = self.writes_in_place = getattr(self.pipe, "writes_in_place", False)
         self.grants = Grants(config.kv_transfer_timeout / 2)
@@ -72,7 +76,8 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         self.receiver = KVReceiver(engine_info["num_layers"], engine_info["block_size"],
                                    config.kv_transfer_timeout, config.max_staging_bytes,
                                    config.record_timings, self.windows,
-                                   min(5.0, config.kv_transfer_timeout) if self._in_place else 0)
+                                   min(5.0, config.kv_transfer_timeout) if self._in_place else 0,
+                                   FENCE_TIMEOUTS * config.kv_transfer_timeout)
         self.receiver.layer_groups = self.layer_groups
         if self._in_place:
             self.receiver.check_written = self.pipe.check_written
@@ -207,20 +212,24 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         if self._deferred or self._waiting_fins:  # every engine step asks: send what can go
             self._flush_deferred()
             self._send_ready_fins()
+        self.receiver.lose_peers(self.pipe.take_lost_peers())
         recving = self.receiver.take_finished()
         release_staging(self.pipe, recving)  # every end but a cancel comes through here
         self._ack(self.receiver.take_nacks())  # gave up: the producers free at once
-        return FinishedTransfers(self.leases.take_done(), recving)
+        return FinishedTransfers(self.leases.take_done(), recving,
+                                 frozenset(self.receiver.take_unfenced()))
 
     # ---- receiver thread -----------------------------------------------------------------
     def _recv_loop(self) -> None:
         while self._running:
             try:
                 msg = self.pipe.recv_tensor(timeout=0.05)
-            except PipeError:
-                if self._running:
-                    logger.exception("KV pipe receive failed")
+            except PipeClosed:
                 return
+            except PipeError as e:  # one receive failed: its transfer fails closed or times out
+                if self._running:
+                    logger.warning("KV pipe receive failed: %s", e)
+                continue
             self._renew_leases()
             if msg is None:
                 continue
@@ -307,7 +316,8 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
                 # Words, not series: the /metrics label pipe= of the kv_* series above, and
                 # `pd-cluster status`'s per-link column (every link of an engine uses its pipe).
                 "kv_pipe": self._pipe_label(),
-                "kv_links": {peer: self._link_pipe(peer) for peer in self._peers}}
+                "kv_links": {peer: self._link_pipe(peer) for peer in self._peers},
+                **getattr(self.pipe, "fault_counters", {})}  # test-only (faulty_pipe.py)
 
     def _link_pipe(self, peer: str) -> str:
         """The pipe a link uses: the configured one, or with pipe auto what its handshake

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from connectors.config import KVTransferConfig
+from pd_cluster.faults import FaultsConfig
 
 if TYPE_CHECKING:  # torch loads with an engine, not with the config (fast CLI checks)
     import torch
@@ -178,6 +179,12 @@ class EngineArgs(BaseModel):
     # does the rest), so a long local prefill does not stall running decodes' inter-token
     # latency. None: no cap beyond max_num_batched_tokens.
     max_prefill_tokens_per_step: int | None = None
+    # While any request decodes, a step carrying prompt tokens is sized to take at most this
+    # many ms by the engine's measured step times (engine/step_time_model.py), so decoding
+    # requests keep this TPOT; at least one block's worth of prompt tokens still goes per
+    # step. None: no such bound (max_prefill_tokens_per_step alone). A colocated cluster sets
+    # it from proxy.slo.tpot_ms.
+    mixed_step_target_ms: float | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     num_kv_blocks: int | None = None  # KV cache blocks per rank (null: sized from memory)
     kv_cache_memory: int = 256 * 1024 * 1024  # CPU budget in bytes when num_kv_blocks is unset
@@ -229,6 +236,10 @@ class EngineArgs(BaseModel):
     # --override-generation-config), e.g. {temperature: 0.5}; with generation_config vllm,
     # only these.
     override_generation_config: dict[str, int | float] | None = None
+    # Test-only: drop, delay, corrupt or fail a share of the KV pipe's sends and receives,
+    # the token path's frames and the control calls ({kv_send: {drop: 0.05}, seed: 1, ...};
+    # pd_cluster/faults.py says what each means). None: off (never set it in production).
+    faults: FaultsConfig | None = None
 
     @field_validator("block_size")
     @classmethod
@@ -243,6 +254,13 @@ class EngineArgs(BaseModel):
     def _positive(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
             raise ValueError(f"must be >= 1, got {value}")
+        return value
+
+    @field_validator("mixed_step_target_ms")
+    @classmethod
+    def _positive_ms(cls, value: float | None) -> float | None:
+        if value is not None and not value > 0:
+            raise ValueError(f"must be > 0 ms, got {value}")
         return value
 
     @field_validator("collective_timeout")
@@ -355,6 +373,18 @@ class EngineConfig(EngineArgs):
         if self.kv_offloading_size:
             raise ValueError("speculative.method: mtp turns prefix caching off, which the KV "
                              "tiers need; unset kv_offloading_size")
+        return self
+
+    @model_validator(mode="after")
+    def _corrupt_needs_a_check(self) -> "EngineConfig":
+        # A flipped bit nothing checks would be decoded on: wrong tokens, not a test.
+        faults, kv = self.faults, self.kv_transfer
+        if faults is None or kv is None or kv.pipe_config.integrity != "none":
+            return self
+        for site in ("kv_send", "kv_recv"):
+            if faults.site(site).corrupt:
+                raise ValueError(f"faults.{site}.corrupt: needs kv_transfer.integrity mac or "
+                                 f"crc32 (with none nothing would catch it)")
         return self
 
     @classmethod

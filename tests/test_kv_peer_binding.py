@@ -67,7 +67,7 @@ def test_without_the_binding_the_connection_key_still_stops_a_reused_identity(
     """The window before the disconnect event is read (or a descriptor number re-used):
     the binding is switched off here, and the frame still fails its MAC."""
     gone: list[int] = []
-    monkeypatch.setattr(Connections, "drop_fd", lambda self, fd: gone.append(fd) or 0)
+    monkeypatch.setattr(Connections, "drop_fd", lambda self, fd: gone.append(fd) or [])
     monkeypatch.setattr(Connections, "on_this_connection",
                         lambda self, ident, frame: self.get(ident))
     cons, prod = create_pipe("zmq", PipeConfig()), create_pipe("zmq", PipeConfig())
@@ -115,7 +115,7 @@ def test_the_connection_table_is_bounded_and_drops_by_socket() -> None:
     for i, fd in enumerate((10, 11, 11)):
         conns.add(b"p%d" % i, Conn({}, Channel("none"), fd))
     assert len(conns) == 2 and conns.get(b"p0") is None and conns.dropped == 1
-    assert conns.drop_fd(11) == 2 and len(conns) == 0
+    assert len(conns.drop_fd(11)) == 2 and len(conns) == 0
 
 
 def test_gloo_payload_codes_are_taken_on_the_send_thread_and_checked(monkeypatch) -> None:

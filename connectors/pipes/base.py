@@ -179,6 +179,11 @@ class KVPipe(ABC):
     def close(self) -> None:
         """Idempotent: stop threads, close sockets (bounded linger), fail pending futures."""
 
+    def take_lost_peers(self) -> list[str]:
+        """Peers (as messages name them) whose connection to us was lost since the last
+        call; a pipe that cannot tell returns none."""
+        return []
+
     def stats(self) -> dict[str, int]:
         return {}
 
@@ -213,7 +218,12 @@ def available_pipes() -> list[str]:
     return sorted(found | set(_REGISTRY))
 
 
-def create_pipe(name: str, config: PipeConfig) -> KVPipe:
+def create_pipe(name: str, config: PipeConfig, faults: Any = None) -> KVPipe:
+    """``faults``: the engine's FaultsConfig (test-only, pd_cluster/faults.py); with a KV
+    site's rate set the pipe comes wrapped (faulty_pipe.py), else as it is."""
+    if faults is not None:
+        from connectors.pipes.faulty_pipe import with_faults
+        return with_faults(create_pipe(name, config), faults)
     if name not in _REGISTRY and name.isidentifier():
         # Convention over an if-chain: importing the module runs its @register_pipe.
         try:

@@ -70,13 +70,13 @@ class Connections:
             return None
         return conn
 
-    def drop_fd(self, fd: int) -> int:
-        """Forget every identity bound to a socket that disconnected; how many."""
+    def drop_fd(self, fd: int) -> list[bytes]:
+        """Forget every identity bound to a socket that disconnected; returns them."""
         gone = [i for i, c in self._by_ident.items() if c.fd == fd]
         for ident in gone:
             del self._by_ident[ident]
         self.dropped += len(gone)
-        return len(gone)
+        return gone
 
 
 def watch_disconnects(router: zmq.Socket) -> zmq.Socket:

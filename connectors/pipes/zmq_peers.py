@@ -99,6 +99,13 @@ class ZmqPeers:
         self._watch(s, None)  # producers' connections that end are forgotten
         return addr
 
+    def take_lost_peers(self) -> list[str]:
+        """Producers whose authenticated connection closed since the last call."""
+        lost = []
+        while self._lost_peers:
+            lost.append(self._lost_peers.popleft())
+        return lost
+
     def _watch(self, s: zmq.Socket, peer: Optional[str]) -> None:
         m = watch_disconnects(s)
         self._monitors[m], self._watched[s] = peer, m
@@ -119,7 +126,7 @@ class ZmqPeers:
         peer = self._monitors.get(m)
         if peer is None:
             for fd in fds:
-                self._conns.drop_fd(fd)
+                self._lost_peers.extend(peer_name(i) for i in self._conns.drop_fd(fd))
         elif fds and peer in self._channels:
             self._close_dealer(peer, PipeError(f"connection to {peer!r} lost"))
 
@@ -238,8 +245,7 @@ class ZmqPeers:
             err = "handshake check failed"
         if err is None:  # the consumer receives with the producer's sending key
             p2c, c2p = keys
-            self._conns.add(ident, Conn(hello, integrity.Channel(
-                self.config.integrity, send_key=c2p, recv_key=p2c), fd))
+            self._conns.add(ident, Conn(hello, self._channel(send_key=c2p, recv_key=p2c), fd))
             reply = {"ok": True, "identity": peer, "info": self._handshake_info(hello)}
         else:
             self._conns.pop(ident)

@@ -68,6 +68,8 @@ class ZmqPipe(ZmqSends, ZmqPeers, KVPipe):
         self._validator: Optional[Callable[[dict], Optional[str]]] = None
         self._info: dict = {}
         self._peer_hook: Optional[Callable[[str, dict], None]] = None  # the nccl pipe's hook
+        # Test-only (faulty_pipe.py): wraps each connection's integrity channel; None: off.
+        self.wrap_channel: Optional[Callable[[integrity.Channel], Any]] = None
         # Owned by the I/O thread:
         self._router: Optional[zmq.Socket] = None
         self._addr: Optional[str] = None
@@ -79,6 +81,7 @@ class ZmqPipe(ZmqSends, ZmqPeers, KVPipe):
         self._monitors: dict[zmq.Socket, Optional[str]] = {}  # -> dealer's peer; None: ROUTER
         self._watched: dict[zmq.Socket, zmq.Socket] = {}  # socket -> its monitor
         self._conns = Connections()                   # authenticated producer connections
+        self._lost_peers: deque[str] = deque(maxlen=1024)  # their peers once disconnected
         self._channels: dict[str, integrity.Channel] = {}  # consumer address -> ours to it
         self._challenges: dict[bytes, tuple[bytes, bytes, float]] = {}  # auth.py, round 1
         self._io = threading.Thread(target=self._io_loop, name="zmq-pipe-io", daemon=True)
@@ -119,9 +122,14 @@ class ZmqPipe(ZmqSends, ZmqPeers, KVPipe):
         if not reply.get("ok"):
             self._run_in_io(lambda: self._close_dealer(peer_addr, PipeError("handshake rejected")))
             raise HandshakeError(f"{peer_addr} rejected the handshake: {reply.get('error')}")
-        channel = integrity.Channel(self.config.integrity, send_key=keys[0], recv_key=keys[1])
+        channel = self._channel(send_key=keys[0], recv_key=keys[1])
         self._run_in_io(lambda: self._channels.__setitem__(peer_addr, channel))
         return reply
+
+    def _channel(self, send_key: bytes, recv_key: bytes) -> integrity.Channel:
+        """A connection's integrity channel (wrapped by the fault hook when it is on)."""
+        channel = integrity.Channel(self.config.integrity, send_key=send_key, recv_key=recv_key)
+        return channel if self.wrap_channel is None else self.wrap_channel(channel)
 
     def _hello_round(self, peer_addr: str, hello: dict, ident: Optional[bytes] = None) -> dict:
         """Send a hello (on a new socket with ``ident``, else on the open one) and wait for

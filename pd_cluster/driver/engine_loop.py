@@ -15,6 +15,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from pd_cluster.fault_sites import InjectedFault, fault_site
 from pd_cluster.futures import run_into
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.driver.messages import (ERROR_ENGINE, ERROR_INVALID_REQUEST, EngineDelta,
@@ -49,6 +50,9 @@ class EngineLoop:
                          "tokens_generated": 0, "steps": 0, "step_seconds": 0.0,
                          "output_steps": 0, "output_step_seconds": 0.0, "calls_dropped": 0}
         self.snapshot: dict[str, Any] = {}
+        # Test-only: the control calls' injected faults (engine.faults.control); None: off.
+        faults = getattr(getattr(engine, "config", None), "faults", None)
+        self._control = fault_site(faults, "control", self.counters)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ---- called from other threads -------------------------------------------------------
@@ -176,9 +180,24 @@ class EngineLoop:
                 self._emit_outputs(self.engine.abort_request(ids))
         elif kind == "call":
             fn, fut = cmd[1], cmd[2]
+            if self._control is not None:
+                fn = self._faulted(fn)
             # A caller whose bound ran out cancelled its future: its call is dropped, counted.
             if not run_into(fut, lambda: fn(self.engine)):
                 self.counters["calls_dropped"] += 1
+
+    def _faulted(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """A control call under the fault hook: failed (it raises InjectedFault for its
+        caller) or delayed (this thread waits first), or as it is."""
+        kind = self._control.pick(("fail", "delay"))
+        if kind == "delay":
+            self._control.wait()
+        if kind != "fail":
+            return fn
+
+        def failed(_engine: Any) -> Any:
+            raise InjectedFault("control call failed (injected fault)")
+        return failed
 
     def _add(self, req: EngineRequest) -> None:
         try:

@@ -60,6 +60,9 @@ class BlockManager:
         # Per request: how many leading blocks are registered in the prefix cache (or skipped).
         self.hashed: dict[str, int] = {}
         self._released: dict[str, list[int]] = {}  # per request and group: entries nulled
+        # Tables of ended receives a producer may still write into in place: out of use, not
+        # free, until the connector says no write can land (fence / lift_fence).
+        self.fenced: dict[str, list[list[list[int]]]] = {}
         self.stats = PrefixCacheStats()
 
     # ---- queries -------------------------------------------------------------------------
@@ -260,12 +263,33 @@ class BlockManager:
 
     # ---- release -------------------------------------------------------------------------
     def free(self, request: Request) -> None:
-        tables = self.tables.pop(request.request_id, None)
+        tables = self._take(request)
+        if tables is not None:
+            self._put_back(request.request_id, tables)
+
+    def fence(self, request: Request) -> None:
+        """Take the request's blocks out of its hands without freeing them: a producer may
+        still write into them (an in-place write that lands late). The request can be given
+        new blocks meanwhile; ``lift_fence`` frees these."""
+        tables = self._take(request)
+        if tables is not None:
+            self.fenced.setdefault(request.request_id, []).append(tables)
+
+    def _take(self, request: Request) -> list[list[int]] | None:
         self.hashed.pop(request.request_id, None)
         self._released.pop(request.request_id, None)
         request.block_ids, request.group_block_ids = [], []
-        if tables is None:
-            return
+        return self.tables.pop(request.request_id, None)
+
+    def lift_fence(self, request_id: str) -> None:
+        for tables in self.fenced.pop(request_id, []):
+            self._put_back(request_id, tables)
+
+    @property
+    def num_fenced_blocks(self) -> int:
+        return sum(len(t) for fenced in self.fenced.values() for tables in fenced for t in tables)
+
+    def _put_back(self, request_id: str, tables: list[list[int]]) -> None:
         # Tail blocks are released first so they are evicted before the shared prefix.
         for table in tables:
             for block_id in reversed(table):
@@ -273,7 +297,7 @@ class BlockManager:
                     continue
                 block = self.blocks[block_id]
                 if block.ref_count <= 0:
-                    raise BlockTableError(f"block {block_id} of {request.request_id} released "
+                    raise BlockTableError(f"block {block_id} of {request_id} released "
                                           f"more often than taken (ref count {block.ref_count})")
                 self.pool.put(block_id)
 
@@ -283,9 +307,10 @@ class BlockManager:
     def check_no_leaks(self) -> None:
         """Raise AssertionError unless every block is free and no request holds a table."""
         leaked = self.pool.leaked()
-        if self.tables or leaked or len(self.free_queue) != self.num_usable_blocks:
+        if self.tables or self.fenced or leaked or len(self.free_queue) != self.num_usable_blocks:
             raise AssertionError(f"KV blocks leaked: requests holding tables="
-                                 f"{sorted(self.tables)[:10]}, blocks with refs={leaked[:20]}, "
+                                 f"{sorted(self.tables)[:10]}, fenced={sorted(self.fenced)[:10]}, "
+                                 f"blocks with refs={leaked[:20]}, "
                                  f"free={len(self.free_queue)}/{self.num_usable_blocks}")
         if self.tiers is not None:
             self.tiers.check_no_leaks()

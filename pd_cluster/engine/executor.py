@@ -66,7 +66,8 @@ def engine_info(config: EngineConfig, runner: ModelRunner, tp: Any = None) -> di
             "tp_rank": tp.rank if tp else 0, "tp_size": tp.size if tp else 1,
             "spec_state": spec_state(config),
             # each layer's KV cache group (connectors/group_tables.py); None: one table
-            "layer_groups": runner.layer_group}
+            "layer_groups": runner.layer_group,
+            "faults": config.faults}  # test-only fault injection (pd_cluster/faults.py)
 
 
 def spec_state(config: EngineConfig) -> dict[str, Any] | None:
@@ -137,16 +138,19 @@ class Executor:
         result = ModelRunnerOutput()
         with self.workers.step(step) if self.workers else nullcontext():
             logits = self.runner.run_step(step)
-            sending, recving = self.runner.finished_transfers()
+            ended = self.runner.finished_transfers()
+            sending, recving, unfenced = set(ended.sent), dict(ended.received), set(ended.unfenced)
             if self.workers and self.runner.connector is not None:
                 stats = self.runner.connector.stats()
                 reports = self.workers.gather_transfers(RankTransfers(
-                    sorted(sending), recving, stats["kv_bytes_sent"], stats["kv_bytes_received"]))
+                    sorted(sending), recving, stats["kv_bytes_sent"], stats["kv_bytes_received"],
+                    sorted(unfenced)))
                 self._rank_bytes = {r: (t.bytes_sent, t.bytes_received)
                                     for r, t in enumerate(reports)}
-                sending, recving = self._tally.add(reports)
+                sending, recving, unfenced = self._tally.add(reports)
         sample_step(plan, logits, self.sampler, result)
         result.finished_sending, result.finished_recving = sending, recving
+        result.unfenced = unfenced
         return result
 
     @property

@@ -193,7 +193,8 @@ class LLMEngine:
         # A failed rank counts as work: the engine loop steps, the step raises, and the
         # engine is restarted even when idle.
         return (self.scheduler.has_unfinished() or bool(self.scheduler.sending)
-                or self.executor.failed or bool(self.compiling))
+                or bool(self.scheduler.block_manager.fenced) or self.executor.failed
+                or bool(self.compiling))
 
     def prefill_tokens_pending(self) -> int:
         """Prompt tokens left to compute, at most one step's budget: the next step's prefill
@@ -215,6 +216,7 @@ class LLMEngine:
             item.request.is_decoding for item in sched_out.scheduled) else None
         started = time.perf_counter()
         result = self.executor.execute(sched_out)
+        self.scheduler.step_times.add(sched_out.num_tokens, time.perf_counter() - started)
         if cost is not None:  # a decode-only step: what its width cost (spec/step_cost.py)
             cost.record(sum(item.num_new_tokens for item in sched_out.scheduled),
                         time.perf_counter() - started)
@@ -271,6 +273,7 @@ class LLMEngine:
         return {"num_waiting": len(self.scheduler.waiting) + len(self.compiling),
                 "num_running": len(self.scheduler.running),
                 "num_waiting_for_remote_kv": len(self.scheduler.remote_waiting),
+                "num_kv_fenced_blocks": self.scheduler.block_manager.num_fenced_blocks,
                 "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
                 "kv_blocks_free": bm.num_free_blocks,
                 "prefix_cache_queried_blocks": bm.stats.queried_blocks,

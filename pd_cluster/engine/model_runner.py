@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from connectors.base import FinishedTransfers
 from pd_cluster import start_trace
 from pd_cluster.attention import AttentionMetadata, create_backend
 from pd_cluster.attention.background_kernels import BackgroundKernels, needs_build
@@ -212,12 +213,11 @@ class ModelRunner:
                 conn.clear_connector_metadata()
         return logits
 
-    def finished_transfers(self) -> tuple[set[str], dict[str, int | None]]:
-        """(finished sending, finished receiving -> first token) on this rank's connector."""
+    def finished_transfers(self) -> FinishedTransfers:
+        """This rank's connector's ended transfers (connectors/base.FinishedTransfers)."""
         if self.connector is None:
-            return set(), {}
-        sending, recving = self.connector.get_finished()
-        return set(sending), dict(recving)
+            return FinishedTransfers(set(), {})
+        return self.connector.get_finished()
 
     def _forward(self, step: StepInput) -> list[torch.Tensor]:
         if self._kernels is not None:

@@ -15,6 +15,7 @@ from typing import Any
 from pd_cluster.config import EngineConfig
 from pd_cluster import ttft_trace
 from pd_cluster.engine.block_manager import BlockManager
+from pd_cluster.engine.step_time_model import StepTimeModel
 from pd_cluster.engine.spec.stats import SpecStats
 from pd_cluster.request import Request, RequestStatus
 
@@ -47,6 +48,8 @@ class ModelRunnerOutput:
     finished_sending: set[str] = field(default_factory=set)
     # request id -> first token sampled by the producer, or None when the transfer failed
     finished_recving: dict[str, int | None] = field(default_factory=dict)
+    # ended receives no producer can write into any more (connectors/base.FinishedTransfers)
+    unfenced: set[str] = field(default_factory=set)
     # Speculation: request id -> the drafts accepted (before its sampled token), their logprobs
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     accepted_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
@@ -69,6 +72,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_kv_fallbacks = 0
         self.proposer: Any = None  # speculation's proposer (told each verification's outcome)
+        self.step_times = StepTimeModel()  # the engine records each step's width and time
         self.spec_stats = SpecStats(config.speculative.max_drafts
                                     if config.speculative else 0)
 
@@ -100,12 +104,15 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.remote_waiting.pop(request.request_id, None)
+        receiving = self.remote_waiting.pop(request.request_id, None) is not None
         delay_free = False
         if self.connector is not None:
             delay_free = self.connector.request_finished(request, request.block_ids)
         if delay_free and self.block_manager.holds(request.request_id):
             self.sending[request.request_id] = request
+        elif receiving:  # its receive is cancelled: a producer may still write into its blocks
+            self.block_manager.fence(request)
+            self.requests.pop(request.request_id, None)
         else:
             self._release(request)
 
@@ -119,10 +126,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.next_step_budget is not None:  # one step's own budget (core lending sizes it)
             budget, self.next_step_budget = min(budget, self.next_step_budget), None
-        # Prompt tokens this step may still take (the cap applies while decodes run).
-        cap = self.config.max_prefill_tokens_per_step
-        prefill_budget = budget if cap is None or not any(
-            r.is_decoding for r in self.running) else cap
+        prefill_budget = self._prefill_budget(budget)
         scheduled_ids: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
@@ -201,6 +205,23 @@ class Scheduler:
         out.tier_ops = self.block_manager.take_tier_ops()
         return out
 
+    def _prefill_budget(self, budget: int) -> int:
+        """Prompt tokens this step may take: while requests decode, the cap, and a width the
+        measured step times say fits the mixed-step target (one block at least, so prompts
+        always progress)."""
+        decoding = sum(1 for r in self.running if r.is_decoding)
+        if not decoding:
+            return budget
+        cap = self.config.max_prefill_tokens_per_step
+        if cap is not None:
+            budget = min(budget, cap)
+        target = self.config.mixed_step_target_ms
+        if target is not None:
+            fits = self.step_times.tokens_within(target / 1e3)
+            if fits is not None:
+                budget = min(budget, max(fits - decoding, self.config.block_size))
+        return budget
+
     def _drafts(self, request: Request, num_new: int, budget: int, others: int) -> list[int]:
         """The proposed tokens a decoding request verifies this step (taken off it): what
         the budget leaves after one token for each of the ``others`` running after it, and
@@ -260,6 +281,8 @@ class Scheduler:
             updated.append(request)
         for rid, first_token in result.finished_recving.items():
             updated.extend(self._remote_kv_ready(rid, first_token))
+        for rid in result.unfenced:
+            self.block_manager.lift_fence(rid)
         for rid in result.finished_sending:
             request = self.sending.pop(rid, None)
             if request is not None:
@@ -273,9 +296,10 @@ class Scheduler:
         if first_token is None:
             self.num_kv_fallbacks += 1
             logger.warning("KV for %s did not arrive; prefilling locally", request_id)
-            # KV did not (fully) arrive: the blocks may hold partial data, so free them and
-            # compute the whole prompt here on re-admission.
-            self.block_manager.free(request)
+            # KV did not (fully) arrive: the blocks may hold partial data, and a producer
+            # may still write into them (in place, late): they are fenced until the
+            # connector says none can, and the whole prompt is computed here, in new blocks.
+            self.block_manager.fence(request)
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
             request.prefill_locally = True

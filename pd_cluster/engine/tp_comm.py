@@ -44,6 +44,7 @@ class RankTransfers(msgspec.Struct):
     recving: dict[str, int | None] = {}
     bytes_sent: int = 0
     bytes_received: int = 0
+    unfenced: list[str] = []
 
 
 StepMessage = StepInput | Keepalive | Shutdown | PeerOp

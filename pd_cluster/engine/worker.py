@@ -86,10 +86,10 @@ def run_worker(config: EngineConfig, rank: int, port: int) -> None:
 
 
 def rank_transfers(runner: Any) -> RankTransfers:
-    sending, recving = runner.finished_transfers()
+    ended = runner.finished_transfers()
     stats = runner.connector.stats()
-    return RankTransfers(sorted(sending), recving, stats["kv_bytes_sent"],
-                         stats["kv_bytes_received"])
+    return RankTransfers(sorted(ended.sent), dict(ended.received), stats["kv_bytes_sent"],
+                         stats["kv_bytes_received"], sorted(ended.unfenced))
 
 
 def _peer_op(connector: Any, op: PeerOp, store: Any, rank: int) -> None:

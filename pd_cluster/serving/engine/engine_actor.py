@@ -76,7 +76,9 @@ class EngineActor:
         self.loop = EngineLoop(self.engine, self._emit, self._on_fatal, threads,
                                self.cores.cores, lending)
         self.output = OutputSender(self.node_ip, self.loop.abort,
-                                   self._session_closed_threadsafe)
+                                   self._session_closed_threadsafe,
+                                   faults=getattr(getattr(self.engine, "config", None),
+                                                  "faults", None))
         self.loop.start()
         start_trace.mark("engine", "engine ready")
         logger.info("%s ready (kv endpoint %s)", self.spec.name, self.kv_endpoint)

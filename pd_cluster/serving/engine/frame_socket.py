@@ -1,8 +1,10 @@
 """Length-prefixed frames over a stream socket, both ends of the token path.
 
-A frame is a 4-byte big-endian length and that many bytes of payload (the msgpack of one
-engine step's deltas for one session). The engine's end is a ``FrameSession``: the socket a
-proxy session connects to, and the bytes the kernel has not taken yet. ``send`` runs on the
+A frame is a 4-byte big-endian length, the payload's CRC-32 (4 bytes) and that many bytes of
+payload (the msgpack of one engine step's deltas for one session). The CRC catches a frame
+altered on the way (a bit flipped in a token id would still decode): the proxy refuses it.
+The engine's end is a ``FrameSession``: the socket a proxy session connects to, and the
+bytes the kernel has not taken yet. ``send`` runs on the
 engine thread and never blocks: while nothing is pending it writes straight to the socket
 (no thread hop, no I/O thread: the proxy's loop wakes on the kernel's readiness alone), and
 what the kernel does not take (EAGAIN, a partial write, no proxy connected yet) goes to
@@ -17,11 +19,14 @@ import socket
 import struct
 import threading
 import time
+import zlib
 from typing import Callable
 
 from pd_cluster.serving.engine.session_sockets import NONCE_BYTES, PROOF_BYTES, proof_holds
 
-HEADER = struct.Struct(">I")
+HEADER = struct.Struct(">I")  # the payload's length
+CHECK = struct.Struct(">I")  # its CRC-32, after the length
+PREFIX = HEADER.size + CHECK.size
 MAX_FRAME = 64 << 20  # bytes: a longer length means the stream is corrupt, not a big step
 _ANSWER_SECONDS = 5.0  # a connection answers the session's challenge within this, or is closed
 _MAX_CANDIDATES = 4  # unproven connections held at once per session (the oldest goes first)
@@ -29,11 +34,12 @@ _COMPACT = 1 << 20  # pending: bytes sent before the buffer is compacted
 
 
 class MalformedFrame(ValueError):
-    """The stream cannot be cut into frames any more (a length over MAX_FRAME)."""
+    """The stream cannot be cut into frames any more (a length over MAX_FRAME), or a frame
+    is not what was sent (its CRC-32 does not hold)."""
 
 
 def frame(payload: bytes) -> bytes:
-    return HEADER.pack(len(payload)) + payload
+    return HEADER.pack(len(payload)) + CHECK.pack(zlib.crc32(payload)) + payload
 
 
 class FrameParser:
@@ -53,7 +59,7 @@ class FrameParser:
             if len(self._tail) < max(self._need, HEADER.size):
                 return  # a frame still arriving: no copy until it is complete
             if not self._need:
-                self._need = self._check(HEADER.unpack_from(self._tail)[0]) + HEADER.size
+                self._need = self._check(HEADER.unpack_from(self._tail)[0]) + PREFIX
                 if len(self._tail) < self._need:
                     return
             data = bytes(self._tail)
@@ -63,11 +69,14 @@ class FrameParser:
         with memoryview(data) as view:
             while end - pos >= HEADER.size:
                 n = self._check(HEADER.unpack_from(data, pos)[0])
-                if end - pos - HEADER.size < n:
-                    self._need = HEADER.size + n
+                if end - pos - PREFIX < n:
+                    self._need = PREFIX + n
                     break
-                pos += HEADER.size
+                crc = CHECK.unpack_from(data, pos + HEADER.size)[0]
+                pos += PREFIX
                 with view[pos:pos + n] as payload:
+                    if zlib.crc32(payload) != crc:
+                        raise MalformedFrame(f"a frame of {n} bytes fails its CRC-32")
                     on_frame(payload)
                 pos += n
         if pos < end:
@@ -109,7 +118,10 @@ class FrameSession:
     def send(self, payload: bytes, max_pending: int) -> bool:
         """Queue one frame, writing it at once when nothing waits before it. True when the
         output thread has new work (pending started, or went over ``max_pending``)."""
-        data = frame(payload)
+        return self.send_frame(frame(payload), max_pending)
+
+    def send_frame(self, data: bytes, max_pending: int) -> bool:
+        """``send`` of a frame already made (``frame``)."""
         with self.lock:
             if self.closed or self.overflow:
                 return False  # its requests are (being) aborted

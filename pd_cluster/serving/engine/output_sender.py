@@ -28,7 +28,9 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from pd_cluster.driver.messages import EngineDelta, encode
+from pd_cluster.fault_sites import fault_site
 from pd_cluster.futures import run_into
+from pd_cluster.serving.engine.faulty_frames import FaultyFrames
 from pd_cluster.serving.engine.frame_socket import FrameSession
 from pd_cluster.serving.engine.session_sockets import (listen_session_socket, sweep_stale_ipc,
                                                        unlink_quietly)
@@ -48,10 +50,11 @@ class OutputSender:
     def __init__(self, host: str, abort: Callable[[list[str]], None],
                  closed: Callable[[str, str], None] = lambda session, why: None,
                  backlog_bytes: int = _BACKLOG_BYTES,
-                 backlog_seconds: float = _BACKLOG_SECONDS):
+                 backlog_seconds: float = _BACKLOG_SECONDS, faults: Any = None):
         """``host``: this node's address (tcp sessions listen there); ``abort``: aborts
         requests of a closed session; ``closed(session, why)``: a session closed;
-        ``backlog_*``: how much a session whose proxy reads nothing may hold, and how long."""
+        ``backlog_*``: how much a session whose proxy reads nothing may hold, and how long;
+        ``faults``: the engine's FaultsConfig (test-only: its token site's faults)."""
         self._host, self._abort, self._closed = host, abort, closed
         self.ipc_dir = tempfile.gettempdir()
         sweep_stale_ipc(self.ipc_dir)  # left by engines that crashed (no shutdown ran)
@@ -69,6 +72,7 @@ class OutputSender:
         from connectors.secret import cluster_secret
         self._secret = cluster_secret()  # every session's proxy proves it (frame_socket.py)
         self._limited = LimitedLog(logger)  # refused connections: any local process can cause
+        self._faults = fault_site(faults, "token", self.counters)  # None: off
         self._thread = threading.Thread(target=self._run, name="engine-output", daemon=True)
         self._thread.start()
 
@@ -217,10 +221,10 @@ class OutputSender:
             self._drop(session, "the proxy opened the session again")
         while len(self._sessions) >= _MAX_SESSIONS:  # the oldest is a proxy long gone
             self._drop(next(iter(self._sessions)), "too many proxy sessions")
-        self._sessions[session] = FrameSession(*listen_session_socket(
-            ipc, self._host, self.ipc_dir), session, self._secret,
-            functools.partial(self._refused, session))
-        return self._sessions[session].endpoint
+        s = FrameSession(*listen_session_socket(ipc, self._host, self.ipc_dir), session,
+                         self._secret, functools.partial(self._refused, session))
+        self._sessions[session] = s if self._faults is None else FaultyFrames(s, self._faults)
+        return s.endpoint
 
     def _refused(self, session: str, why: str) -> None:
         """A connection to a session's listener that did not prove the secret: closed."""

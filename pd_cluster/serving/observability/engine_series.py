@@ -11,6 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pd_cluster.fault_sites import counter_name
+from pd_cluster.faults import FAULT_KINDS, FAULT_SITES
+
 
 @dataclass(frozen=True)
 class EngineSeries:
@@ -35,6 +38,9 @@ PIPE_SERIES = {"kv_bytes_sent", "kv_bytes_received", "kv_send_seconds", "kv_recv
                "kv_draft_bytes_received"}
 
 ENGINE_SERIES: dict[str, EngineSeries] = {
+    "num_kv_fenced_blocks": EngineSeries(
+        "KV blocks of ended receives kept out of use because a producer writing in place "
+        "may still write into them (until its FIN, its connection's loss or a bound)"),
     "num_waiting_for_remote_kv": EngineSeries(
         "Requests on a decode engine waiting for their prompt's KV from a prefill engine "
         "(also counted in vllm:num_requests_waiting)"),
@@ -141,6 +147,14 @@ ENGINE_SERIES: dict[str, EngineSeries] = {
     "session_malformed": EngineSeries(
         "Malformed messages on the engine's request sockets, dropped", counter=True),
 }
+# Test-only fault injection (engine.faults, pd_cluster/faults.py): what was injected where.
+_SITE_WORDS = {"kv_send": "KV pipe sends", "kv_recv": "KV pipe receives",
+               "token": "token path frames", "control": "control calls"}
+ENGINE_SERIES.update({
+    counter_name(site, kind): EngineSeries(
+        f"Test-only engine.faults: {_SITE_WORDS[site]} hit by an injected {kind} fault",
+        counter=True)
+    for site in FAULT_SITES for kind in FAULT_KINDS})
 
 
 def series_name(stat: str) -> str:

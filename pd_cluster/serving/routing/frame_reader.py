@@ -1,5 +1,5 @@
 """The proxy's reader of one engine's token stream: a socket read on the event loop, every
-complete frame applied as it is read (engine/frame_socket.py: 4-byte length + payload).
+complete frame applied as it is read (engine/frame_socket.py: length, CRC-32, payload).
 
 A reader callback on the socket's descriptor, not an asyncio Protocol: a Protocol gets one
 read per turn of the loop, at most what the kernel buffered (~200 KB on a unix socket), so a

@@ -3,12 +3,12 @@
 The proxy opens one output session on every engine incarnation (``attach``, from the health
 check that first sees it) and connects to the socket the engine listens on for it (unix on
 the proxy's node, tcp elsewhere). Its FrameReader (frame_reader.py) cuts what arrives into
-frames (4-byte length + msgpack: one engine step's numbered deltas of every request of this
-session; engine/frame_socket.py) and ``_apply`` hands each delta to the inbox of the leg it
-belongs to as it is read, no task hop; a proxy that fell behind applies everything waiting
+frames (4-byte length, CRC-32, msgpack: one engine step's numbered deltas of every request of
+this session; engine/frame_socket.py) and ``_apply`` hands each delta to the inbox of the leg
+it belongs to as it is read, no task hop; a proxy that fell behind applies everything waiting
 before the clients' streams run, so each client gets one coalesced chunk.
-A frame that cannot be read (a length over the cap, a payload msgpack cannot decode)
-leaves the stream unsynchronised: the link fails as a lost one does. The other way, one ZMQ
+A frame that cannot be read (a length over the cap, a CRC-32 that does not hold, a payload
+msgpack cannot decode) leaves the stream unsynchronised: the link fails as a lost one does. The other way, one ZMQ
 PUSH socket per engine carries this session's requests and aborts (``submit``/``abort``; the
 engine's end is engine/request_reader.py), so no Ray call is made per request and an abort
 never overtakes its request.

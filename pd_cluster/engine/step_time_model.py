@@ -1,0 +1,46 @@
+"""What a step costs by its width, as this engine measured it: seconds ~= fixed + per_token x
+tokens, a least-squares line over the recent steps (tokens scheduled, wall time).
+
+The scheduler of an engine that mixes prefill chunks into its decode steps sizes each chunk
+with it: while requests decode, a step that carries a prefill chunk should not take longer than
+the time-per-output-token target, or every decoding request's TPOT pays for it (Sarathi-Serve's
+token budget, sized from measured step times instead of a fixed number). Until the window holds
+steps of different widths the line is unknown and no budget is given.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+WINDOW = 128  # recent steps fitted
+MIN_SPREAD = 8  # tokens between the narrowest and the widest step before the slope is trusted
+
+
+class StepTimeModel:
+    def __init__(self, window: int = WINDOW) -> None:
+        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self._steps.append((tokens, seconds))
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None while the widths are too alike."""
+        if len(self._steps) < 4:
+            return None
+        ns = [n for n, _ in self._steps]
+        if max(ns) - min(ns) < MIN_SPREAD:
+            return None
+        mean_n = sum(ns) / len(ns)
+        mean_t = sum(t for _, t in self._steps) / len(self._steps)
+        var = sum((n - mean_n) ** 2 for n in ns)
+        slope = sum((n - mean_n) * (t - mean_t) for n, t in self._steps) / var
+        slope = max(slope, 1e-7)  # noise can tilt it flat or negative: wider is never free
+        return max(mean_t - slope * mean_n, 0.0), slope
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """The widest step (tokens) expected to take at most ``seconds``; None: unknown."""
+        line = self.line()
+        if line is None:
+            return None
+        fixed, per_token = line
+        return max(int((seconds - fixed) / per_token), 0)

@@ -1,0 +1,84 @@
+"""A colocated engine mixes prompt chunks into its decode steps, each sized by the step times
+it measured to stay within ``mixed_step_target_ms``: decodes keep their tokens exact across
+the mixed steps (greedy equal to each request run alone), and the chunk follows the target."""
+from __future__ import annotations
+
+import pytest
+
+from pd_cluster import LLM, SamplingParams
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine.step_time_model import StepTimeModel
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def test_the_line_through_measured_steps_gives_the_width_that_fits() -> None:
+    m = StepTimeModel()
+    for n in (1, 2, 4, 100, 200):
+        assert m.tokens_within(1.0) is None or len(m._steps) >= 4
+        m.add(n, 0.010 + 0.0005 * n)  # 10 ms fixed, 0.5 ms a token
+    fixed, per_token = m.line()
+    assert fixed == pytest.approx(0.010) and per_token == pytest.approx(0.0005)
+    assert m.tokens_within(0.0301) == 40
+    assert m.tokens_within(0.005) == 0  # less than the fixed part: nothing fits
+    alike = StepTimeModel()
+    for _ in range(10):
+        alike.add(3, 0.01)
+    assert alike.line() is None  # one width: no slope to trust
+
+
+def test_the_prefill_chunk_follows_the_target(tiny_model) -> None:
+    llm = LLM(model=tiny_model(), num_kv_blocks=128, block_size=8,
+              mixed_step_target_ms=30.1, max_num_batched_tokens=512)
+    sched = llm.engine.scheduler  # steps measured below: 10 ms + 0.5 ms a token
+    llm.engine.add_request("d", list(range(5, 25)), GREEDY)
+    llm.engine.step()  # its prefill
+    llm.engine.add_request("p", list(range(5, 400)), GREEDY)
+    sched.step_times = StepTimeModel()  # as if measured
+    for n in (1, 2, 50, 100, 300):
+        sched.step_times.add(n, 0.010 + 0.0005 * n)
+    out = sched.schedule()
+    widths = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    assert widths == {"d": 1, "p": 40 - 1}, widths  # 40 tokens fit 30.1 ms, one of them d's
+    llm.engine.executor.execute(out)  # (the step runs, as scheduled)
+    sched.update_from_output(out, _no_tokens())
+    llm.engine.abort_request(["d", "p"])
+    llm.engine.check_no_leaks()
+
+
+def _no_tokens():
+    from pd_cluster.engine.scheduler import ModelRunnerOutput
+    return ModelRunnerOutput()
+
+
+def test_a_tight_target_still_moves_prompts_a_block_a_step() -> None:
+    cfg = EngineConfig(model="tiny-llama", mixed_step_target_ms=0.001, block_size=8)
+    assert cfg.mixed_step_target_ms == 0.001
+    with pytest.raises(ValueError, match="mixed_step_target_ms"):
+        EngineConfig(model="tiny-llama", mixed_step_target_ms=0)
+
+
+def test_decodes_keep_their_tokens_exact_across_mixed_steps(tiny_model) -> None:
+    model = tiny_model()
+    prompts = [[5 + (i * 13 + j * 7) % 400 for j in range(n)] for i, n in
+               enumerate((9, 150, 37, 260, 18, 120))]
+    alone = [LLM(model=model, num_kv_blocks=256, block_size=8).generate([p], GREEDY)[0]
+             .outputs[0].token_ids for p in prompts]
+    # A target no step meets: every mixed step carries one block of prompt, the rest waits.
+    mixed = LLM(model=model, num_kv_blocks=256, block_size=8, mixed_step_target_ms=0.001)
+    engine = mixed.engine
+    done: dict[str, list[int]] = {}
+    chunks: list[int] = []
+    engine.add_request("r0", prompts[0], GREEDY)
+    pending = list(enumerate(prompts))[1:]
+    while engine.has_unfinished_requests() or pending:
+        if pending:  # one more arrives each step, while the others decode
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", p, GREEDY)
+        out = engine.step()
+        done.update({o.request_id: o.outputs[0].token_ids for o in out if o.finished})
+        if engine.scheduler.step_times.line() is not None:
+            chunks.append(engine.scheduler._prefill_budget(10_000))
+    assert [done[f"r{i}"] for i in range(len(prompts))] == alone
+    assert chunks and min(chunks) == 8  # a block a step when decodes run and nothing fits
+    engine.check_no_leaks()
