@@ -144,8 +144,8 @@ def cluster_yaml(args: argparse.Namespace, namespace: str) -> dict[str, Any]:
     role = lambda n: {"replicas": n, "num_cpus": 1, "max_restarts": -1}  # noqa: E731
     engine = engine_section(args)
     if args.fault_rate > 0:
-        engine["faults"] = {**{site: {kind: args.fault_rate for kind in kinds}
-                               for site, kinds in FAULTS.items()}, "seed": args.seed}
+        engine["faults"] = {**{site: {kind: args.fault_rate for kind in FAULTS[site]}
+                               for site in args.fault_sites}, "seed": args.seed}
     return {"mode": "disaggregated", "model": MODEL,
             "prefill": role(args.prefill), "decode": role(args.decode), "engine": engine,
             "kv_transfer": {"pipe": "auto", "transport": "tcp", "host": "127.0.0.1",
@@ -649,6 +649,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=6)
     p.add_argument("--fault-rate", type=float, default=0.0,
                    help="engine.faults at this rate per site and kind (0: the hook off)")
+    p.add_argument("--fault-sites", default=",".join(FAULTS),
+                   help=f"comma list of the sites --fault-rate applies to: {', '.join(FAULTS)}")
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--num-kv-blocks", type=int, default=256, help="per engine (16 tokens each)")
@@ -667,6 +669,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--smoke", action="store_true", help="about 40 s of load (CI)")
     args = p.parse_args(argv)
+    args.fault_sites = [x.strip() for x in args.fault_sites.split(",") if x.strip()]
+    if unknown := [x for x in args.fault_sites if x not in FAULTS]:
+        p.error(f"--fault-sites: unknown {unknown}; choose from {', '.join(FAULTS)}")
     args.chaos_gap = (2.0, 8.0)
     if args.smoke:
         args.minutes, args.clients, args.chaos_gap = 0.67, 3, (2.0, 4.0)

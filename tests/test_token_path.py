@@ -168,3 +168,35 @@ def test_concurrent_health_checks_open_one_link() -> None:
         await channel.close()
         engine.stop()
     asyncio.run(go())
+
+
+def test_a_lost_link_to_a_live_engine_counts_once_and_is_opened_again_at_once() -> None:
+    """A malformed frame fails the link: one failure of the engine (not one more per leg
+    that was on it), and the pool checks the engine again at once, which links it again,
+    long before the next health check round."""
+    async def go() -> None:
+        two = TwoEngines()
+        pool = two.pool
+        pool.config = pool.config.model_copy(update={"health_check_interval": 60.0})
+        two.channel._on_lost = pool.token_path_lost
+        calls: list[str] = []
+        mark_failed = pool.mark_failed
+
+        def counted(e, error: str, dead: bool) -> None:
+            calls.append(e.name)
+            mark_failed(e, error, dead)
+        pool.mark_failed = counted  # type: ignore[method-assign]
+
+        def inject() -> None:
+            s = two.a.sender._sessions[two.channel.session]
+            with s.lock:
+                s.conn.send(b"\xff\xff\xff\xff")
+        events = await two.stream(60, 10, inject)
+        assert [t for ev in events for t in ev] == [token_id(i) for i in range(60)]
+        assert calls == ["colocated-0"]
+        a = pool.engines[0]
+        await until(lambda: two.channel.linked(a, "i0") and a.healthy, timeout=5.0)
+        assert a.failures == 0
+        await pool.close()
+        await two.close()
+    asyncio.run(go())

@@ -61,7 +61,7 @@ class ProxyState:
                                     int(cfg.engine.get("block_size", 16)))
         failures = self.metrics.cache_report_failures
         self.pool.cache_feed.on_failure = lambda engine: failures.labels(engine).inc()
-        channel = TokenChannel(cfg.proxy.health_check_timeout, self.pool.mark_failed)
+        channel = TokenChannel(cfg.proxy.health_check_timeout, self.pool.token_path_lost)
         self.pool.token_channel = channel
         self.dispatcher = Dispatcher(self.pool, cfg.mode, self.metrics, channel,
                                      cfg.proxy.max_retries, cfg.proxy.max_migrations,

@@ -91,7 +91,8 @@ class Dispatcher:
                             e.engine.name, len(sent.token_ids))
                 continue
             except EngineFailed as e:
-                self.pool.mark_failed(e.engine, str(e), dead=e.dead)
+                if e.dead or not e.reported:  # a lost link counts once, not once per leg
+                    self.pool.mark_failed(e.engine, str(e), dead=e.dead)
                 excluded.add(e.engine.name)
                 out_of_time = time.monotonic() >= job.deadline
                 if sent.any:

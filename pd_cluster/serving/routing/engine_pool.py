@@ -36,6 +36,7 @@ class NoHealthyEngine(RuntimeError):
 # is routed to; a starting one is health-checked and KV-linked first; a draining one finishes
 # or hands over its work before it is removed or switches role.
 SERVING, STARTING, DRAINING = "serving", "starting", "draining"
+_RECHECK_DELAY = 0.05  # s after a lost token link before the engine is checked again
 
 
 @dataclass
@@ -84,6 +85,7 @@ class EnginePool:
         self.link = LinkStats()
         self.cache_feed = CacheFeed(self.cache, self.link, config.cache_events_interval,
                                     config.health_check_timeout)
+        self._rechecks: dict[str, asyncio.Task] = {}  # engines checked again after a lost link
 
     async def start(self) -> None:
         await self.check_all()
@@ -92,9 +94,10 @@ class EnginePool:
             self.cache_feed.start(self.engines)  # else nothing reads the index
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._rechecks.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.cache_feed.close()
         await self.peers.close()
         if self.token_channel is not None:
@@ -156,6 +159,24 @@ class EnginePool:
             e.healthy = False
         if dead and self.token_channel is not None:  # its requests are gone with it
             self.token_channel.detach(e, error, dead=True)
+
+    def token_path_lost(self, e: EngineState, error: str, dead: bool) -> None:
+        """The token channel lost its link to ``e`` (its legs failed and move on). An engine
+        that is not dead is checked again at once, which opens a new link, instead of at the
+        next round: a broken link (a malformed frame, a closed session) takes it out of
+        routing for a moment, not for a health check interval."""
+        self.mark_failed(e, error, dead)
+        if dead or e.name in self._rechecks or e not in self.engines:
+            return
+        task = asyncio.get_running_loop().create_task(self._recheck(e))
+        self._rechecks[e.name] = task
+        task.add_done_callback(lambda _: self._rechecks.pop(e.name, None))
+
+    async def _recheck(self, e: EngineState) -> None:
+        # A short pause: an engine whose new links keep breaking is checked at most this often.
+        await asyncio.sleep(min(_RECHECK_DELAY, self.config.health_check_interval))
+        if e in self.engines:
+            await self.check(e)
 
     # ---- routing ----------------------------------------------------------------------------
     def available(self, role: str, excluded: set[str] | frozenset[str] = frozenset()

@@ -70,9 +70,12 @@ class StreamEvent:
 
 
 class EngineFailed(Exception):
-    def __init__(self, engine: EngineState, message: str, dead: bool):
+    """``reported``: the pool was told of this failure already (a lost token link fails
+    every leg on it: one failure of the engine, not one per leg)."""
+
+    def __init__(self, engine: EngineState, message: str, dead: bool, reported: bool = False):
         super().__init__(f"{engine.name}: {message}")
-        self.engine, self.dead = engine, dead
+        self.engine, self.dead, self.reported = engine, dead, reported
 
 
 class EngineDraining(EngineFailed):

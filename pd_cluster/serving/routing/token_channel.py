@@ -119,7 +119,7 @@ class TokenChannel:
         if link.requests is not None:
             link.requests.close(linger=0)
         for leg, inbox in link.legs.values():
-            inbox.fail(leg, EngineFailed(engine, f"token path: {why}", dead=dead))
+            inbox.fail(leg, EngineFailed(engine, f"token path: {why}", dead=dead, reported=True))
         link.legs.clear()
 
     def open_legs(self, engine: Any) -> int:
