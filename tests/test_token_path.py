@@ -172,8 +172,8 @@ def test_concurrent_health_checks_open_one_link() -> None:
 
 def test_a_lost_link_to_a_live_engine_counts_once_and_is_opened_again_at_once() -> None:
     """A malformed frame fails the link: one failure of the engine (not one more per leg
-    that was on it), and the pool checks the engine again at once, which links it again,
-    long before the next health check round."""
+    that was on it), not routable while it has no token path, and the pool checks it again
+    at once, which links it again, long before the next health check round."""
     async def go() -> None:
         two = TwoEngines()
         pool = two.pool
@@ -191,10 +191,17 @@ def test_a_lost_link_to_a_live_engine_counts_once_and_is_opened_again_at_once() 
             s = two.a.sender._sessions[two.channel.session]
             with s.lock:
                 s.conn.send(b"\xff\xff\xff\xff")
+        a = pool.engines[0]
+        unhealthy: list[bool] = []
+        lost = pool.token_path_lost
+
+        def seen(e, error: str, dead: bool) -> None:
+            lost(e, error, dead)
+            unhealthy.append(not e.healthy)  # not routable until linked again
+        two.channel._on_lost = seen
         events = await two.stream(60, 10, inject)
         assert [t for ev in events for t in ev] == [token_id(i) for i in range(60)]
-        assert calls == ["colocated-0"]
-        a = pool.engines[0]
+        assert calls == ["colocated-0"] and unhealthy == [True]
         await until(lambda: two.channel.linked(a, "i0") and a.healthy, timeout=5.0)
         assert a.failures == 0
         await pool.close()

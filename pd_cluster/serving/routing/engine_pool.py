@@ -166,6 +166,9 @@ class EnginePool:
         next round: a broken link (a malformed frame, a closed session) takes it out of
         routing for a moment, not for a health check interval."""
         self.mark_failed(e, error, dead)
+        if e.healthy:  # not routable without its token path, until a check links it again
+            logger.warning("%s marked unhealthy: %s", e.name, error)
+            e.healthy = False
         if dead or e.name in self._rechecks or e not in self.engines:
             return
         task = asyncio.get_running_loop().create_task(self._recheck(e))
