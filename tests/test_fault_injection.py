@@ -324,3 +324,29 @@ def test_set_keys_reach_every_engine_and_bad_ones_name_the_key() -> None:
     with pytest.raises(ConfigError, match=r"^engine\.faults\.kv_send\.drop: must be a "
                                           r"fraction in \[0, 1\], got 2"):
         serve("engine.faults.kv_send.drop=2")
+
+
+@pytest.mark.parametrize("pipe", ["zmq", "auto"])
+def test_a_lease_far_shorter_than_the_consumers_reads_never_lets_it_decode_on_freed_blocks(
+        tiny_model, expected, pipe: str) -> None:
+    """vLLM's digest suite: a 50 ms lease against slow reads. Every message reaches the
+    consumer 0.3 s late (past the producer's lease many times over): the producer frees its
+    blocks and reuses them for the next prompts, and the consumer must still decode on
+    exactly the KV it was sent (or recompute), never on what the freed blocks hold now."""
+    faults = {"kv_recv": {"delay": 1.0}, "delay_s": 0.3, "seed": 3}
+
+    def one(role: str, **args: Any) -> LLMEngine:
+        kv = {**KV, "lease_seconds": 0.05, "kv_transfer_timeout": 10.0}
+        return LLMEngine(EngineConfig(model=tiny_model(), block_size=BS, faults=faults, **args,
+                                      kv_transfer={"role": role, "pipe": pipe, **kv}))
+    p, d = one("producer", max_num_batched_tokens=32, num_kv_blocks=64), one("consumer")
+    try:
+        endpoint = d.kv_endpoint()
+        for i, prompt in enumerate(PROMPTS):
+            submit_pair(p, d, f"r{i}", prompt, GREEDY, endpoint)
+        got = run_in_process(p, d, timeout=120)
+        assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected
+        drain(p, d)
+        p.check_no_leaks(), d.check_no_leaks()
+    finally:
+        p.close(), d.close()
