@@ -177,7 +177,8 @@ def test_a_failed_report_forgets_the_engine_until_a_full_one() -> None:
     asyncio.run(go())
 
 
-def test_health_check_that_sees_a_restart_forgets_the_engines_cache() -> None:
+def _decode_handle() -> type:
+    """A decode-0 handle class whose health answers with ``health.incarnation``."""
     from pd_cluster.driver.messages import EngineInfo
 
     class _Health:
@@ -190,6 +191,11 @@ def test_health_check_that_sees_a_restart_forgets_the_engines_cache() -> None:
 
     class _Handle:
         health = _Health()
+    return _Handle
+
+
+def test_health_check_that_sees_a_restart_forgets_the_engines_cache() -> None:
+    _Handle = _decode_handle()
 
     pool = EnginePool([("decode-0", "decode", _Handle())], ProxyConfig())
     e = pool.engines[0]
@@ -209,18 +215,7 @@ def test_health_check_that_sees_a_restart_forgets_the_engines_cache() -> None:
 def test_a_restart_seen_by_two_checks_at_once_counts_once() -> None:
     """The health loop and /cluster/status check concurrently; both see the new incarnation
     while its token path is being opened (an await): one restart, not two."""
-    from pd_cluster.driver.messages import EngineInfo
-
-    class _Health:
-        incarnation = "i0"
-
-        def remote(self) -> Any:
-            return _done(EngineInfo(name="decode-0", role="decode", incarnation=self.incarnation,
-                                    pid=1, node_ip="x", kv_endpoint=None,
-                                    max_model_len=64).to_dict())
-
-    class _Handle:
-        health = _Health()
+    _Handle = _decode_handle()
 
     class _Channel:
         linked_to: str | None = None
