@@ -35,6 +35,10 @@ from pd_cluster.serving.engine.frame_socket import FrameSession
 from pd_cluster.serving.engine.session_sockets import (listen_session_socket, sweep_stale_ipc,
                                                        unlink_quietly)
 
+# Why a session closed when its engine stops in order: the proxy takes that engine out of
+# routing quietly instead of reporting it as failed.
+SHUTTING_DOWN = "engine shutting down"
+
 logger = logging.getLogger(__name__)
 
 _MAX_SESSIONS = 16  # proxies that may stream from one engine at once (restarts included)
@@ -168,7 +172,7 @@ class OutputSender:
                 self._drop(item[1], "closed by the proxy")
             elif item[0] == "stop":
                 for session in list(self._sessions):
-                    self._drop(session, "engine shutting down", abort=False)
+                    self._drop(session, SHUTTING_DOWN, abort=False)
                 return False
         self._check_bounds()
         return True
@@ -242,8 +246,9 @@ class OutputSender:
         for rid in orphans:
             self._routes.pop(rid, None)
         self.counters["output_sessions_dropped"] += 1
-        logger.warning("output session %s closed (%s); aborting %d requests", session, why,
-                       len(orphans))
+        level = logging.INFO if why == SHUTTING_DOWN and not orphans else logging.WARNING
+        logger.log(level, "output session %s closed (%s); aborting %d requests", session, why,
+                   len(orphans))
         if orphans and abort:
             self._abort(orphans)
         self._closed(session, why)

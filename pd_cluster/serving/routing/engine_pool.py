@@ -17,6 +17,7 @@ from typing import Any
 
 from pd_cluster.serving.cluster.cluster_config import ProxyConfig
 from pd_cluster.driver.messages import EngineInfo, EngineStatus
+from pd_cluster.serving.engine.output_sender import SHUTTING_DOWN
 from pd_cluster.serving.routing.cache_feed import CacheFeed
 from pd_cluster.serving.routing.cache_index import CacheIndex, PrefixHit
 from pd_cluster.serving.routing.decode_watch import DecodeWatch
@@ -165,7 +166,12 @@ class EnginePool:
         that is not dead is checked again at once, which opens a new link, instead of at the
         next round: a broken link (a malformed frame, a closed session) takes it out of
         routing for a moment, not for a health check interval."""
-        self.mark_failed(e, error, dead)
+        if error.endswith(SHUTTING_DOWN) and not dead:  # it stops in order: not a failure
+            if e.healthy:
+                logger.info("%s is shutting down: not routable", e.name)
+            e.healthy, e.last_error = False, error
+        else:
+            self.mark_failed(e, error, dead)
         if e.healthy:  # not routable without its token path, until a check links it again
             logger.warning("%s marked unhealthy: %s", e.name, error)
             e.healthy = False

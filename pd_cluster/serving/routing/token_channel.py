@@ -32,6 +32,7 @@ import zmq
 
 from connectors.secret import cluster_secret
 from pd_cluster.driver.messages import EngineDelta, EngineRequest
+from pd_cluster.serving.engine.output_sender import SHUTTING_DOWN
 from pd_cluster.serving.engine.request_reader import abort_message, request_message
 from pd_cluster.serving.engine.session_sockets import curve_request_socket, session_proof
 from pd_cluster.serving.routing.frame_reader import FrameReader
@@ -234,7 +235,8 @@ class TokenChannel:
     def _lose(self, link: _Link, why: str, dead: bool) -> None:
         if self._links.get(link.engine.name) is not link:
             return
-        logger.warning("%s: token path lost: %s", link.engine.name, why)
+        level = logging.INFO if why == SHUTTING_DOWN else logging.WARNING
+        logger.log(level, "%s: token path lost: %s", link.engine.name, why)
         self.detach(link.engine, why, dead)
         self._on_lost(link.engine, f"token path: {why}", dead)
 
