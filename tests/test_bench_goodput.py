@@ -1,6 +1,7 @@
-"""scripts/bench_goodput.py --smoke: pd-cluster's side of the goodput-at-equal-compute
-comparison (a 1P1D cluster told a TPOT target, Poisson arrivals, goodput from the detailed
-results) runs to its report on a tiny model. vLLM's side needs its own venv: not run here."""
+"""scripts/bench_goodput.py --smoke: pd-cluster's side of the goodput-at-equal-compute grid
+(the shape `serve` picks and a colocated engine on every core, told the SLO, a discarded
+warm-up, Poisson arrivals, goodput per SLO cell from the detailed results) runs to its report
+on a tiny model. vLLM's side needs its own venv: not run here."""
 from __future__ import annotations
 
 import json
@@ -19,11 +20,17 @@ def test_bench_goodput_smoke(script_runs: ScriptRuns, request: pytest.FixtureReq
     run = script_runs.result(request.node)  # two at a time with the other benchmarks' smokes
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
-    assert any(ln.startswith("  pd@1000") and "failed 0" in ln
-               for ln in run.stdout.splitlines()), out
-    assert "rate 4, TPOT<=1000ms: pd-cluster" in run.stdout, out
-    result = json.loads((run.dir / "pd@1000-4.json").read_text())
-    assert len(result["ttfts"]) == 6 and all(n == 8 for n in result["output_lens"])
+    lines = run.stdout.splitlines()
+    for side in ("pd", "colocated"):
+        assert any(ln.startswith(f"  {side} ") and "rate 4:" in ln and "failed 0" in ln
+                   for ln in lines), out
+        assert any(ln.startswith(f"  {side} ") and "warm-up (2 requests, discarded)" in ln
+                   for ln in lines), out
+        result = json.loads((run.dir / f"{side}-4.json").read_text())
+        assert len(result["ttfts"]) == 6 and all(n == 8 for n in result["output_lens"])
+        # one row per server under the grid's header; every request meets the smoke's SLO
+        row = next(ln for ln in lines if ln.startswith(f"{' ' * 10}{side} "))
+        assert float(row.split()[1]) > 0, row
 
 
 def test_goodput_counts_only_requests_within_both_targets(tmp_path) -> None:
@@ -34,6 +41,7 @@ def test_goodput_counts_only_requests_within_both_targets(tmp_path) -> None:
         "duration": 10.0, "ttfts": [0.5, 0.5, 5.0, 0.5], "output_lens": [3, 3, 3, 0],
         "itls": [[0.01, 0.01], [0.03, 0.03], [0.01, 0.01], []],
         "errors": ["", "", "", "boom"]}))
-    f = figures(path, ttft_s=4.0, tpots_ms=[20.0, 40.0])
-    # TPOT 10 ms / 30 ms / 10 ms (TTFT 5 s: out); the failed request counts nowhere.
-    assert f["goodput"] == {20.0: 0.1, 40.0: 0.2} and f["failed"] == 1
+    f = figures(path, ttfts_s=[4.0, 8.0], tpots_ms=[20.0, 40.0])
+    # TPOT 10 ms / 30 ms / 10 ms (TTFT 5 s: out at 4 s); the failed request counts nowhere.
+    assert f["goodput"] == {(4.0, 20.0): 0.1, (4.0, 40.0): 0.2, (8.0, 20.0): 0.2,
+                            (8.0, 40.0): 0.3} and f["failed"] == 1
