@@ -42,7 +42,12 @@ _SOURCES = [Path(__file__).resolve().parent / "cpu" / name
             for name in ("paged_attention.cpp", "onednn_linear.cpp", "ghash_copy.cpp")]
 # Headers the sources include: part of the build key, not compiled on their own.
 _HEADERS = sorted((Path(__file__).resolve().parent / "cpu").glob("*.h"))
-_BASE_CFLAGS = ["-O3", "-fopenmp-simd"]
+# -fopenmp: ATen's parallel_for is a header template that runs its loop on OpenMP threads only
+# when the caller is compiled with OpenMP (else serially, on one core). The library then needs
+# libgomp.so.1, which resolves to the copy torch has already loaded: one runtime, one pool,
+# sized by torch.set_num_threads.
+_BASE_CFLAGS = ["-O3", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 ISA_ENV = "PD_CLUSTER_CPU_ISA"
 ISAS = ("native", "avx512", "portable")
 _BUILD_TIMEOUT_S = 600.0  # a build waiting on another process's gives up after this
@@ -257,7 +262,8 @@ def _build_and_load(name: str, build: Path, flags: list[str]) -> None:
         # leftover of a build that was killed: torch would wait on it forever.
         (build / "lock").unlink(missing_ok=True)
         cpp_extension.load(name, [str(s) for s in staged_sources(build)], extra_cflags=flags,
-                           build_directory=str(build), is_python_module=False, verbose=False)
+                           extra_ldflags=_LDFLAGS, build_directory=str(build),
+                           is_python_module=False, verbose=False)
         build_cache.seal(build)
         _state["in_use"] = build_cache.hold_in_use(build)
     # It writes ``out`` and returns nothing: its fake (tracing) form does nothing, so a
