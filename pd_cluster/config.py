@@ -179,12 +179,13 @@ class EngineArgs(BaseModel):
     # does the rest), so a long local prefill does not stall running decodes' inter-token
     # latency. None: no cap beyond max_num_batched_tokens.
     max_prefill_tokens_per_step: int | None = None
-    # While any request decodes, a step carrying prompt tokens is sized to take at most this
-    # many ms by the engine's measured step times (engine/step_time_model.py), so decoding
-    # requests keep this TPOT; at least one block's worth of prompt tokens still goes per
-    # step. None: no such bound (max_prefill_tokens_per_step alone). A colocated cluster sets
-    # it from proxy.slo.tpot_ms.
-    mixed_step_target_ms: float | None = None
+    # While requests decode, prompt chunks ride in their steps as far as this TPOT target
+    # allows: a step may outlast a decode step (the engine's measured step times,
+    # engine/step_time_model.py) by the least slack of the decoding requests that can still
+    # meet the target (pd_cluster/tpot_budget.py); at least one block's worth of prompt
+    # tokens goes per step. None: no such bound (max_prefill_tokens_per_step alone). A
+    # colocated cluster sets it to proxy.slo.tpot_ms.
+    tpot_target_ms: float | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     num_kv_blocks: int | None = None  # KV cache blocks per rank (null: sized from memory)
     kv_cache_memory: int = 256 * 1024 * 1024  # CPU budget in bytes when num_kv_blocks is unset
@@ -256,7 +257,7 @@ class EngineArgs(BaseModel):
             raise ValueError(f"must be >= 1, got {value}")
         return value
 
-    @field_validator("mixed_step_target_ms")
+    @field_validator("tpot_target_ms")
     @classmethod
     def _positive_ms(cls, value: float | None) -> float | None:
         if value is not None and not value > 0:

@@ -67,6 +67,11 @@ class Request:
     # there, never part of the output until accepted), and the proposer's per-request state.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_state: Any = None
+    # When this engine appended its first output token (monotonic s), and how many output
+    # tokens the request had before it (a resumed request arrives with some): its TPOT, as
+    # the mixed steps keep it, counts from there.
+    first_token_time: float | None = None
+    first_token_index: int = 0
 
     def generator_for_next_token(self, device: torch.device) -> torch.Generator | None:
         return self.generator_for_token(device, self.num_output_tokens)
@@ -93,6 +98,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def mark_token_time(self, now: float) -> None:
+        """Called as output tokens are appended here: the first one starts the TPOT clock."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+            self.first_token_index = len(self.output_token_ids) - 1
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,6 +1,8 @@
 """A colocated engine mixes prompt chunks into its decode steps, each sized by the step times
-it measured to stay within ``mixed_step_target_ms``: decodes keep their tokens exact across
-the mixed steps (greedy equal to each request run alone), and the chunk follows the target."""
+it measured and the decoding requests' TPOT slack under ``tpot_target_ms``: decodes keep
+their tokens exact across the mixed steps (greedy equal to each request run alone), and the
+chunk follows the slack (a request that can still meet the target bounds it, one already late
+does not)."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +10,7 @@ import pytest
 from pd_cluster import LLM, SamplingParams
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.step_time_model import StepTimeModel
+from pd_cluster.tpot_budget import Decoding, request_slack
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -27,22 +30,58 @@ def test_the_line_through_measured_steps_gives_the_width_that_fits() -> None:
     assert alike.line() is None  # one width: no slope to trust
 
 
-def test_the_prefill_chunk_follows_the_target(tiny_model) -> None:
-    llm = LLM(model=tiny_model(), num_kv_blocks=128, block_size=8,
-              mixed_step_target_ms=30.1, max_num_batched_tokens=512)
-    sched = llm.engine.scheduler  # steps measured below: 10 ms + 0.5 ms a token
-    llm.engine.add_request("d", list(range(5, 25)), GREEDY)
-    llm.engine.step()  # its prefill
-    llm.engine.add_request("p", list(range(5, 400)), GREEDY)
-    sched.step_times = StepTimeModel()  # as if measured
+def _measured(sched) -> None:
+    sched.step_times = StepTimeModel()  # as if measured: 10 ms + 0.5 ms a token
     for n in (1, 2, 50, 100, 300):
         sched.step_times.add(n, 0.010 + 0.0005 * n)
+
+
+def test_the_prefill_chunk_spends_the_decoding_requests_slack(tiny_model) -> None:
+    target = 0.0301
+    llm = LLM(model=tiny_model(), num_kv_blocks=128, block_size=8,
+              tpot_target_ms=target * 1e3, max_num_batched_tokens=512)
+    sched = llm.engine.scheduler
+    now = 1000.0
+    sched.clock = lambda: now
+    llm.engine.add_request("d", list(range(5, 25)), GREEDY)
+    llm.engine.step()  # its prefill: its first token at `now`
+    assert sched.requests["d"].first_token_time == now
+    llm.engine.add_request("p", list(range(5, 400)), GREEDY)
+    _measured(sched)
+    decode_step = 0.010 + 0.0005 * 1
+    for elapsed in (0.0, 0.05, 0.15):  # d has decoded longer and longer at one token
+        now = 1000.0 + elapsed
+        slack = request_slack(Decoding(elapsed, 1, 12), decode_step, target)
+        fits = int((decode_step + slack - 0.010) / 0.0005)
+        assert sched._prefill_budget(10_000) == max(fits - 1, 8), elapsed
+    now = 1000.0
     out = sched.schedule()
     widths = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
-    assert widths == {"d": 1, "p": 40 - 1}, widths  # 40 tokens fit 30.1 ms, one of them d's
+    assert widths["d"] == 1 and 8 < widths["p"] < 395, widths  # a chunk the slack pays for
     llm.engine.executor.execute(out)  # (the step runs, as scheduled)
     sched.update_from_output(out, _no_tokens())
     llm.engine.abort_request(["d", "p"])
+    llm.engine.check_no_leaks()
+
+
+def test_a_request_past_saving_does_not_hold_prompts_back(tiny_model) -> None:
+    llm = LLM(model=tiny_model(), num_kv_blocks=128, block_size=8, tpot_target_ms=30.1,
+              max_num_batched_tokens=512)
+    sched = llm.engine.scheduler
+    now = 1000.0
+    sched.clock = lambda: now
+    for rid in ("late", "fresh"):
+        llm.engine.add_request(rid, list(range(5, 25)), GREEDY)
+    llm.engine.step()  # both prefilled: first tokens at `now`
+    _measured(sched)
+    decode_step = 0.010 + 0.0005 * 2
+    sched.requests["late"].first_token_time = now - 10.0  # 10 s for one token: lost
+    budget = sched._prefill_budget(10_000)
+    slack = request_slack(Decoding(0.0, 1, 12), decode_step, 0.0301)
+    assert budget == int((decode_step + slack - 0.010) / 0.0005) - 2  # fresh's slack alone
+    sched.requests["fresh"].first_token_time = now - 10.0  # both lost: the target itself
+    assert sched._prefill_budget(10_000) == max(int((0.0301 - 0.010) / 0.0005) - 2, 8)
+    llm.engine.abort_request(["late", "fresh"])
     llm.engine.check_no_leaks()
 
 
@@ -52,10 +91,10 @@ def _no_tokens():
 
 
 def test_a_tight_target_still_moves_prompts_a_block_a_step() -> None:
-    cfg = EngineConfig(model="tiny-llama", mixed_step_target_ms=0.001, block_size=8)
-    assert cfg.mixed_step_target_ms == 0.001
-    with pytest.raises(ValueError, match="mixed_step_target_ms"):
-        EngineConfig(model="tiny-llama", mixed_step_target_ms=0)
+    cfg = EngineConfig(model="tiny-llama", tpot_target_ms=0.001, block_size=8)
+    assert cfg.tpot_target_ms == 0.001
+    with pytest.raises(ValueError, match="tpot_target_ms"):
+        EngineConfig(model="tiny-llama", tpot_target_ms=0)
 
 
 def test_decodes_keep_their_tokens_exact_across_mixed_steps(tiny_model) -> None:
@@ -65,7 +104,7 @@ def test_decodes_keep_their_tokens_exact_across_mixed_steps(tiny_model) -> None:
     alone = [LLM(model=model, num_kv_blocks=256, block_size=8).generate([p], GREEDY)[0]
              .outputs[0].token_ids for p in prompts]
     # A target no step meets: every mixed step carries one block of prompt, the rest waits.
-    mixed = LLM(model=model, num_kv_blocks=256, block_size=8, mixed_step_target_ms=0.001)
+    mixed = LLM(model=model, num_kv_blocks=256, block_size=8, tpot_target_ms=0.001)
     engine = mixed.engine
     done: dict[str, list[int]] = {}
     chunks: list[int] = []

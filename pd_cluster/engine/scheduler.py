@@ -8,6 +8,7 @@ freed, recomputed later from scratch), so the oldest requests always make progre
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from pd_cluster.engine.block_manager import BlockManager
 from pd_cluster.engine.step_time_model import StepTimeModel
 from pd_cluster.engine.spec.stats import SpecStats
 from pd_cluster.request import Request, RequestStatus
+from pd_cluster.tpot_budget import Decoding, request_slack
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class Scheduler:
         self.num_kv_fallbacks = 0
         self.proposer: Any = None  # speculation's proposer (told each verification's outcome)
         self.step_times = StepTimeModel()  # the engine records each step's width and time
+        self.clock = time.monotonic  # token times (the mixed steps' TPOT slack)
         self.spec_stats = SpecStats(config.speculative.max_drafts
                                     if config.speculative else 0)
 
@@ -207,20 +210,43 @@ class Scheduler:
 
     def _prefill_budget(self, budget: int) -> int:
         """Prompt tokens this step may take: while requests decode, the cap, and a width the
-        measured step times say fits the mixed-step target (one block at least, so prompts
-        always progress)."""
-        decoding = sum(1 for r in self.running if r.is_decoding)
+        decoding requests' TPOT slack allows (one block at least, so prompts always
+        progress)."""
+        decoding = [r for r in self.running if r.is_decoding]
         if not decoding:
             return budget
         cap = self.config.max_prefill_tokens_per_step
         if cap is not None:
             budget = min(budget, cap)
-        target = self.config.mixed_step_target_ms
+        target = self.config.tpot_target_ms
         if target is not None:
-            fits = self.step_times.tokens_within(target / 1e3)
+            fits = self._mixed_step_tokens(decoding, target / 1e3)
             if fits is not None:
-                budget = min(budget, max(fits - decoding, self.config.block_size))
+                budget = min(budget, max(fits - len(decoding), self.config.block_size))
         return budget
+
+    def _mixed_step_tokens(self, decoding: list[Request], target: float) -> int | None:
+        """The widest step that keeps every decoding request that can still meet ``target``
+        TPOT within it: a decode step's time plus the least slack among them (the pause
+        they all absorb, tpot_budget.py). Requests already past saving do not hold the
+        prompts back; when none can be saved a step is held to the target itself. None: the
+        step times are not known yet."""
+        decode_step = self.step_times.seconds_for(len(decoding))
+        if decode_step is None:
+            return None
+        now = self.clock()
+        slacks = [request_slack(self._progress(r, now), decode_step, target) for r in decoding]
+        within = [s for s in slacks if s >= 0]
+        return self.step_times.tokens_within(decode_step + min(within) if within else target)
+
+    def _progress(self, request: Request, now: float) -> Decoding:
+        start = request.first_token_time if request.first_token_time is not None else now
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:  # unbounded: the context bounds it
+            max_tokens = self.max_model_len - request.num_prompt_tokens
+        done = request.first_token_index
+        return Decoding(now - start, max(request.num_output_tokens - done, 1),
+                        max(max_tokens - done, 1))
 
     def _drafts(self, request: Request, num_new: int, budget: int, others: int) -> list[int]:
         """The proposed tokens a decoding request verifies this step (taken off it): what
@@ -252,6 +278,7 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled tokens; returns requests with a new token."""
         updated = []
+        now = self.clock()
         for item in out.scheduled:
             request = item.request
             if request.is_finished:  # aborted between schedule and update
@@ -276,6 +303,7 @@ class Scheduler:
                 continue
             request.output_token_ids.append(token)
             request.output_logprobs.append(result.logprobs.get(request.request_id))
+            request.mark_token_time(now)
             if len(request.output_token_ids) == 1:
                 ttft_trace.mark(request.request_id, "tok1")
             updated.append(request)
@@ -312,6 +340,7 @@ class Scheduler:
         self.block_manager.cache_full_blocks(request)
         request.output_token_ids.append(first_token)
         request.output_logprobs.append(None)
+        request.mark_token_time(self.clock())
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return [request]

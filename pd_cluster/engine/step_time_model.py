@@ -2,10 +2,10 @@
 tokens, a least-squares line over the recent steps (tokens scheduled, wall time).
 
 The scheduler of an engine that mixes prefill chunks into its decode steps sizes each chunk
-with it: while requests decode, a step that carries a prefill chunk should not take longer than
-the time-per-output-token target, or every decoding request's TPOT pays for it (Sarathi-Serve's
-token budget, sized from measured step times instead of a fixed number). Until the window holds
-steps of different widths the line is unknown and no budget is given.
+with it: a step that carries a prefill chunk takes longer than a decode step by what the
+decoding requests' TPOT slack allows (Sarathi-Serve's token budget, sized from measured step
+times and the requests' progress instead of a fixed number). Until the window holds steps of
+different widths the line is unknown and no budget is given.
 """
 from __future__ import annotations
 
@@ -36,6 +36,14 @@ class StepTimeModel:
         slope = sum((n - mean_n) * (t - mean_t) for n, t in self._steps) / var
         slope = max(slope, 1e-7)  # noise can tilt it flat or negative: wider is never free
         return max(mean_t - slope * mean_n, 0.0), slope
+
+    def seconds_for(self, tokens: int) -> float | None:
+        """What a step of ``tokens`` is expected to take; None: unknown."""
+        line = self.line()
+        if line is None:
+            return None
+        fixed, per_token = line
+        return fixed + per_token * tokens
 
     def tokens_within(self, seconds: float) -> int | None:
         """The widest step (tokens) expected to take at most ``seconds``; None: unknown."""

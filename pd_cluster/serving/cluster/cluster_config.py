@@ -30,7 +30,6 @@ __all__ = ["ClusterConfig", "ConfigError", "KVTransferConfig", "ProxyConfig", "R
 
 _KV_ROLE = {ROLE_PREFILL: "producer", ROLE_DECODE: "consumer"}
 DECODE_PREFILL_CAP = 64  # tokens: see RoleConfig.max_prefill_tokens_per_step
-MIXED_STEP_SHARE = 0.8  # of proxy.slo.tpot_ms: a colocated engine's mixed steps' target
 
 
 class ClusterConfig(ConfigSection):
@@ -139,10 +138,9 @@ class ClusterConfig(ConfigSection):
         cap = prefill_cap(role, rc, self.engine)
         if cap is not None:
             args["max_prefill_tokens_per_step"] = cap
-        if role == ROLE_COLOCATED and "mixed_step_target_ms" not in args:
-            # A colocated engine mixes prompts into its decode steps: each such step within
-            # the TPOT target, less what the step's scheduling and streaming take.
-            args["mixed_step_target_ms"] = self.proxy.slo.tpot_ms * MIXED_STEP_SHARE
+        if role == ROLE_COLOCATED and "tpot_target_ms" not in args:
+            # A colocated engine mixes prompts into its decode steps within the TPOT target.
+            args["tpot_target_ms"] = self.proxy.slo.tpot_ms
         return EngineSpec(name=name, role=role, model=self.model,
                           engine_args=own_disk_tier(args, name), num_cpus=rc.num_cpus,
                           num_gpus=rc.num_gpus, pin_threads=self.cpu.pin_threads,
