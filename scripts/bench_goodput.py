@@ -99,20 +99,21 @@ def bench_model(args: argparse.Namespace) -> str:
 
 
 def client(args: argparse.Namespace, url: str, model: str, rate: float, out: Path,
-           num_prompts: int) -> None:
+           num_prompts: int, seed: int) -> None:
     """One run of vLLM's bench serve client (vLLM's venv), detailed results into ``out``;
-    --smoke: the same load from this repo's own client (no vLLM here)."""
+    --smoke: the same load from this repo's own client (no vLLM here). Each run of a server
+    has its own ``seed``: prompts a server saw in an earlier run would hit its prefix cache."""
     common = dict(rate=rate, n=num_prompts, lo=int(args.input_len * (1 - args.range_ratio)),
                   hi=int(args.input_len * (1 + args.range_ratio)), out_len=args.output_len)
     if args.smoke:
-        return own_client(url, args.seed, out, **common)
+        return own_client(url, seed, out, **common)
     cmd = [str(args.vllm_venv / "bin" / "python"), str(Path(__file__).parent / "vllm_side.py"),
            "bench-serve", "--backend", "openai", "--base-url", url, "--model", model,
            "--served-model-name", "bench", "--tokenizer", model, "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-range-ratio",
            str(args.range_ratio), "--random-output-len", str(args.output_len), "--ignore-eos",
            "--num-prompts", str(num_prompts), "--request-rate", str(rate),
-           "--seed", str(args.seed), "--save-result", "--save-detailed",
+           "--seed", str(seed), "--save-result", "--save-detailed",
            "--result-dir", str(out.parent), "--result-filename", out.name,
            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
     from vs_vllm_servers import vllm_env
@@ -178,13 +179,13 @@ def run_side(args: argparse.Namespace, side: str, model: str, rates: list[float]
     with ctx as (url, _):
         if args.warmup_prompts:
             path = logs / f"{side}-warmup.json"
-            client(args, url, model, rates[-1], path, args.warmup_prompts)
+            client(args, url, model, rates[-1], path, args.warmup_prompts, args.seed + 1000)
             warm = figures(path, *grid)
             print(f"  {side:<13} warm-up ({args.warmup_prompts} requests, discarded): TTFT p50 "
                   f"{warm['ttft_p50']:.0f} ms, TPOT p50 {warm['tpot_p50']:.1f} ms", flush=True)
-        for rate in rates:
+        for i, rate in enumerate(rates):
             path = logs / f"{side}-{rate:g}.json"
-            client(args, url, model, rate, path, args.num_prompts)
+            client(args, url, model, rate, path, args.num_prompts, args.seed + i)
             f = out[rate] = figures(path, *grid)
             print(f"  {side:<13} rate {rate:g}: TTFT p50 {f['ttft_p50']:.0f} ms, TPOT p50/p99 "
                   f"{f['tpot_p50']:.1f}/{f['tpot_p99']:.1f} ms, failed {f['failed']} "
