@@ -229,15 +229,15 @@ class Scheduler:
         """The widest step that keeps every decoding request that can still meet ``target``
         TPOT within it: a decode step's time plus the least slack among them (the pause
         they all absorb, tpot_budget.py). Requests already past saving do not hold the
-        prompts back: when none can be saved, or the step times are not known yet, None (no
-        bound: the waiting prompts' TTFT is what can still be kept)."""
+        prompts back; when none can be saved a step is held to the target itself. None: the
+        step times are not known yet."""
         decode_step = self.step_times.seconds_for(len(decoding))
         if decode_step is None:
             return None
         now = self.clock()
         slacks = [request_slack(self._progress(r, now), decode_step, target) for r in decoding]
         within = [s for s in slacks if s >= 0]
-        return self.step_times.tokens_within(decode_step + min(within)) if within else None
+        return self.step_times.tokens_within(decode_step + min(within) if within else target)
 
     def _progress(self, request: Request, now: float) -> Decoding:
         start = request.first_token_time if request.first_token_time is not None else now
