@@ -35,6 +35,7 @@ from pd_cluster.serving.api.openai_schemas import (ChatCompletionRequest, Comple
                                                    ModelCard, ModelList, parse_request)
 from pd_cluster.serving.api.proxy_state import ProxyState
 from pd_cluster.serving.api.request_body import read_body
+from pd_cluster.serving.api.request_deadline import within_deadline
 from pd_cluster.serving.api.responses import ResponsesRequest, parse_responses
 from pd_cluster.serving.api.responses_format import ResponsesFormatter
 from pd_cluster.serving.api.shutdown import Drain, DrainGate, until_shutdown
@@ -221,7 +222,8 @@ def _plan(state: ProxyState, req: Any, chat: bool, rid: str, prompts: list[list[
         (texts[i // req.n], job.prompt_token_ids) for i, job in enumerate(jobs)]
     fmt = fmt_cls(rid, state.cfg.model_name, req.return_token_ids, per_prompt[0][1].logprobs,
                   state.token_text, echo)
-    events = until_shutdown(merged(jobs, state.dispatcher.stream), state.drain)
+    events = within_deadline(until_shutdown(merged(jobs, state.dispatcher.stream), state.drain),
+                             deadline, rid)
     if prompt_only:
         events = _prompt_only(events)
     return fmt, jobs, events
