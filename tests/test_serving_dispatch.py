@@ -26,7 +26,7 @@ from pd_cluster.serving.observability.metrics import ProxyMetrics
 from pd_cluster.serving.routing.router import create_router, router_names
 from tests.token_path_fakes import FakeEngineActor, until
 
-Script = list[Any]  # EngineDelta | BaseException | float (sleep seconds)
+Script = list[Any]  # EngineDelta | BaseException | float (sleep seconds) | a condition to await
 
 
 class _Gen:
@@ -56,9 +56,9 @@ class _Gen:
 
 
 class FakeEngine(FakeEngineActor):
-    """A script per request, played on the token path: a float sleeps, a delta is emitted (one
-    engine step each: the next waits until the proxy has read it), an exception is the
-    engine's death (its watch call fails as Ray's does, the proxy's link to it is lost). An
+    """A script per request, played on the token path: a float sleeps, a callable is waited on
+    until it is true (an order between engines), a delta is emitted (one engine step each:
+    the next waits until the proxy has read it), an exception is the engine's death (its watch call fails as Ray's does, the proxy's link to it is lost). An
     assert inside a script would only look like an engine failure (and trigger a retry): it
     is recorded in ``failures``, and ``run`` fails the test on it."""
 
@@ -98,6 +98,8 @@ class FakeEngine(FakeEngineActor):
                 return
             if isinstance(item, float):
                 await asyncio.sleep(item)
+            elif callable(item):
+                await until(item)
             elif isinstance(item, BaseException):
                 self.die()
                 return
@@ -202,7 +204,8 @@ def test_single_token_and_colocated_use_one_engine() -> None:
 
 def test_decode_death_before_output_retries_on_another_pair() -> None:
     dead = FakeEngine(lambda r: [ray.exceptions.ActorDiedError()])
-    slow_p = FakeEngine(lambda r: [0.2, delta(r.request_id, "a", [5], "length")])
+    slow_p = FakeEngine(lambda r: [lambda: r.request_id in slow_p.aborted,  # until aborted
+                                   delta(r.request_id, "a", [5], "length")])
     disp, pool, metrics = make({"prefill-0": slow_p, "prefill-1": FakeEngine(p_ok),
                                 "decode-0": dead, "decode-1": FakeEngine(d_ok)})
     events = run(disp)
@@ -227,10 +230,12 @@ def test_failure_after_output_ends_with_error() -> None:
 
 def test_client_error_from_engine_keeps_it_healthy() -> None:
     def d_rejects(r: EngineRequest) -> Script:
-        return [EngineDelta(r.request_id, finished=True, error="prompt + max_tokens: too long",
+        return [lambda: bool(p.requests),  # P has the request (its reader may come second)
+                EngineDelta(r.request_id, finished=True, error="prompt + max_tokens: too long",
                             error_type="invalid_request")]
-    # P is still computing when D's rejection arrives: its leg must be aborted.
-    p = FakeEngine(lambda r: [0.5, delta(r.request_id, "a", [5], "length")])
+    # P is still computing when D's rejection arrives (until its abort): its leg is aborted.
+    p = FakeEngine(lambda r: [lambda: r.request_id in p.aborted,
+                              delta(r.request_id, "a", [5], "length")])
     disp, pool, _ = make({"prefill-0": p, "decode-0": FakeEngine(d_rejects)})
     with pytest.raises(APIError) as exc:
         run(disp)
