@@ -21,7 +21,7 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16"
 # tests set it so that no process of a CPU test picks a GPU; unset, "auto" is CUDA if available.
 DEVICE_ENV = "PD_CLUSTER_DEVICE"
 # engine.cpu_gemm's values (the layouts are models/layers/cpu_gemm.py's).
-CPU_GEMM_MODES = ("auto", "torch", "transposed", "packed")
+CPU_GEMM_MODES = ("auto", "torch", "transposed", "packed", "upcast")
 # engine.kv_cache_dtype's values (vLLM's; the FP8 layout is kernels/kv_quant.py's).
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 COMPILE_MODES = ("background", "blocking")
@@ -186,6 +186,11 @@ class EngineArgs(BaseModel):
     # tokens goes per step. None: no such bound (max_prefill_tokens_per_step alone). A
     # colocated cluster sets it to proxy.slo.tpot_ms.
     tpot_target_ms: float | None = None
+    # With tpot_target_ms: the queued prompts' TTFT target. A mixed step's prompt chunk is
+    # widened past what the TPOT slack allows as far as the prompts that can still meet this
+    # target need (pd_cluster/ttft_budget.py). None: the TPOT bound alone. A colocated
+    # cluster sets it to proxy.slo.ttft_ms.
+    ttft_target_ms: float | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     num_kv_blocks: int | None = None  # KV cache blocks per rank (null: sized from memory)
     kv_cache_memory: int = 256 * 1024 * 1024  # CPU budget in bytes when num_kv_blocks is unset
@@ -208,8 +213,8 @@ class EngineArgs(BaseModel):
     # before serving the first request). None: $PD_CLUSTER_COMPILE_MODE, else background.
     compile_mode: str | None = None
     # CPU linear weights' layout after loading (models/layers/cpu_gemm.py): auto (per dtype,
-    # as measured: fp32 transposed, bf16 oneDNN-packed, fp16 as loaded) | torch (as loaded) |
-    # transposed | packed. None: $PD_CLUSTER_CPU_GEMM decides (default auto). CUDA: as loaded.
+    # as measured: fp32 transposed, bf16 oneDNN-packed, or packed in fp32 where the CPU has no
+    # bf16 dot product; fp16 as loaded) | torch (as loaded) | transposed | packed | upcast. None: $PD_CLUSTER_CPU_GEMM decides (default auto). CUDA: as loaded.
     cpu_gemm: str | None = None
     # On CUDA: decode steps replay CUDA graphs captured at start per batch size and context
     # bucket (engine/cuda_graphs.py), in a pool bounded by half the memory
@@ -257,7 +262,7 @@ class EngineArgs(BaseModel):
             raise ValueError(f"must be >= 1, got {value}")
         return value
 
-    @field_validator("tpot_target_ms")
+    @field_validator("tpot_target_ms", "ttft_target_ms")
     @classmethod
     def _positive_ms(cls, value: float | None) -> float | None:
         if value is not None and not value > 0:

@@ -52,11 +52,14 @@ def _reference(block: _Block, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["transposed", "packed"])
+@pytest.mark.parametrize("layout", ["transposed", "packed", "upcast"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_every_layout_computes_the_loaded_linears(dtype: torch.dtype, layout: str,
                                                   tied: bool) -> None:
-    if layout == "packed" and cpu_gemm.layout_for(dtype, "packed") != "packed":
+    if layout == "upcast" and dtype == torch.float32:
+        assert cpu_gemm.layout_for(dtype, "upcast") in ("packed", "torch")  # nothing to upcast
+        return
+    if layout != "transposed" and cpu_gemm.layout_for(dtype, layout) != layout:
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
     torch.manual_seed(0)
     block = _Block(tied).to(dtype)
@@ -71,11 +74,47 @@ def test_every_layout_computes_the_loaded_linears(dtype: torch.dtype, layout: st
         assert block.qkv.weight.stride() == (1, block.qkv.weight.shape[0])
         assert block.head.packed is None
     else:
+        want_packed = torch.float32 if layout == "upcast" else dtype
+        assert block.qkv.packed.dtype == want_packed and got.dtype == dtype
         assert block.qkv.packed is not None and block.qkv.weight.is_meta  # one copy only
         # A tied head stays the embedding's dense tensor (the lookup needs its rows).
         assert (block.head.packed is None) == tied
     assert not block.embed.weight.is_meta
     assert (block.embed.weight.stride()[0] == 1) == (tied and layout == "transposed")
+
+
+def test_upcast_is_the_bf16_gemm_with_fp32_sums() -> None:
+    """upcast: bf16 inputs and weights, the products summed in fp32, the output rounded to
+    bf16 once, as a bf16 GEMM with fp32 accumulation computes it."""
+    if cpu_gemm.layout_for(torch.bfloat16, "upcast") != "upcast":
+        pytest.skip("oneDNN cannot pack fp32 on this CPU")
+    torch.manual_seed(0)
+    layer = RowParallelLinear(256, 48, bias=True).to(torch.bfloat16)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.2)
+    x = torch.randn(9, 256, dtype=torch.bfloat16)
+    want = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
+    cpu_gemm.pack(layer, torch.float32)
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    # fp32 sums in another order: at most one bf16 rounding step apart
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=8e-3)
+
+
+def test_auto_upcasts_bf16_only_where_the_cpu_lacks_a_bf16_dot_product(monkeypatch) -> None:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN")
+    cases = {frozenset({"avx512f", "avx512_bf16"}): "packed",
+             frozenset({"avx512f", "amx_bf16"}): "packed",
+             frozenset({"avx512f", "avx512_vnni"}): "upcast",
+             frozenset(): "packed"}  # flags unknown: as before
+    for flags, want in cases.items():
+        monkeypatch.setattr(cpu_gemm, "_cpu_flags", lambda flags=flags: set(flags))
+        if want == "packed" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            want = "torch"
+        assert cpu_gemm.layout_for(torch.bfloat16, "auto") == want, flags
+        assert cpu_gemm.layout_for(torch.float32, "auto") == "transposed"
+        assert cpu_gemm.layout_for(torch.float16, "auto") == "torch"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -111,7 +150,7 @@ def test_mode_from_config_or_env(monkeypatch: pytest.MonkeyPatch) -> None:
         EngineArgs(cpu_gemm="fast")
     assert cpu_gemm.layout_for(torch.float32, "auto") == "transposed"
     assert cpu_gemm.layout_for(torch.float16, "auto") == "torch"
-    assert cpu_gemm.layout_for(torch.bfloat16, "auto") in ("packed", "torch")  # CPU support
+    assert cpu_gemm.layout_for(torch.bfloat16, "auto") in ("packed", "upcast", "torch")  # the CPU
     block = _Block(tied=False)
     assert cpu_gemm.prepare_model(block, torch.float32, torch.device("cuda"), "packed") == "torch"
     assert block.qkv.packed is None and block.qkv.weight.is_contiguous()  # CUDA: as loaded
@@ -134,3 +173,24 @@ def _check_hf_exact(model_dir: str, **engine_args: object) -> None:
 def test_packed_engine_is_hf_exact(tiny_model, engine_args: dict) -> None:
     model_dir = tiny_model(arch="qwen2", num_heads=4, num_kv_heads=2)  # biased QKV
     _check_hf_exact(model_dir, cpu_gemm="packed", collective_timeout=20.0, **engine_args)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_a_bf16_engine_on_upcast_weights_serves_from_fp32_packed_linears(tiny_model) -> None:
+    """The upcast layout in an engine (eager and compiled: the conversions around the packed
+    GEMM are traced): fp32 packed weights, the same first greedy token from both steps,
+    nothing leaked."""
+    model_dir = tiny_model(arch="qwen2", num_heads=4, num_kv_heads=2)  # biased QKV
+    prompts = [random_prompt(n, seed=n) for n in (1, 9, 40)]
+    firsts = []
+    for compile_ in (False, True):
+        with LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=64, block_size=8,
+                 cpu_gemm="upcast", compile=compile_) as llm:
+            runner = llm.engine.runner
+            qkv = runner.model.model.layers[0].self_attn.qkv_proj
+            assert qkv.packed.dtype == torch.float32 and qkv.weight.is_meta
+            outs = llm.generate(prompts, GREEDY)
+            assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
+            firsts.append([o.outputs[0].token_ids[0] for o in outs])
+            llm.engine.check_no_leaks()
+    assert firsts[0] == firsts[1]

@@ -2,7 +2,8 @@
 it measured and the decoding requests' TPOT slack under ``tpot_target_ms``: decodes keep
 their tokens exact across the mixed steps (greedy equal to each request run alone), and the
 chunk follows the slack (a request that can still meet the target bounds it, one already late
-does not)."""
+does not), widened as far as the queued prompts' TTFT target needs (a prompt already lost to
+it asks for nothing)."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ from pd_cluster import LLM, SamplingParams
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.step_time_model import StepTimeModel
 from pd_cluster.tpot_budget import Decoding, request_slack
+from pd_cluster.ttft_budget import Queued, rate_needed
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -121,3 +123,49 @@ def test_decodes_keep_their_tokens_exact_across_mixed_steps(tiny_model) -> None:
     assert [done[f"r{i}"] for i in range(len(prompts))] == alone
     assert chunks and min(chunks) == 8  # a block a step when decodes run and nothing fits
     engine.check_no_leaks()
+
+
+def test_the_rate_the_queued_prompts_need_and_the_chunk_that_moves_it() -> None:
+    now = 100.0
+    # 1000 tokens due in 2 s, then 1000 more due in 3 s: 2000 / 3 s is the higher need.
+    queue = [Queued(1000, now - 2.0), Queued(1000, now - 1.0)]
+    assert rate_needed(queue, now, 4.0, fastest=10_000) == pytest.approx(2000 / 3)
+    # The first is past its deadline: it asks for nothing, its tokens still go first.
+    late = [Queued(1000, now - 5.0), Queued(1000, now - 1.0)]
+    assert rate_needed(late, now, 4.0, fastest=10_000) == pytest.approx(2000 / 3)
+    # Beyond the fastest rate: lost too, so nothing is asked for.
+    assert rate_needed(queue, now, 4.0, fastest=100) == 0.0
+    assert rate_needed([], now, 4.0, fastest=100) == 0.0
+    m = StepTimeModel()
+    for n in (1, 2, 50, 100, 300):
+        m.add(n, 0.010 + 0.0005 * n)
+    c = m.tokens_for_rate(1000.0, others=4)  # c / (10 ms + 0.5 ms (c + 4)) >= 1000 tok/s
+    assert c / (0.010 + 0.0005 * (c + 4)) >= 1000 > (c - 1) / (0.010 + 0.0005 * (c + 3))
+    assert m.tokens_for_rate(2000.0, others=4) is None  # 0.5 ms a token: 2000/s unreachable
+
+
+def test_the_ttft_target_widens_the_chunk_past_the_tpot_slack(tiny_model) -> None:
+    # A tight TPOT target: d's slack pays for about one block of prompt a step.
+    llm = LLM(model=tiny_model(), num_kv_blocks=256, block_size=8, tpot_target_ms=12,
+              ttft_target_ms=1000, max_num_batched_tokens=512)
+    sched = llm.engine.scheduler
+    now = 1000.0
+    sched.clock = lambda: now
+    llm.engine.add_request("d", list(range(5, 25)), GREEDY)
+    llm.engine.step()  # d decodes from here on
+    _measured(sched)
+    llm.engine.add_request("p", list(range(5, 405)), GREEDY)  # 400 prompt tokens
+    p = sched.requests["p"]
+    p.arrival_time = now  # 1 s to its deadline: 400 tokens/s is easy, the slack decides
+    slack_only = sched._prefill_budget(10_000)
+    assert slack_only == 8
+    p.arrival_time = now - 0.95  # 50 ms left: 8000 tokens/s, more than any width moves
+    assert sched._prefill_budget(10_000) == slack_only  # lost whatever the width: no ask
+    p.arrival_time = now - 0.75  # 250 ms left: 1600 tokens/s
+    widened = sched._prefill_budget(10_000)
+    need = sched.step_times.tokens_for_rate(400 / 0.25, 1)
+    assert widened == min(need, 512) and widened > slack_only
+    p.arrival_time = now - 2.0  # past its deadline: the slack alone again
+    assert sched._prefill_budget(10_000) == slack_only
+    llm.engine.abort_request(["d", "p"])
+    llm.engine.check_no_leaks()

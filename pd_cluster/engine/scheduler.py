@@ -20,6 +20,7 @@ from pd_cluster.engine.step_time_model import StepTimeModel
 from pd_cluster.engine.spec.stats import SpecStats
 from pd_cluster.request import Request, RequestStatus
 from pd_cluster.tpot_budget import Decoding, request_slack
+from pd_cluster.ttft_budget import Queued, rate_needed
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ class Scheduler:
     def _prefill_budget(self, budget: int) -> int:
         """Prompt tokens this step may take: while requests decode, the cap, and a width the
         decoding requests' TPOT slack allows (one block at least, so prompts always
-        progress)."""
+        progress), widened to what the queued prompts' TTFT target needs."""
         decoding = [r for r in self.running if r.is_decoding]
         if not decoding:
             return budget
@@ -222,8 +223,28 @@ class Scheduler:
         if target is not None:
             fits = self._mixed_step_tokens(decoding, target / 1e3)
             if fits is not None:
-                budget = min(budget, max(fits - len(decoding), self.config.block_size))
+                width = max(fits - len(decoding), self.config.block_size)
+                needed = self._ttft_tokens(len(decoding), budget)
+                budget = min(budget, max(width, needed or 0))
         return budget
+
+    def _ttft_tokens(self, decoding: int, widest: int) -> int | None:
+        """The prompt chunk that brings the queued prompts still able to meet the TTFT
+        target in within it (ttft_budget.py); None: no target, nothing to save, or the
+        step times unknown. ``widest`` when no width keeps up."""
+        target = self.config.ttft_target_ms
+        line = self.step_times.line()
+        if target is None or line is None:
+            return None
+        fixed, per_token = line
+        fastest = widest / (fixed + per_token * (widest + decoding))
+        prompts = [r for r in self.running if not r.is_decoding] + list(self.waiting)
+        queued = [Queued(r.num_tokens - r.num_computed_tokens, r.arrival_time) for r in prompts]
+        rate = rate_needed(queued, self.clock(), target / 1e3, fastest)
+        if rate <= 0:
+            return None
+        chunk = self.step_times.tokens_for_rate(rate, decoding)
+        return widest if chunk is None else min(chunk, widest)
 
     def _mixed_step_tokens(self, decoding: list[Request], target: float) -> int | None:
         """The widest step that keeps every decoding request that can still meet ``target``

@@ -5,10 +5,12 @@ The scheduler of an engine that mixes prefill chunks into its decode steps sizes
 with it: a step that carries a prefill chunk takes longer than a decode step by what the
 decoding requests' TPOT slack allows (Sarathi-Serve's token budget, sized from measured step
 times and the requests' progress instead of a fixed number). Until the window holds steps of
-different widths the line is unknown and no budget is given.
+different widths the line is unknown and no budget is given. The same line gives the chunk
+width that keeps up with a rate of prompt tokens (the queued prompts' TTFT, ttft_budget.py).
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 WINDOW = 128  # recent steps fitted
@@ -44,6 +46,19 @@ class StepTimeModel:
             return None
         fixed, per_token = line
         return fixed + per_token * tokens
+
+    def tokens_for_rate(self, rate: float, others: int) -> int | None:
+        """The narrowest prompt chunk that moves ``rate`` prompt tokens a second in steps
+        that also carry ``others`` tokens (the decodes): c / (fixed + per_token (c + others))
+        >= rate. None: unknown, or no width reaches it (each token alone costs 1/rate)."""
+        line = self.line()
+        if line is None:
+            return None
+        fixed, per_token = line
+        if rate * per_token >= 1:
+            return None
+        width = rate * (fixed + per_token * others) / (1 - rate * per_token)
+        return max(math.ceil(width - 1e-9), 1)  # the float error of an exact fit
 
     def tokens_within(self, seconds: float) -> int | None:
         """The widest step (tokens) expected to take at most ``seconds``; None: unknown."""

@@ -11,9 +11,13 @@ in place (one copy of the weights, never two):
 - ``packed``: oneDNN's prepacked weight (``mkldnn::_linear_pointwise``, what vLLM-cpu runs). The
   bf16 winner: 1.3-1.8x at M 1-256, equal at prefill chunks. The dense weight is released (its
   Parameter moves to the meta device), so only the layer's own forward can use it.
+- ``upcast``: oneDNN's prepacked weight in fp32, for a bf16 model on a CPU with no bf16 dot
+  product (neither AVX512-BF16 nor AMX): there oneDNN runs bf16 GEMMs at a fifth of its fp32
+  rate from batch 8 up, so the GEMM takes fp32 inputs and its output is rounded to bf16. The
+  same math as a bf16 GEMM (bf16 inputs, fp32 sums); the weights take twice the memory.
 - ``torch``: left as loaded (fp16's choice: neither wins at every batch size; and CUDA's).
 
-``auto`` (the default) picks per dtype as above. ``engine.cpu_gemm`` sets it; unset,
+``auto`` (the default) picks per dtype as above, bf16 by what the CPU has. ``engine.cpu_gemm`` sets it; unset,
 ``$PD_CLUSTER_CPU_GEMM`` does. A module opts out with ``keep_layout = True`` (MLA's kv_b_proj,
 whose weight is read as heads). A tied LM head is only transposed (the embedding's lookup reads
 the same tensor); packed would need a second copy.
@@ -53,11 +57,35 @@ def _packing_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16_dot() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (x86: AVX512-BF16 or AMX). Elsewhere, or
+    where the flags cannot be read, assumed so: the packed bf16 GEMM stays the choice."""
+    flags = _cpu_flags()
+    if not flags or "avx512f" not in flags:
+        return True
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def layout_for(dtype: torch.dtype, mode: str) -> str:
-    """The layout ``mode`` gives weights of ``dtype``: torch | transposed | packed."""
+    """The layout ``mode`` gives weights of ``dtype``: torch | transposed | packed | upcast."""
     if mode == "auto":
-        mode = {torch.float32: "transposed", torch.bfloat16: "packed"}.get(dtype, "torch")
-    if mode == "packed" and not _packing_supported(dtype):
+        bf16 = "packed" if native_bf16_dot() else "upcast"
+        mode = {torch.float32: "transposed", torch.bfloat16: bf16}.get(dtype, "torch")
+    if mode == "upcast" and dtype not in (torch.bfloat16, torch.float16):
+        mode = "packed"  # fp32 weights are already what upcast makes
+    if mode in ("packed", "upcast") and not _packing_supported(torch.float32 if mode == "upcast"
+                                                                else dtype):
         return "torch"
     return mode
 
@@ -93,6 +121,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     guards, and an op object does not pickle."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if packed.dtype != x.dtype:  # upcast: the GEMM in the packed weight's dtype
+        out = linear(x.to(packed.dtype), weight, None if bias is None else bias.to(packed.dtype),
+                     packed, packed_cpp)
+        return out.to(x.dtype)
     if torch.compiler.is_compiling():
         if packed_cpp:
             return torch.ops.pd_cluster_cpu.onednn_linear(x, packed, bias, packed.shape[0])
@@ -106,11 +138,13 @@ def transpose_in_place(param: nn.Parameter) -> None:
     param.data = param.data.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
-def pack(module: nn.Module) -> None:
+def pack(module: nn.Module, dtype: torch.dtype | None = None) -> None:
     """Give ``module`` (a linear with ``weight`` and a ``packed`` slot) oneDNN's packed copy
-    of its weight and release the dense one (a meta tensor of its shape is left)."""
+    of its weight, in ``dtype`` (default the weight's own), and release the dense one (a meta
+    tensor of its shape is left)."""
     weight = module.weight
-    module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    dense = weight.detach() if dtype is None else weight.detach().to(dtype)
+    module.packed = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous())
     module.packed_cpp = cpp_op_loaded()
     module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
                                  requires_grad=False)
@@ -142,6 +176,6 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, device: torch.device,
         if layout == "transposed":
             transpose_in_place(param)
         elif len(users) == 1 and users[0][1] == "weight":
-            pack(users[0][0])
+            pack(users[0][0], torch.float32 if layout == "upcast" else None)
     logger.info("CPU linear weights: %s layout (%s, cpu_gemm=%s)", layout, dtype, mode)
     return layout

@@ -44,7 +44,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits = hidden @ W^T, W split by vocabulary rows; the slices are gathered. On CPU the
     weight may be stored transposed or (untied) packed after loading (cpu_gemm.py)."""
 
-    cpu_gemm_layouts = ("transposed", "packed")
+    cpu_gemm_layouts = ("transposed", "packed", "upcast")
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = TPGroup()) -> None:
         super().__init__(vocab_size, hidden_size, tp)

@@ -48,7 +48,7 @@ class _Linear(nn.Module):
     """y = x W^T (+ b) with W of shape [out_per_rank, in_per_rank]; subclasses say how to slice.
     On CPU the weight may be stored transposed or packed after loading (cpu_gemm.py)."""
 
-    cpu_gemm_layouts = ("transposed", "packed")
+    cpu_gemm_layouts = ("transposed", "packed", "upcast")
     keep_layout = False  # True: the weight is read as a tensor elsewhere (cpu_gemm leaves it)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:

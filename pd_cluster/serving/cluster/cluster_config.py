@@ -138,9 +138,11 @@ class ClusterConfig(ConfigSection):
         cap = prefill_cap(role, rc, self.engine)
         if cap is not None:
             args["max_prefill_tokens_per_step"] = cap
-        if role == ROLE_COLOCATED and "tpot_target_ms" not in args:
-            # A colocated engine mixes prompts into its decode steps within the TPOT target.
-            args["tpot_target_ms"] = self.proxy.slo.tpot_ms
+        if role == ROLE_COLOCATED:
+            # A colocated engine mixes prompts into its decode steps within the TPOT target,
+            # as fast as the queued prompts' TTFT target needs.
+            args.setdefault("tpot_target_ms", self.proxy.slo.tpot_ms)
+            args.setdefault("ttft_target_ms", self.proxy.slo.ttft_ms)
         return EngineSpec(name=name, role=role, model=self.model,
                           engine_args=own_disk_tier(args, name), num_cpus=rc.num_cpus,
                           num_gpus=rc.num_gpus, pin_threads=self.cpu.pin_threads,
