@@ -6,9 +6,11 @@ token queued up to and including its own is computed: at ``rate`` prompt tokens 
 ``queued_j / rate`` from now. It meets a target ``ttft`` when that lands before its deadline
 ``arrival_j + ttft``, so the rate every prompt that can still meet it needs is the highest
 ``queued_j / (deadline_j - now)``. A prompt past its deadline, or one that the engine's
-fastest rate cannot bring in before it, is lost to the target: its tokens still go first
-(order is kept), but it asks for no rate of its own, so a lost prompt never widens the steps
-for nothing while requests decode.
+fastest rate cannot bring in before it, is lost to the target; it is brought in within one
+more target from now instead. Without that a queue past its deadlines would ask for nothing,
+its prompts would move a block a step, every prompt arriving behind them would be late too
+and the queue would never drain (an overload that feeds itself); with it a backlog is
+drained as fast as one target's worth of time needs, at the widest step when it is deep.
 
 The scheduler turns the rate into a chunk width through the step times it measured
 (engine/step_time_model.py) and takes the wider of that and what the decoding requests'
@@ -31,13 +33,14 @@ class Queued:
 def rate_needed(queued: Iterable[Queued], now: float, target: float,
                 fastest: float) -> float:
     """Prompt tokens a second that bring every prompt of ``queued`` still able to meet
-    ``target`` TTFT in within it; 0.0 when none can (or none waits). ``fastest``: the
-    engine's highest prompt rate (tokens/s) at its widest step."""
+    ``target`` TTFT in within it, and every one already lost within one more ``target``;
+    0.0 when none waits. ``fastest``: the engine's highest prompt rate (tokens/s) at its
+    widest step."""
     total, rate = 0, 0.0
     for q in queued:
         total += q.tokens
         left = q.arrival + target - now
         if left <= 0 or total > fastest * left:
-            continue  # lost to the target whatever the width
+            left = target  # lost to the target whatever the width: drain it within one more
         rate = max(rate, total / left)
     return rate

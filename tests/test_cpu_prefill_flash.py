@@ -1,4 +1,4 @@
-"""Long bf16/fp16 prefill chunks go through ATen's flash kernel (attention/cpu_prefill.py), the
+"""Long fp32/bf16/fp16 prefill chunks go through ATen's flash kernel (attention/cpu_prefill.py), the
 rest through the paged kernel: every request's rows match the torch reference whichever path
 takes them, from a prompt's start and after cached context, in any order in the batch."""
 from __future__ import annotations
@@ -18,12 +18,14 @@ N = cpu_prefill.MIN_QUERY_TOKENS
 MIXED_LONG = ([1, 1, N + 37, 5, N, 2 * N + 3], [40, 700, N + 37, 90, N + 500, 2 * N + 3])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("hq,hkv,d,block_size", [(8, 4, 64, 16), (4, 4, 128, 5), (7, 1, 64, 32),
                                                  (4, 2, 40, 16)],
                          ids=["gqa", "mha-bs5", "mqa7-bs32", "d40"])
 def test_long_chunks_match_reference(dtype, hq, hkv, d, block_size) -> None:
-    check(*MIXED_LONG, hq=hq, hkv=hkv, d=d, block_size=block_size, dtype=dtype, atol=2e-2)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    check(*MIXED_LONG, hq=hq, hkv=hkv, d=d, block_size=block_size, dtype=dtype, atol=atol)
 
 
 def test_only_long_chunks_and_only_one_request() -> None:
@@ -44,6 +46,7 @@ def test_which_path_takes_what() -> None:
     q = torch.zeros(3, 8, 64, dtype=torch.bfloat16)
     kc = torch.zeros(4, 16, 4, 64, dtype=torch.bfloat16)
     assert cpu_prefill.applies(q, kc, kc, AttentionOptions(scale=0.1))
-    assert not cpu_prefill.applies(q.float(), kc.float(), kc.float(), AttentionOptions(scale=0.1))
+    assert cpu_prefill.applies(q.float(), kc.float(), kc.float(), AttentionOptions(scale=0.1))
+    assert not cpu_prefill.applies(q.float(), kc, kc, AttentionOptions(scale=0.1))  # mixed
     assert not cpu_prefill.applies(q, kc, kc, AttentionOptions(scale=0.1, sliding_window=8))
     assert not cpu_prefill.applies(q, kc, kc[..., :32], AttentionOptions(scale=0.1))

@@ -130,11 +130,13 @@ def test_the_rate_the_queued_prompts_need_and_the_chunk_that_moves_it() -> None:
     # 1000 tokens due in 2 s, then 1000 more due in 3 s: 2000 / 3 s is the higher need.
     queue = [Queued(1000, now - 2.0), Queued(1000, now - 1.0)]
     assert rate_needed(queue, now, 4.0, fastest=10_000) == pytest.approx(2000 / 3)
-    # The first is past its deadline: it asks for nothing, its tokens still go first.
+    # The first is past its deadline: it is drained within one more target (1000 / 4 s),
+    # and its tokens still go first (the second's 2000 / 3 s is the higher need).
     late = [Queued(1000, now - 5.0), Queued(1000, now - 1.0)]
     assert rate_needed(late, now, 4.0, fastest=10_000) == pytest.approx(2000 / 3)
-    # Beyond the fastest rate: lost too, so nothing is asked for.
-    assert rate_needed(queue, now, 4.0, fastest=100) == 0.0
+    assert rate_needed(late[:1], now, 4.0, fastest=10_000) == pytest.approx(1000 / 4)
+    # Beyond the fastest rate: lost too, so both are drained within one more target.
+    assert rate_needed(queue, now, 4.0, fastest=100) == pytest.approx(2000 / 4)
     assert rate_needed([], now, 4.0, fastest=100) == 0.0
     m = StepTimeModel()
     for n in (1, 2, 50, 100, 300):
@@ -160,12 +162,16 @@ def test_the_ttft_target_widens_the_chunk_past_the_tpot_slack(tiny_model) -> Non
     slack_only = sched._prefill_budget(10_000)
     assert slack_only == 8
     p.arrival_time = now - 0.95  # 50 ms left: 8000 tokens/s, more than any width moves
-    assert sched._prefill_budget(10_000) == slack_only  # lost whatever the width: no ask
+    assert sched._prefill_budget(10_000) == slack_only  # lost: 400 tokens in 1 s, the slack's
     p.arrival_time = now - 0.75  # 250 ms left: 1600 tokens/s
     widened = sched._prefill_budget(10_000)
     need = sched.step_times.tokens_for_rate(400 / 0.25, 1)
-    assert widened == min(need, 512) and widened > slack_only
-    p.arrival_time = now - 2.0  # past its deadline: the slack alone again
+    assert widened == need and widened > slack_only
+    p.arrival_time = now - 2.0  # past its deadline: 400 tokens within 1 s, the slack's
     assert sched._prefill_budget(10_000) == slack_only
-    llm.engine.abort_request(["d", "p"])
+    llm.engine.add_request("q", list(range(5, 405)) * 4, GREEDY)  # 1600 more, as late
+    sched.requests["q"].arrival_time = now - 2.0
+    # 2000 tokens within 1 s: past any width (0.5 ms a token), so the whole budget
+    assert sched._prefill_budget(10_000) == 10_000
+    llm.engine.abort_request(["d", "p", "q"])
     llm.engine.check_no_leaks()

@@ -2,8 +2,10 @@
 
 In bf16/fp16 ATen's CPU flash kernel runs its GEMMs through oneDNN's brgemm (AMX where the
 CPU has it): at one thread, bench-50m's heads, it is 1.6x the paged C++ kernel on a 512-token
-prompt and 2.7x on a 2048-token one (scripts/bench_attention.py --part prefill). Decode tokens
-and short chunks stay on the paged kernel, which reads the blocks in place.
+prompt and 2.7x on a 2048-token one (scripts/bench_attention.py --part prefill). In fp32 it
+takes a 2048-token prefill of that model on two AVX-512 cores a tenth faster than the paged
+kernel. Decode tokens and short chunks stay on the paged kernel, which reads the blocks in
+place.
 
 A chunk after cached context (an earlier chunk of the prompt, or a prefix-cache hit) attends
 to that context without a mask and to itself causally: two calls whose softmaxes are merged by
@@ -20,7 +22,7 @@ from pd_cluster.attention.options import AttentionOptions
 # Shorter chunks stay on the paged kernel: below this the gather and the two calls cost more
 # than they save (measured at 1 thread, bench-50m's heads: the crossover is 32-64 tokens).
 MIN_QUERY_TOKENS = 64
-_DTYPES = (torch.bfloat16, torch.float16)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -28,7 +30,7 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 def applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             opts: AttentionOptions) -> bool:
     """Whether this layer's long chunks may go through the flash kernel: plain softmax
-    attention (no window, soft-cap or sinks) in a dtype its brgemm path serves, the cache in
+    attention (no window, soft-cap or sinks) in a float dtype, the cache in
     the query's dtype (an FP8 cache stays on the paged kernel, which converts it per block)."""
     return (query.dtype in _DTYPES and key_cache.dtype == value_cache.dtype == query.dtype
             and not opts.sliding_window and not opts.logit_softcap
