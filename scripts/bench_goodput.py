@@ -238,9 +238,10 @@ def report(figs: dict[str, dict[float, Any]], rates: list[float], ttfts: list[fl
                   f"{f['tpot_p50']:.1f} ms", flush=True)
             if base is not None and side in PD_SIDES:
                 for c in cells:
-                    theirs = base["goodput"][c]
-                    g = f["goodput"][c] / theirs if theirs else float("inf")
-                    ratios.append(f"{side}@{rate:g}/{c[0]:g}s/{c[1]:g}ms={g:.2f}")
+                    ours, theirs = f["goodput"][c], base["goodput"][c]
+                    # neither serves the cell: no ratio (not inf)
+                    g = (f"{ours / theirs:.2f}" if theirs else "inf" if ours else "n/a")
+                    ratios.append(f"{side}@{rate:g}/{c[0]:g}s/{c[1]:g}ms={g}")
         if base is not None:
             for side, per_rate in figs.items():
                 f = per_rate.get(rate)

@@ -45,3 +45,18 @@ def test_goodput_counts_only_requests_within_both_targets(tmp_path) -> None:
     # TPOT 10 ms / 30 ms / 10 ms (TTFT 5 s: out at 4 s); the failed request counts nowhere.
     assert f["goodput"] == {(4.0, 20.0): 0.1, (4.0, 40.0): 0.2, (8.0, 20.0): 0.2,
                             (8.0, 40.0): 0.3} and f["failed"] == 1
+
+
+def test_the_ratio_line_says_where_neither_server_serves_a_cell(capsys) -> None:
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from bench_goodput import report
+    cells = [(4.0, 40.0), (4.0, 60.0), (8.0, 40.0), (8.0, 60.0)]
+    theirs = {"goodput": dict(zip(cells, [0.0, 0.0, 0.0, 0.2])), "ttft_p50": 1000.0,
+              "tpot_p50": 50.0}
+    ours = {"goodput": dict(zip(cells, [0.0, 0.1, 0.0, 0.3])), "ttft_p50": 500.0,
+            "tpot_p50": 40.0}
+    report({"vllm-all": {0.5: theirs}, "colocated": {0.5: ours}}, [0.5], [4.0, 8.0],
+           [40.0, 60.0])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "colocated@0.5/4s/40ms=n/a" in line and "colocated@0.5/4s/60ms=inf" in line
+    assert "colocated@0.5/8s/60ms=1.50" in line

@@ -2,9 +2,9 @@
 on CPU.
 
 The kernel serves decode tokens and short prefill chunks, reading K/V in place from the paged
-blocks. In fp32 it takes long chunks too (measured at 1 thread, bench-50m's heads: 2-2.8x
-SDPA's flash kernel over gathered K/V); in bf16/fp16, where ATen's flash kernel runs on
-oneDNN's brgemm, long chunks go there instead (cpu_prefill.py: 1.6-2.7x the paged kernel).
+blocks. Long chunks go to ATen's flash kernel over gathered K/V instead (cpu_prefill.py): in
+bf16/fp16, where it runs on oneDNN's brgemm, 1.6-2.7x the paged kernel; in fp32 equal at one
+thread and a tenth faster at two on an AVX-512 CPU without AMX.
 The torch backend, which gathers every request's context into dense tensors, stays as the
 reference this one is tested against.
 """
