@@ -214,7 +214,8 @@ class EngineArgs(BaseModel):
     compile_mode: str | None = None
     # CPU linear weights' layout after loading (models/layers/cpu_gemm.py): auto (per dtype,
     # as measured: fp32 transposed, bf16 oneDNN-packed, or packed in fp32 where the CPU has no
-    # bf16 dot product; fp16 as loaded) | torch (as loaded) | transposed | packed | upcast. None: $PD_CLUSTER_CPU_GEMM decides (default auto). CUDA: as loaded.
+    # bf16 dot product; fp16 as loaded) | torch (as loaded) | transposed | packed | upcast.
+    # None: $PD_CLUSTER_CPU_GEMM decides (default auto). CUDA: as loaded.
     cpu_gemm: str | None = None
     # On CUDA: decode steps replay CUDA graphs captured at start per batch size and context
     # bucket (engine/cuda_graphs.py), in a pool bounded by half the memory

@@ -15,12 +15,11 @@ from typing import Any
 
 from pd_cluster.config import EngineConfig
 from pd_cluster import ttft_trace
+from pd_cluster.engine import prompt_budget
 from pd_cluster.engine.block_manager import BlockManager
 from pd_cluster.engine.step_time_model import StepTimeModel
 from pd_cluster.engine.spec.stats import SpecStats
 from pd_cluster.request import Request, RequestStatus
-from pd_cluster.tpot_budget import Decoding, request_slack
-from pd_cluster.ttft_budget import Queued, rate_needed
 
 logger = logging.getLogger(__name__)
 
@@ -210,64 +209,10 @@ class Scheduler:
         return out
 
     def _prefill_budget(self, budget: int) -> int:
-        """Prompt tokens this step may take: while requests decode, the cap, and a width the
-        decoding requests' TPOT slack allows (one block at least, so prompts always
-        progress), widened to what the queued prompts' TTFT target needs."""
-        decoding = [r for r in self.running if r.is_decoding]
-        if not decoding:
-            return budget
-        cap = self.config.max_prefill_tokens_per_step
-        if cap is not None:
-            budget = min(budget, cap)
-        target = self.config.tpot_target_ms
-        if target is not None:
-            fits = self._mixed_step_tokens(decoding, target / 1e3)
-            if fits is not None:
-                width = max(fits - len(decoding), self.config.block_size)
-                needed = self._ttft_tokens(len(decoding), budget)
-                budget = min(budget, max(width, needed or 0))
-        return budget
-
-    def _ttft_tokens(self, decoding: int, widest: int) -> int | None:
-        """The prompt chunk that brings the queued prompts still able to meet the TTFT
-        target in within it (ttft_budget.py); None: no target, nothing to save, or the
-        step times unknown. ``widest`` when no width keeps up."""
-        target = self.config.ttft_target_ms
-        line = self.step_times.line()
-        if target is None or line is None:
-            return None
-        fixed, per_token = line
-        fastest = widest / (fixed + per_token * (widest + decoding))
-        prompts = [r for r in self.running if not r.is_decoding] + list(self.waiting)
-        queued = [Queued(r.num_tokens - r.num_computed_tokens, r.arrival_time) for r in prompts]
-        rate = rate_needed(queued, self.clock(), target / 1e3, fastest)
-        if rate <= 0:
-            return None
-        chunk = self.step_times.tokens_for_rate(rate, decoding)
-        return widest if chunk is None else min(chunk, widest)
-
-    def _mixed_step_tokens(self, decoding: list[Request], target: float) -> int | None:
-        """The widest step that keeps every decoding request that can still meet ``target``
-        TPOT within it: a decode step's time plus the least slack among them (the pause
-        they all absorb, tpot_budget.py). Requests already past saving do not hold the
-        prompts back; when none can be saved a step is held to the target itself. None: the
-        step times are not known yet."""
-        decode_step = self.step_times.seconds_for(len(decoding))
-        if decode_step is None:
-            return None
-        now = self.clock()
-        slacks = [request_slack(self._progress(r, now), decode_step, target) for r in decoding]
-        within = [s for s in slacks if s >= 0]
-        return self.step_times.tokens_within(decode_step + min(within) if within else target)
-
-    def _progress(self, request: Request, now: float) -> Decoding:
-        start = request.first_token_time if request.first_token_time is not None else now
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is None:  # unbounded: the context bounds it
-            max_tokens = self.max_model_len - request.num_prompt_tokens
-        done = request.first_token_index
-        return Decoding(now - start, max(request.num_output_tokens - done, 1),
-                        max(max_tokens - done, 1))
+        """Prompt tokens this step may take beside its decodes (prompt_budget.py)."""
+        return prompt_budget.prompt_tokens(self.config, self.step_times, self.clock(),
+                                           self.running, self.waiting, self.max_model_len,
+                                           budget)
 
     def _drafts(self, request: Request, num_new: int, budget: int, others: int) -> list[int]:
         """The proposed tokens a decoding request verifies this step (taken off it): what

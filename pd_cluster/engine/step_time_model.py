@@ -47,6 +47,12 @@ class StepTimeModel:
         fixed, per_token = line
         return fixed + per_token * tokens
 
+    def prompt_rate(self, width: int, others: int) -> float | None:
+        """Prompt tokens a second moved by steps of a ``width``-token chunk beside
+        ``others`` tokens; None: unknown."""
+        seconds = self.seconds_for(width + others)
+        return None if seconds is None else width / seconds
+
     def tokens_for_rate(self, rate: float, others: int) -> int | None:
         """The narrowest prompt chunk that moves ``rate`` prompt tokens a second in steps
         that also carry ``others`` tokens (the decodes): c / (fixed + per_token (c + others))

@@ -17,13 +17,14 @@ in place (one copy of the weights, never two):
   same math as a bf16 GEMM (bf16 inputs, fp32 sums); the weights take twice the memory.
 - ``torch``: left as loaded (fp16's choice: neither wins at every batch size; and CUDA's).
 
-``auto`` (the default) picks per dtype as above, bf16 by what the CPU has. ``engine.cpu_gemm`` sets it; unset,
-``$PD_CLUSTER_CPU_GEMM`` does. A module opts out with ``keep_layout = True`` (MLA's kv_b_proj,
+``auto`` (the default) picks per dtype as above, bf16 by what the CPU has. ``engine.cpu_gemm``
+sets it; unset, ``$PD_CLUSTER_CPU_GEMM`` does. A module opts out with ``keep_layout = True`` (MLA's kv_b_proj,
 whose weight is read as heads). A tied LM head is only transposed (the embedding's lookup reads
 the same tensor); packed would need a second copy.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Optional
@@ -57,15 +58,16 @@ def _packing_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def native_bf16_dot() -> bool:
@@ -122,9 +124,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if packed is None:
         return F.linear(x, weight, bias)
     if packed.dtype != x.dtype:  # upcast: the GEMM in the packed weight's dtype
-        out = linear(x.to(packed.dtype), weight, None if bias is None else bias.to(packed.dtype),
-                     packed, packed_cpp)
-        return out.to(x.dtype)
+        # The bias is converted per call, not stored converted: a row-parallel layer adds
+        # its own after the all-reduce, in the model's dtype.
+        bias = None if bias is None else bias.to(packed.dtype)
+        return linear(x.to(packed.dtype), weight, bias, packed, packed_cpp).to(x.dtype)
     if torch.compiler.is_compiling():
         if packed_cpp:
             return torch.ops.pd_cluster_cpu.onednn_linear(x, packed, bias, packed.shape[0])
