@@ -98,7 +98,7 @@ def test_ray_up_cluster_file() -> None:
     ({"kv_transfer": {"options": {"bogus": 1}}}, "kv_transfer.options.bogus: unknown key"),
     ({"mode": "hybrid"}, "mode: must be one of"),
     ({"mode": "colocated", "prefill": {"replicas": 1}}, "prefill: not used with mode: colocated"),
-    ({"colocated": {"replicas": 2}}, "colocated: not used with mode: disaggregated"),
+    ({"mode": "disaggregated", "colocated": {"replicas": 2}}, "colocated: not used with mode: disaggregated"),
     ({"ray": {"num_cpus": "many"}}, "ray.num_cpus: expected a number"),
     ({"proxy": [1, 2]}, "proxy: expected a mapping"),
     ({"modle": "tiny-llama"}, "modle: unknown key"),

@@ -50,6 +50,9 @@ def add_planner_commands(sub: argparse._SubParsersAction) -> None:
                    "percentile TTFT/TPOT at this req/s on the planned split (or --split)")
     q.add_argument("--split", default=None, metavar="P:D", help="with --at-rate: this many "
                    "prefill and decode engines instead of the plan's")
+    q.add_argument("--colocated-profile", default=None, help="JSON from `pd-cluster profile` "
+                   "of one colocated engine on the cores of --slots engines together: also "
+                   "compare that shape with the P/D split (the comparison `mode: auto` makes)")
     q.add_argument("--config", default=None, help="base cluster YAML the plan is written into")
     q.add_argument("--out", default=None, help="write the planned cluster YAML here")
     q.set_defaults(run=_run_plan)
@@ -73,11 +76,14 @@ def _setup(args: argparse.Namespace) -> Any:
         cfg = load_config(args.config)
         kv = kv_for_role(cfg.kv_transfer, "prefill")
         kv.pop("role", None)
+        # a colocated engine prefills and decodes on the same threads: both measured there
+        p, d = ((cfg.colocated, cfg.colocated) if cfg.mode == "colocated"
+                else (cfg.prefill, cfg.decode))
         return ProfileSetup(model=check_model(cfg.model), model_name=cfg.model,
                             engine_args=dict(cfg.engine), kv_transfer=kv,
-                            prefill_threads=max(1, int(cfg.prefill.num_cpus)),
-                            decode_threads=max(1, int(cfg.decode.num_cpus)),
-                            tensor_parallel_size=cfg.prefill.tensor_parallel_size)
+                            prefill_threads=max(1, int(p.num_cpus)),
+                            decode_threads=max(1, int(d.num_cpus)),
+                            tensor_parallel_size=p.tensor_parallel_size)
     model = args.model or "tiny-llama"
     kv = kv_for_role(KVTransferConfig(), "prefill")
     kv.pop("role", None)
@@ -111,7 +117,8 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from pd_cluster.planner.perf_model import LIMITATIONS, PerfModel, Slo
-    from pd_cluster.planner.plan import make_plan, plan_config, smallest_plan
+    from pd_cluster.planner.plan import (colocated_config, make_plan, plan_config,
+                                         smallest_plan)
     from pd_cluster.planner.profile_table import Profile
     from pd_cluster.planner.workload import Workload
     profile = Profile.load(args.profile)
@@ -142,11 +149,15 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(f"not modelled: {LIMITATIONS}")
     if args.at_rate is not None:
         _predict_at(model, plan, args)
+    choice = None
+    if args.colocated_profile:
+        choice = _compare_shapes(model, args)
     if args.out:
         from pd_cluster.serving.cluster.cluster_config import ClusterConfig
         base = yaml.safe_load(Path(args.config).read_text()) if args.config else {
             "model": profile.key.model}
-        data = plan_config(plan, base or {}, model)
+        data = (colocated_config(choice, base or {}, model) if choice is not None
+                and choice.mode == "colocated" else plan_config(plan, base or {}, model))
         data["planner"] = {**data.get("planner", {}), "profile": str(Path(args.profile))}
         ClusterConfig.from_dict(data)  # what is written must launch
         Path(args.out).write_text(yaml.safe_dump(data, sort_keys=False))
@@ -168,3 +179,21 @@ def _predict_at(model: Any, plan: Any, args: argparse.Namespace) -> None:
           f"p{pct:g} {model.ttft(r / n_p) * 1e3:.0f} ms; TPOT p50 "
           f"{model.tpot(r / n_d, 50) * 1e3:.1f} ms, p{pct:g} {model.tpot(r / n_d) * 1e3:.1f} ms;"
           f" goodput {model.goodput(r, n_p, n_d):.3g} req/s")
+
+
+def _compare_shapes(model: Any, args: argparse.Namespace) -> Any:
+    from pd_cluster.planner.colocated_model import LIMITATIONS, ColocatedModel
+    from pd_cluster.planner.profile_table import Profile
+    from pd_cluster.planner.shape import compare_shapes
+    if args.rate is not None:
+        raise ValueError("--colocated-profile: compares shapes on --slots engines' cores; "
+                         "drop --rate")
+    profile = Profile.load(args.colocated_profile)
+    colocated = ColocatedModel(profile, model.workload, model.slo, args.max_num_seqs)
+    choice = compare_shapes(model, colocated, args.slots, cores=float(args.slots))
+    print(f"colocated ({profile.key.device}): {choice.colocated_rate:.3g} req/s within the "
+          f"targets, TTFT p{args.percentile:g} {colocated.ttft(choice.colocated_rate) * 1e3:.0f}"
+          f" ms, TPOT {colocated.tpot(choice.colocated_rate) * 1e3:.1f} ms at that rate")
+    print(f"shape: {choice.line}")
+    print(f"not modelled (colocated): {LIMITATIONS}")
+    return choice

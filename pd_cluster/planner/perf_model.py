@@ -1,9 +1,8 @@
 """DistServe-style capacity arithmetic over a measured profile.
 
 Prefill engine (TTFT): requests arrive Poisson at rate lam per engine and are prefilled one
-after another (M/G/1): utilisation rho = lam E[S], mean wait Wq = lam E[S^2] / (2 (1 - rho))
-(Pollaczek-Khinchine); a request waits with probability rho, and then for an exponential time
-of mean Wq / rho. TTFT = wait + its own prefill S (the first token comes from P).
+after another (prefill_queue.PrefillQueue, M/G/1); TTFT = wait + its own prefill S (the first
+token comes from P).
 Decode engine (TPOT): a request stays out_len steps; by Little's law the mean batch m solves
 m = lam (E[X] + E[out] T(m + 1)), T the profiled step time at the workload's mean decode
 context; TPOT of a request = T(m + 1) + X / (out - 1), X its KV transfer tail (it delays the
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pd_cluster.planner.prefill_queue import PrefillQueue
 from pd_cluster.planner.profile_table import Profile
 from pd_cluster.planner.workload import Workload
 
@@ -56,30 +56,18 @@ class PerfModel:
         self.decode_scale = decode_scale
         self.service = np.array([profile.prefill_seconds(n) for n in workload.input_lens]
                                 ) * prefill_scale
-        self.es = float(self.service.mean())
-        self.es2 = float((self.service ** 2).mean())
+        self.queue = PrefillQueue(self.service)
+        self.es, self.es2 = self.queue.es, self.queue.es2
         self.transfer = np.array([profile.transfer_seconds(n) for n in workload.input_lens])
         self.ctx = workload.decode_context()
         self.q = 1 - slo.percentile / 100
         self._service_q = float(np.quantile(self.service, 1 - self.q))
 
     # ---- prefill ---------------------------------------------------------------------------
-    def _wait(self, lam: float) -> tuple[float, float]:
-        """(rho, mean wait) on one prefill engine at ``lam`` requests/s."""
-        rho = lam * self.es
-        if rho >= 1:
-            return rho, math.inf
-        return rho, lam * self.es2 / (2 * (1 - rho))
-
     def ttft(self, lam: float, percentile: float | None = None) -> float:
         """The percentile TTFT (s) on a prefill engine taking ``lam`` requests/s (default:
         the targets' percentile)."""
-        q = self.q if percentile is None else 1 - percentile / 100
-        rho, wq = self._wait(lam)
-        if math.isinf(wq):
-            return math.inf
-        wait_q = 0.0 if q >= rho or rho == 0 else (wq / rho) * math.log(rho / q)
-        return wait_q + float(np.quantile(self.service, 1 - q))
+        return self.queue.ttft(lam, self.q if percentile is None else 1 - percentile / 100)
 
     def pool_ttft(self, lam: float, engines: int) -> float:
         """The percentile TTFT (s) when ``engines`` prefill engines share ``lam`` requests/s,
@@ -107,18 +95,12 @@ class PerfModel:
         at the percentile (routed to the least queued: ``pool_ttft``)."""
         if engines < 1:
             return 0.0
-        return _bisect(lambda lam: self.pool_ttft(lam, engines) <= self.slo.ttft_s,
+        return bisect_largest(lambda lam: self.pool_ttft(lam, engines) <= self.slo.ttft_s,
                        engines / self.es)
 
     def ttft_ok(self, lam: float) -> np.ndarray:
         """Per request of the sample: the probability its TTFT meets the target."""
-        rho, wq = self._wait(lam)
-        slack = self.slo.ttft_s - self.service
-        if math.isinf(wq):
-            return np.zeros_like(slack)
-        if rho == 0 or wq == 0:
-            return (slack >= 0).astype(float)
-        return np.where(slack >= 0, 1 - rho * np.exp(-np.maximum(slack, 0) * rho / wq), 0.0)
+        return self.queue.ttft_ok(lam, self.slo.ttft_s)
 
     # ---- decode ----------------------------------------------------------------------------
     def step(self, batch: float) -> float:
@@ -127,15 +109,8 @@ class PerfModel:
     def mean_batch(self, lam: float) -> float:
         """Mean requests decoding on one engine at ``lam`` requests/s (inf: overload)."""
         ex, eout = float(self.transfer.mean()), self.workload.mean_output
-        m = 0.0
-        for _ in range(200):
-            nxt = lam * (ex + eout * self.step(m + 1))
-            if nxt > self.max_num_seqs:
-                return math.inf
-            if abs(nxt - m) < 1e-6:
-                return nxt
-            m = nxt
-        return math.inf if nxt > m + 1e-3 else m  # still climbing: no fixed point
+        return batch_fixed_point(lambda m: lam * (ex + eout * self.step(m + 1)),
+                                 self.max_num_seqs)
 
     def tpots(self, lam: float) -> np.ndarray:
         m = self.mean_batch(lam)
@@ -152,12 +127,12 @@ class PerfModel:
     # ---- capacity --------------------------------------------------------------------------
     def prefill_capacity(self) -> float:
         """Highest requests/s one prefill engine takes within the TTFT target at the percentile."""
-        return _bisect(lambda lam: self.ttft(lam) <= self.slo.ttft_s, 1 / self.es)
+        return bisect_largest(lambda lam: self.ttft(lam) <= self.slo.ttft_s, 1 / self.es)
 
     def decode_capacity(self) -> float:
         """Highest requests/s one decode engine takes within the TPOT target at the percentile."""
         hi = self.max_num_seqs / max(self.workload.mean_output * self.step(1), 1e-9)
-        return _bisect(lambda lam: self.tpot(lam) <= self.slo.tpot_s, hi)
+        return bisect_largest(lambda lam: self.tpot(lam) <= self.slo.tpot_s, hi)
 
     def goodput(self, rate: float, n_prefill: int, n_decode: int) -> float:
         """Predicted requests/s meeting both targets at ``rate`` over the whole cluster."""
@@ -166,6 +141,21 @@ class PerfModel:
         ok_t = self.ttft_ok(rate / n_prefill)
         ok_d = (self.tpots(rate / n_decode) <= self.slo.tpot_s).astype(float)
         return rate * float((ok_t * ok_d).mean())
+
+
+def batch_fixed_point(little, max_num_seqs: int) -> float:
+    """The mean decode batch m = little(m) (Little's law: arrivals x time in the batch, which
+    grows with the batch), iterated from 0; inf past ``max_num_seqs`` or when it keeps
+    climbing (overload)."""
+    m = nxt = 0.0
+    for _ in range(200):
+        nxt = little(m)
+        if nxt > max_num_seqs:
+            return math.inf
+        if abs(nxt - m) < 1e-6:
+            return nxt
+        m = nxt
+    return math.inf if nxt > m + 1e-3 else m
 
 
 def _erlang_c(servers: int, load: float) -> float:
@@ -177,7 +167,7 @@ def _erlang_c(servers: int, load: float) -> float:
     return b / (1 - load / servers * (1 - b))
 
 
-def _bisect(ok, hi: float, iters: int = 40) -> float:
+def bisect_largest(ok, hi: float, iters: int = 40) -> float:
     """Largest x in [0, hi) with ok(x) (ok monotone: true then false); 0 if ok(tiny) fails."""
     lo = 0.0
     if not ok(hi * 1e-6):

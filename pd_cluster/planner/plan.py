@@ -100,3 +100,16 @@ def plan_config(plan: Plan, base: dict[str, Any], model: PerfModel) -> dict[str,
     proxy["slo"] = {"ttft_ms": model.slo.ttft_s * 1e3, "tpot_ms": model.slo.tpot_s * 1e3,
                     "percentile": model.slo.percentile}
     return out
+
+
+def colocated_config(choice: Any, base: dict[str, Any], model: PerfModel) -> dict[str, Any]:
+    """``base`` as one colocated engine on the compared cores, with the targets it mixes
+    prompts into its decodes under."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()
+           if k not in ("prefill", "decode", "kv_transfer")}
+    out["mode"] = "colocated"
+    out["colocated"] = {**out.get("colocated", {}), "replicas": 1, "num_cpus": choice.cores}
+    proxy = out.setdefault("proxy", {})
+    proxy["slo"] = {"ttft_ms": model.slo.ttft_s * 1e3, "tpot_ms": model.slo.tpot_s * 1e3,
+                    "percentile": model.slo.percentile}
+    return out

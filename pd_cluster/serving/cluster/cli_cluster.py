@@ -138,6 +138,8 @@ def run_cluster(cfg: "ClusterConfig", cli_address: str | None, detach: bool,
     _launched = False
     signal.signal(signal.SIGTERM, on_term)
     from pd_cluster.serving.cluster.launcher import launch
+    if cfg.shape_note:
+        print(f"shape: {cfg.shape_note}", flush=True)
     names = ", ".join(repr(n) for n in cfg.served_names)
     print(f"launching {cfg.mode} cluster: {_describe(cfg)}; model {cfg.model} served as "
           f"{names}; Ray {'at ' + address if address else 'local'}", flush=True)

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from connectors.config import KVTransferConfig
 from pd_cluster.config import EngineArgs
 from pd_cluster.driver.messages import (ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL,
                                         EngineSpec)
+from pd_cluster.serving.cluster.auto_shape import resolve_shape
 from pd_cluster.serving.cluster.config_sections import (ConfigSection, CpuConfig,
                                                         PlannerConfig, ProxyConfig, RayConfig,
                                                         RoleConfig)
@@ -41,8 +42,11 @@ class ClusterConfig(ConfigSection):
     # one responses report, every one is accepted. Unset: `model` exactly as written.
     served_model_name: str | list[str] | None = None
     # disaggregated: prefill and decode engines linked by KV transfer; colocated: engines that
-    # do both (no KV transfer; the reference the disaggregated output must equal).
-    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    # do both (no KV transfer; the reference the disaggregated output must equal); auto: the
+    # one that serves more within proxy.slo by the planner's profiles (planner.profile and
+    # planner.colocated_profile), else disaggregated; replica counts for prefill or decode
+    # make it disaggregated (serving/cluster/auto_shape.py).
+    mode: Literal["auto", "disaggregated", "colocated"] = "auto"
     prefill: RoleConfig = Field(default_factory=RoleConfig)
     decode: RoleConfig = Field(default_factory=RoleConfig)
     colocated: RoleConfig = Field(default_factory=lambda: RoleConfig(replicas=2))
@@ -54,6 +58,19 @@ class ClusterConfig(ConfigSection):
     cpu: CpuConfig = Field(default_factory=CpuConfig)
     # The SLO controller: engines switched between roles and scaled to the load (off).
     planner: PlannerConfig = Field(default_factory=PlannerConfig)
+    _shape_note: str | None = PrivateAttr(None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_shape(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("mode", "auto") == "auto":
+            data, _ = resolve_shape(data)
+        return data
+
+    @property
+    def shape_note(self) -> str | None:
+        """Why `mode: auto` took this shape (None: the config named it)."""
+        return self._shape_note
 
     @field_validator("engine")
     @classmethod
@@ -228,12 +245,15 @@ def parse_config(data: Any, overrides: dict[str, Any] | None = None) -> ClusterC
     if not isinstance(data, dict):
         raise ConfigError(f"<root>: expected a mapping, got {type(data).__name__}")
     data = merge_config(data, overrides or {})
-    mode = data.get("mode", "disaggregated")
+    data, note = resolve_shape(data)
+    mode = data["mode"]
     unused = ("colocated",) if mode != "colocated" else ("prefill", "decode", "kv_transfer")
     for key in unused:
         if key in data:
             raise ConfigError(f"{key}: not used with mode: {mode} (remove it)")
-    return ClusterConfig.from_dict(data)
+    cfg = ClusterConfig.from_dict(data)
+    cfg._shape_note = note
+    return cfg
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ClusterConfig:

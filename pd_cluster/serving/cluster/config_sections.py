@@ -265,6 +265,13 @@ class PlannerConfig(ConfigSection):
     # (weights loaded) to come back when the load returns, a switch only its drain. Scale up
     # at once, down slowly (Kubernetes' HPA waits 300 s the same way).
     scale_down_after_s: float = Field(300.0, ge=0)
+    # `mode: auto`'s second table: the same model profiled by one engine on the cores of the
+    # prefill and decode engines together (`pd-cluster profile --config` of a colocated
+    # config with that num_cpus).
+    colocated_profile: str | None = None
+    # The workload `mode: auto` sizes the shape for (both needed with its profiles).
+    input_len: int | None = Field(None, ge=1)  # prompt tokens per request
+    output_len: int | None = Field(None, ge=1)  # output tokens per request
 
     @model_validator(mode="after")
     def _bounds(self) -> "PlannerConfig":

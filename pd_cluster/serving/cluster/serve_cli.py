@@ -17,7 +17,8 @@ from typing import Any
 from pd_cluster.serving.cluster import vllm_flags
 
 # Keys of every role: a flag for one of them (tensor parallelism) sets the mode's roles.
-_ROLES = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}
+_ROLES = {"auto": ("prefill", "decode"), "disaggregated": ("prefill", "decode"),
+          "colocated": ("colocated",)}
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,9 @@ FLAGS = (
     Flag("--port", "proxy.port", "API port (0: any free port)", int, metavar="PORT"),
     Flag("--prefill", "prefill.replicas", "prefill engines", int, metavar="N"),
     Flag("--decode", "decode.replicas", "decode engines", int, metavar="M"),
-    Flag("--mode", "mode", "disaggregated (prefill + decode engines) or colocated",
-         choices=("disaggregated", "colocated")),
+    Flag("--mode", "mode", "auto (the shape the planner's profiles say serves more within the "
+         "SLO, else disaggregated), disaggregated (prefill + decode engines) or colocated",
+         choices=("auto", "disaggregated", "colocated")),
     Flag("--served-model-name", "served_model_name", "name(s) clients send as `model` (the "
          "first is reported; default: MODEL as given)", nargs="+", metavar="NAME"),
     Flag("--dtype", "engine.dtype", "auto (fp32 on CPU, bf16 on CUDA), float32, float16, "
@@ -230,14 +232,14 @@ def serve_config(args: argparse.Namespace) -> Any:
 def _file_mode(path: str | None) -> str:
     """The mode a --config file sets (per-role flags need it before the merge)."""
     if not path:
-        return "disaggregated"
+        return "auto"
     import yaml
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
     except (OSError, yaml.YAMLError):
-        return "disaggregated"  # load_config reports the file's problem
-    return (data or {}).get("mode", "disaggregated") if isinstance(data, dict) else "disaggregated"
+        return "auto"  # load_config reports the file's problem
+    return (data or {}).get("mode", "auto") if isinstance(data, dict) else "auto"
 
 
 def run_serve(args: argparse.Namespace) -> int:
