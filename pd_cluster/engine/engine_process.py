@@ -186,10 +186,11 @@ def _serve(config: EngineConfig, control: str, pin_reserve: int | None) -> None:
     import torch
 
     from pd_cluster.engine.llm_engine import LLMEngine
-    from pd_cluster.driver.engine_loop import EngineLoop
+    from pd_cluster.driver.engine_loop import EngineLoop, build_engine
     from pd_cluster.driver.messages import decode_request, encode
 
-    engine = LLMEngine(config)
+    engine = build_engine(lambda: LLMEngine(config),
+                          int(os.environ.get("OMP_NUM_THREADS", "1")))
     ctx = zmq.Context.instance()
     outputs: dict[str, zmq.Socket] = {}
 

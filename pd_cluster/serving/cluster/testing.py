@@ -20,9 +20,14 @@ CONFIGS = REPO_ROOT / "configs"
 def ensure_ray(num_cpus: int = 4) -> None:
     """Start (once per process) a local Ray big enough for a 2P2D test cluster."""
     import ray
+
+    from pd_cluster.serving.cluster.ray_runtime import serving_priority
     if ray.is_initialized():
         return
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the Ray workers
+    # the workers at our priority, as a launch runs them (Ray's default renices them by 15:
+    # an engine measured against an un-niced client or server would lose every core it shares)
+    serving_priority()
     from connectors.secret import has_secret, install, new_secret
     if not has_secret():  # actors made outside launch() (fakes, benchmarks) inherit it
         install(new_secret())

@@ -24,7 +24,7 @@ import msgspec
 from pd_cluster import start_trace
 from pd_cluster.driver.core_lending import make_lending
 from pd_cluster.driver.cpu_setup import CoreClaim, claim_cores
-from pd_cluster.driver.engine_loop import EngineLoop
+from pd_cluster.driver.engine_loop import EngineLoop, build_engine
 from pd_cluster.driver.messages import (ERROR_ENGINE, ROLE_PREFILL, EngineDelta, EngineInfo,
                                         EngineRequest, EngineSpec)
 from pd_cluster.serving.engine.output_sender import OutputSender
@@ -66,7 +66,7 @@ class EngineActor:
         args = dict(self.spec.engine_args)
         if args.get("kv_transfer"):
             args["kv_transfer"] = on_this_node(args["kv_transfer"], self.node_ip)
-        self.engine = self._make_engine(args)
+        self.engine = build_engine(lambda: self._make_engine(args), threads)
         self.incarnation = uuid.uuid4().hex[:12]
         self.kv_endpoint: str | None = getattr(self.engine, "kv_endpoint", lambda: None)()
         self._aio: asyncio.AbstractEventLoop | None = None
