@@ -135,7 +135,7 @@ def test_serve_answers_the_sdk_then_ctrl_c_drains_8_streams_and_leaves_nothing(
     assert " 500 " not in text and "no healthy engine" not in text, text
     assert "request(s) in flight finished" in text, text  # the launcher drained first
     assert "Token authentication" not in text, text  # no Ray auth warning at start
-    assert "shape: disaggregated (1P1D): no profiles" in text, text  # mode auto said why
+    assert "shape: colocated: one engine on 2 cores" in text, text  # mode auto said why
     assert "stopped in" in text and "\x1b[" not in text, text
     wait_until(lambda: not _session_pids(sid), 30, "every process serve started to exit")
     host, port = url.rsplit("//", 1)[1].rsplit(":", 1)

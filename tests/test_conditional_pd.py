@@ -281,7 +281,8 @@ def test_proxy_knobs_validate_with_their_key() -> None:
 
 
 def test_decode_engines_get_a_prefill_cap_by_default() -> None:
-    specs = {s.role: s.engine_args for s in parse_config({}).engine_specs()}
+    specs = {s.role: s.engine_args
+             for s in parse_config({"mode": "disaggregated"}).engine_specs()}
     assert specs["decode"]["max_prefill_tokens_per_step"] == DECODE_PREFILL_CAP
     assert "max_prefill_tokens_per_step" not in specs["prefill"]
     over = parse_config({"decode": {"max_prefill_tokens_per_step": 64}}).engine_specs()

@@ -99,8 +99,17 @@ def test_explicit_mode_and_replicas_win_over_the_profiles(tmp_path):
     assert forced.mode == "disaggregated" and forced.shape_note is None
     counted = parse_config(_auto(tmp_path, profile(2, 1.9, 1.6), decode={"replicas": 1}))
     assert counted.mode == "disaggregated" and "replicas" in counted.shape_note
-    bare = parse_config({})
-    assert bare.mode == "disaggregated" and "no profiles" in bare.shape_note
+    # no profiles: a config that describes no P/D part is one engine on the two cores P/D
+    # would split (serve's default on a small node); one that does stays P/D
+    bare = parse_config({"engine": {"device": "cpu"}})
+    assert bare.mode == "colocated" and bare.shape_note.startswith(
+        "colocated: one engine on 2 cores, where P/D would give")
+    (spec,) = bare.engine_specs()
+    assert spec.num_cpus == 2 and spec.role == "colocated"
+    for described in ({"kv_transfer": {"host": "127.0.0.1"}}, {"prefill": {"num_cpus": 2}},
+                      {"engine": {"device": "cuda"}}):
+        cfg = parse_config(described)
+        assert cfg.mode == "disaggregated" and "no profiles" in cfg.shape_note, described
 
 
 def test_auto_names_the_key_a_comparison_lacks(tmp_path):

@@ -6,18 +6,27 @@ both profiles given (planner.profile: the P/D engines' cost table; planner.coloc
 the same model measured at the cores of P and D together) and the workload to size for
 (planner.input_len, planner.output_len), planner/shape.py compares one colocated engine on all
 the cores with the best P/D split of them within proxy.slo, and the config becomes the winner.
-Without them the cluster is disaggregated, one engine per role, as the config's sections say.
-Either way one line says what and why (ClusterConfig.shape_note, printed at launch)."""
+Without them, a config that describes no P/D part (no prefill, decode or kv_transfer section:
+`serve`'s defaults) on CPU becomes one colocated engine on the cores P/D would have split
+between its two engines, one each: at that size the split costs more than it isolates
+(docs/benchmarks.md, the SLO grid); any other stays disaggregated, one engine per role. Either
+way one line says what and why
+(ClusterConfig.shape_note, printed at launch)."""
 from __future__ import annotations
 
 from typing import Any
 
+from pd_cluster.serving.cluster.config_sections import RoleConfig
 from pd_cluster.serving.cluster.schema import ConfigError
 
 MODE_AUTO = "auto"
 _NO_PROFILES = ("disaggregated (1P1D): no profiles to compare shapes by (planner.profile and "
                 "planner.colocated_profile, from `pd-cluster profile`); `mode: colocated` "
                 "runs one engine that does both")
+_SMALL = ("colocated: one engine on {cores:g} cores, where P/D would give prefill and decode "
+          "one each (too few for the split to pay); profiles decide instead "
+          "(planner.profile, planner.colocated_profile), `mode: disaggregated` forces P/D")
+_PD_SECTIONS = ("prefill", "decode", "kv_transfer")
 
 
 def resolve_shape(data: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -33,23 +42,35 @@ def resolve_shape(data: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     if any("replicas" in v for v in roles.values()):
         return {**data, "mode": "disaggregated"}, "disaggregated: the config sets replicas"
     planner = data.get("planner") or {}
+    engine = data.get("engine") or {}
+    cpu_only = (isinstance(engine, dict) and not str(engine.get("device", "")).startswith("cuda")
+                and not any(v.get("num_gpus", 0) or v.get("tensor_parallel_size", 1) != 1
+                            for v in roles.values()))
     if not isinstance(planner, dict) or not (planner.get("profile")
                                              and planner.get("colocated_profile")):
+        if cpu_only and not any(k in data for k in _PD_SECTIONS):
+            cores = 2 * RoleConfig.model_fields["num_cpus"].default
+            return _colocated(data, roles, cores), _SMALL.format(cores=cores)
         return {**data, "mode": "disaggregated"}, _NO_PROFILES
-    if any(v.get("num_gpus", 0) or v.get("tensor_parallel_size", 1) != 1
-           for v in roles.values()):
+    if not cpu_only:
         return {**data, "mode": "disaggregated"}, ("disaggregated: `mode: auto` compares "
                                                     "CPU engines of one rank only")
     choice = _compare(data, roles, planner)
     if choice.mode == "colocated":
-        out = {k: v for k, v in data.items() if k not in ("prefill", "decode", "kv_transfer")}
-        colo = {k: v for k, v in roles["prefill"].items() if k != "num_cpus"}
-        out["colocated"] = {**colo, "replicas": 1, "num_cpus": choice.cores}
-        return {**out, "mode": "colocated"}, choice.line
+        return _colocated(data, roles, choice.cores), choice.line
     out = {**data, "mode": "disaggregated"}
     out["prefill"] = {**roles["prefill"], "replicas": choice.n_prefill}
     out["decode"] = {**roles["decode"], "replicas": choice.n_decode}
     return out, choice.line
+
+
+def _colocated(data: dict[str, Any], roles: dict[str, dict[str, Any]],
+               cores: float) -> dict[str, Any]:
+    """``data`` as one colocated engine on ``cores`` (the P/D sections' other keys kept)."""
+    out = {k: v for k, v in data.items() if k not in ("prefill", "decode", "kv_transfer")}
+    colo = {k: v for k, v in roles["prefill"].items() if k != "num_cpus"}
+    out["colocated"] = {**colo, "replicas": 1, "num_cpus": cores}
+    return {**out, "mode": "colocated"}
 
 
 def _compare(data: dict[str, Any], roles: dict[str, dict[str, Any]],
@@ -61,7 +82,7 @@ def _compare(data: dict[str, Any], roles: dict[str, dict[str, Any]],
     from pd_cluster.planner.profile_table import Profile
     from pd_cluster.planner.shape import compare_shapes
     from pd_cluster.planner.workload import Workload
-    from pd_cluster.serving.cluster.config_sections import RoleConfig, SloConfig
+    from pd_cluster.serving.cluster.config_sections import SloConfig
     try:
         cpus = [RoleConfig.model_validate(roles[r]).num_cpus for r in ("prefill", "decode")]
         slo_cfg = SloConfig.model_validate(((data.get("proxy") or {}).get("slo")) or {})

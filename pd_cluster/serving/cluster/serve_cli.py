@@ -221,8 +221,9 @@ def serve_config(args: argparse.Namespace) -> Any:
             set_path(overrides, key, const)
     if args.config:
         return load_config(args.config, overrides)
-    if mode == "colocated":  # no KV transfer to place
-        return parse_config({}, overrides)
+    from pd_cluster.serving.cluster.auto_shape import resolve_shape
+    if mode == "colocated" or resolve_shape(overrides)[0]["mode"] == "colocated":
+        return parse_config({}, overrides)  # no KV transfer to place
     kv = overrides.setdefault("kv_transfer", {})
     if not any(kv.get(k) for k in ("host", "interface", "cidr")):
         kv["host"] = "127.0.0.1"  # one machine: the KV plane on loopback (README, "Security")
