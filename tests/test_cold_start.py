@@ -38,8 +38,8 @@ def test_the_first_completion_on_an_empty_cache_goes_through_p_and_d_with_no_res
     for key in ("PD_CLUSTER_KERNEL_CACHE", "PD_CLUSTER_COMPILE", "PD_CLUSTER_COMPILE_MODE",
                 "PD_CLUSTER_CPU_KERNELS", "TORCHINDUCTOR_CACHE_DIR"):
         env.pop(key, None)  # as a user's shell has them: the defaults
-    launcher = Launcher(["serve", "tiny-llama", "--port", "0", "--namespace",
-                         f"test-cold-{os.getpid()}", "--num-kv-blocks", "512",
+    launcher = Launcher(["serve", "tiny-llama", "--mode", "disaggregated", "--port", "0",
+                         "--namespace", f"test-cold-{os.getpid()}", "--num-kv-blocks", "512",
                          "--shutdown-timeout", "2"], env)
     try:
         url = launcher.wait_for_url()

@@ -312,8 +312,8 @@ def test_set_keys_reach_every_engine_and_bad_ones_name_the_key() -> None:
 
     def serve(*sets: str) -> Any:
         flags = [x for s in sets for x in ("--set", s)]
-        return serve_config(build_parser().parse_args(["serve", "tiny-llama", "--port", "0",
-                                                       *flags]))
+        return serve_config(build_parser().parse_args(["serve", "tiny-llama", "--mode",
+                                                       "disaggregated", "--port", "0", *flags]))
     cfg = serve("engine.faults.kv_send.drop=0.05", "engine.faults.seed=3")
     specs = cfg.engine_specs()
     assert {s.role for s in specs} == {"prefill", "decode"}
