@@ -67,7 +67,7 @@ def resolve_shape(data: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
 def _colocated(data: dict[str, Any], roles: dict[str, dict[str, Any]],
                cores: float) -> dict[str, Any]:
     """``data`` as one colocated engine on ``cores`` (the P/D sections' other keys kept)."""
-    out = {k: v for k, v in data.items() if k not in ("prefill", "decode", "kv_transfer")}
+    out = {k: v for k, v in data.items() if k not in _PD_SECTIONS}
     colo = {k: v for k, v in roles["prefill"].items() if k != "num_cpus"}
     out["colocated"] = {**colo, "replicas": 1, "num_cpus": cores}
     return {**out, "mode": "colocated"}
