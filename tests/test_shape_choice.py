@@ -140,3 +140,20 @@ def test_plan_prints_the_shape_comparison_and_writes_the_winner(tmp_path, capsys
     cfg = parse_config(yaml.safe_load(out.read_text()))
     assert cfg.mode == "colocated" and cfg.colocated.replicas == 1
     assert cfg.colocated.num_cpus == 2 and cfg.proxy.slo.tpot_ms == 40.0
+
+
+def test_plan_writes_the_colocated_shape_when_no_pd_split_meets_the_ttft(tmp_path, capsys):
+    from pd_cluster.cli import main
+    profile(1).save(tmp_path / "pd.json")  # a 2048-token prefill: 1.1 s on one core
+    profile(2, 1.9, 1.6).save(tmp_path / "colo.json")  # 0.6 s on two
+    out = tmp_path / "cluster.yaml"
+    args = ["plan", "--profile", str(tmp_path / "pd.json"), "--input-len", "2048",
+            "--output-len", "128", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "40"]
+    assert main([*args, "--colocated-profile", str(tmp_path / "colo.json"),
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "P/D: --slo-ttft-ms: 1000 ms is below" in text, text
+    assert "shape: colocated: one engine on 2 cores serves " in text, text
+    assert parse_config(yaml.safe_load(out.read_text())).mode == "colocated"
+    assert main(args) != 0  # P/D alone: the error as before, one line
+    assert "--slo-ttft-ms: 1000 ms is below" in capsys.readouterr().err

@@ -131,27 +131,29 @@ def _run_plan(args: argparse.Namespace) -> int:
     slo = Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.percentile)
     model = PerfModel(profile, workload, slo, args.max_num_seqs)
     tp = profile.key.tensor_parallel_size
-    plan = (smallest_plan(model, args.rate, args.max_slots, tp) if args.rate is not None
-            else make_plan(model, args.slots, tp))
     print(f"profile: {profile.key.model} {profile.key.dtype} TP{tp} on {profile.key.device}, "
           f"pipe {profile.key.pipe}")
     print(f"workload: prompt {workload.mean_input:.0f} tokens, output {workload.mean_output:.0f}"
           f" tokens (mean); targets TTFT {args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms "
           f"at p{args.percentile:g}")
-    print(f"per engine: prefill {plan.prefill_capacity:.3g} req/s, decode "
-          f"{plan.decode_capacity:.3g} req/s within the targets")
-    print(f"plan: {plan.n_prefill} prefill + {plan.n_decode} decode engines ({plan.slots} slots)"
-          f"; decode max_num_seqs {plan.decode_max_num_seqs}, prefill chunk "
-          f"(max_num_batched_tokens) {plan.prefill_chunk}")
-    print(f"predicted: {plan.rate:.3g} req/s ({plan.rate_per_slot:.3g} per slot), goodput "
-          f"{plan.goodput:.3g} req/s, TTFT p{args.percentile:g} {plan.ttft_s * 1e3:.0f} ms, "
-          f"TPOT p{args.percentile:g} {plan.tpot_s * 1e3:.1f} ms")
-    print(f"not modelled: {LIMITATIONS}")
-    if args.at_rate is not None:
-        _predict_at(model, plan, args)
+    try:
+        plan = (smallest_plan(model, args.rate, args.max_slots, tp) if args.rate is not None
+                else make_plan(model, args.slots, tp))
+    except ValueError as e:
+        if not args.colocated_profile:
+            raise
+        plan, no_plan = None, e  # the colocated shape may still meet the targets
+        print(f"P/D: {e}")
+    if plan is not None:
+        _print_plan(plan, args)
+        print(f"not modelled: {LIMITATIONS}")
+        if args.at_rate is not None:
+            _predict_at(model, plan, args)
     choice = None
     if args.colocated_profile:
         choice = _compare_shapes(model, args)
+    if plan is None and choice.mode != "colocated":
+        raise no_plan  # neither shape meets the targets
     if args.out:
         from pd_cluster.serving.cluster.cluster_config import ClusterConfig
         base = yaml.safe_load(Path(args.config).read_text()) if args.config else {
@@ -163,6 +165,17 @@ def _run_plan(args: argparse.Namespace) -> int:
         Path(args.out).write_text(yaml.safe_dump(data, sort_keys=False))
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _print_plan(plan: Any, args: argparse.Namespace) -> None:
+    print(f"per engine: prefill {plan.prefill_capacity:.3g} req/s, decode "
+          f"{plan.decode_capacity:.3g} req/s within the targets")
+    print(f"plan: {plan.n_prefill} prefill + {plan.n_decode} decode engines ({plan.slots} slots)"
+          f"; decode max_num_seqs {plan.decode_max_num_seqs}, prefill chunk "
+          f"(max_num_batched_tokens) {plan.prefill_chunk}")
+    print(f"predicted: {plan.rate:.3g} req/s ({plan.rate_per_slot:.3g} per slot), goodput "
+          f"{plan.goodput:.3g} req/s, TTFT p{args.percentile:g} {plan.ttft_s * 1e3:.0f} ms, "
+          f"TPOT p{args.percentile:g} {plan.tpot_s * 1e3:.1f} ms")
 
 
 def _predict_at(model: Any, plan: Any, args: argparse.Namespace) -> None:
