@@ -97,19 +97,21 @@ def plan_config(plan: Plan, base: dict[str, Any], model: PerfModel) -> dict[str,
                                            engine.get("max_num_batched_tokens", 0))
     proxy = out.setdefault("proxy", {})
     proxy["disaggregation"] = "always"  # the arithmetic assumes every prompt goes through P
-    proxy["slo"] = {"ttft_ms": model.slo.ttft_s * 1e3, "tpot_ms": model.slo.tpot_s * 1e3,
-                    "percentile": model.slo.percentile}
+    proxy["slo"] = _slo_section(model)
     return out
 
 
 def colocated_config(choice: Any, base: dict[str, Any], model: PerfModel) -> dict[str, Any]:
     """``base`` as one colocated engine on the compared cores, with the targets it mixes
     prompts into its decodes under."""
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()
-           if k not in ("prefill", "decode", "kv_transfer")}
-    out["mode"] = "colocated"
-    out["colocated"] = {**out.get("colocated", {}), "replicas": 1, "num_cpus": choice.cores}
-    proxy = out.setdefault("proxy", {})
-    proxy["slo"] = {"ttft_ms": model.slo.ttft_s * 1e3, "tpot_ms": model.slo.tpot_s * 1e3,
-                    "percentile": model.slo.percentile}
+    from pd_cluster.serving.cluster.auto_shape import as_colocated
+    out = as_colocated({k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()},
+                       choice.cores)
+    out["proxy"] = {**out.get("proxy", {}), "slo": _slo_section(model)}
     return out
+
+
+def _slo_section(model: PerfModel) -> dict[str, float]:
+    """proxy.slo for the targets ``model`` sized for."""
+    return {"ttft_ms": model.slo.ttft_s * 1e3, "tpot_ms": model.slo.tpot_s * 1e3,
+            "percentile": model.slo.percentile}

@@ -50,26 +50,27 @@ def resolve_shape(data: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
                                              and planner.get("colocated_profile")):
         if cpu_only and not any(k in data for k in _PD_SECTIONS):
             cores = 2 * RoleConfig.model_fields["num_cpus"].default
-            return _colocated(data, roles, cores), _SMALL.format(cores=cores)
+            return as_colocated(data, cores), _SMALL.format(cores=cores)
         return {**data, "mode": "disaggregated"}, _NO_PROFILES
     if not cpu_only:
         return {**data, "mode": "disaggregated"}, ("disaggregated: `mode: auto` compares "
                                                     "CPU engines of one rank only")
     choice = _compare(data, roles, planner)
     if choice.mode == "colocated":
-        return _colocated(data, roles, choice.cores), choice.line
+        return as_colocated(data, choice.cores), choice.line
     out = {**data, "mode": "disaggregated"}
     out["prefill"] = {**roles["prefill"], "replicas": choice.n_prefill}
     out["decode"] = {**roles["decode"], "replicas": choice.n_decode}
     return out, choice.line
 
 
-def _colocated(data: dict[str, Any], roles: dict[str, dict[str, Any]],
-               cores: float) -> dict[str, Any]:
-    """``data`` as one colocated engine on ``cores`` (the P/D sections' other keys kept)."""
+def as_colocated(data: dict[str, Any], cores: float) -> dict[str, Any]:
+    """``data`` as one colocated engine on ``cores``: the P/D sections dropped, the prefill
+    role's other keys (and a colocated section's) kept."""
+    role = {k: v for k, v in (data.get("prefill") or {}).items() if k != "num_cpus"}
     out = {k: v for k, v in data.items() if k not in _PD_SECTIONS}
-    colo = {k: v for k, v in roles["prefill"].items() if k != "num_cpus"}
-    out["colocated"] = {**colo, "replicas": 1, "num_cpus": cores}
+    out["colocated"] = {**role, **(data.get("colocated") or {}), "replicas": 1,
+                        "num_cpus": cores}
     return {**out, "mode": "colocated"}
 
 
