@@ -39,7 +39,8 @@ from pd_cluster.private_files import private_dir
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).resolve().parent / "cpu" / name
-            for name in ("paged_attention.cpp", "onednn_linear.cpp", "ghash_copy.cpp")]
+            for name in ("paged_attention.cpp", "onednn_linear.cpp", "ghash_copy.cpp",
+                         "write_kv.cpp")]
 # Headers the sources include: part of the build key, not compiled on their own.
 _HEADERS = sorted((Path(__file__).resolve().parent / "cpu").glob("*.h"))
 # -fopenmp: ATen's parallel_for is a header template that runs its loop on OpenMP threads only

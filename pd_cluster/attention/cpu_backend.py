@@ -73,7 +73,12 @@ class CpuAttentionBackend(AttentionBackend):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata,
                  static_scales: tuple[float, float] | None = None) -> None:
-        write_kv_torch(key, value, kv_cache, meta.slot_mapping, static_scales)
+        if (kv_cache.dim() == 5 and not is_fp8(kv_cache.dtype)
+                and key.dtype == value.dtype == kv_cache.dtype
+                and key.shape[1:] == kv_cache.shape[3:]):
+            torch.ops.pd_cluster_cpu.write_kv(kv_cache, key, value, meta.slot_mapping)
+        else:  # FP8 (quantised per block), another dtype or layout: the torch path
+            write_kv_torch(key, value, kv_cache, meta.slot_mapping, static_scales)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 opts: AttentionOptions) -> torch.Tensor:
