@@ -12,15 +12,30 @@ _FEATURE_FIELDS = ("flags", "features")
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_features() -> str:
-    """``machine: feature feature ...`` (sorted) for this CPU, on x86 and aarch64 alike; the
-    processor string where /proc/cpuinfo is missing (a build for ``-march=native`` is only
-    valid on a CPU with the same features)."""
+def _feature_line() -> str | None:
+    """The instruction-set list of /proc/cpuinfo; None where it cannot be read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             name, _, value = line.partition(":")
             if name.strip().lower() in _FEATURE_FIELDS:
-                return f"{platform.machine()}: " + " ".join(sorted(value.split()))
+                return value
     except OSError:
         pass
+    return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's instruction-set features (``avx512f``, ``amx_tile``, ...); empty where
+    /proc/cpuinfo cannot be read."""
+    line = _feature_line()
+    return frozenset(line.split()) if line is not None else frozenset()
+
+
+def cpu_features() -> str:
+    """``machine: feature feature ...`` (sorted) for this CPU, on x86 and aarch64 alike; the
+    processor string where /proc/cpuinfo is missing (a build for ``-march=native`` is only
+    valid on a CPU with the same features)."""
+    line = _feature_line()
+    if line is not None:
+        return f"{platform.machine()}: " + " ".join(sorted(line.split()))
     return f"{platform.machine()}: {platform.processor()}"

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pd_cluster import host_facts
 from pd_cluster.config import EngineArgs
 from pd_cluster.llm import LLM
 from pd_cluster.models.layers import cpu_gemm
@@ -109,7 +110,7 @@ def test_auto_upcasts_bf16_only_where_the_cpu_lacks_a_bf16_dot_product(monkeypat
              frozenset({"avx512f", "avx512_vnni"}): "upcast",
              frozenset(): "packed"}  # flags unknown: as before
     for flags, want in cases.items():
-        monkeypatch.setattr(cpu_gemm, "_cpu_flags", lambda flags=flags: set(flags))
+        monkeypatch.setattr(host_facts, "cpu_flags", lambda flags=flags: flags)
         if want == "packed" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             want = "torch"
         assert cpu_gemm.layout_for(torch.bfloat16, "auto") == want, flags

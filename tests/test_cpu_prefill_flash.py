@@ -1,12 +1,14 @@
-"""Long fp32/bf16/fp16 prefill chunks go through ATen's flash kernel (attention/cpu_prefill.py), the
-rest through the paged kernel: every request's rows match the torch reference whichever path
-takes them, from a prompt's start and after cached context, in any order in the batch."""
+"""Long fp32/bf16/fp16 prefill chunks can go through ATen's flash kernel (attention/cpu_prefill.py),
+the rest through the paged kernel: every request's rows match the torch reference whichever path
+takes them, from a prompt's start and after cached context, in any order in the batch. The
+flash path is taken on AMX CPUs only; these tests take it on every CPU."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels import cpu_build
+from pd_cluster import host_facts
 from pd_cluster.attention import cpu_prefill
 from pd_cluster.attention.options import AttentionOptions
 from tests.test_cpu_attention import check, make_batch
@@ -14,6 +16,11 @@ from tests.test_cpu_attention import check, make_batch
 pytestmark = pytest.mark.skipif(cpu_build.disabled_by_env(), reason="PD_CLUSTER_CPU_KERNELS=0")
 
 N = cpu_prefill.MIN_QUERY_TOKENS
+
+
+@pytest.fixture(autouse=True)
+def flash_everywhere(monkeypatch):
+    monkeypatch.setattr(cpu_prefill, "flash_pays", lambda dtype: True)
 # decodes, then: long from scratch, short after a prefix, long after a prefix, long (one block)
 MIXED_LONG = ([1, 1, N + 37, 5, N, 2 * N + 3], [40, 700, N + 37, 90, N + 500, 2 * N + 3])
 
@@ -50,3 +57,14 @@ def test_which_path_takes_what() -> None:
     assert not cpu_prefill.applies(q.float(), kc, kc, AttentionOptions(scale=0.1))  # mixed
     assert not cpu_prefill.applies(q, kc, kc, AttentionOptions(scale=0.1, sliding_window=8))
     assert not cpu_prefill.applies(q, kc, kc[..., :32], AttentionOptions(scale=0.1))
+
+
+def test_the_flash_path_is_taken_for_half_precision_on_amx_cpus_only(monkeypatch) -> None:
+    monkeypatch.undo()  # the real rule, not the fixture's
+    for flags, half, fp32 in ((frozenset({"avx512f", "amx_tile", "amx_bf16"}), True, False),
+                              (frozenset({"avx512f", "avx512_bf16"}), False, False),
+                              (frozenset(), False, False)):
+        monkeypatch.setattr(host_facts, "cpu_flags", lambda flags=flags: flags)
+        assert cpu_prefill.flash_pays(torch.bfloat16) is half, flags
+        assert cpu_prefill.flash_pays(torch.float16) is half, flags
+        assert cpu_prefill.flash_pays(torch.float32) is fp32, flags

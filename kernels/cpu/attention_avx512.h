@@ -10,7 +10,8 @@
 //    AVX512-BF16, pair dot products: vdpbf16ps, exact products, fp32 sums, no conversion);
 //    decode is bound by memory, so the keys and values ahead are prefetched;
 //  * many rows (prefill tiles, large groups): 16 keys transposed to fp32 once, then the scores
-//    of the rows that see them by broadcast FMAs, eight rows at a time.
+//    of the rows that see them by broadcast FMAs, eight rows at a time (a bf16 query and cache
+//    on an AMD CPU with AVX512-BF16: transposed as bf16 pairs, and vdpbf16ps instead).
 // Softmax and P.V are fp32 always.
 #pragma once
 #if defined(__AVX512F__)
@@ -41,7 +42,10 @@ struct Worker {
 #else
   static constexpr bool kBf16Cache = false;
 #endif
+  // Prefill tiles by bf16 pair dot products (scores_tile_pairs), where they pay.
+  static inline const bool kPairTiles = kBf16Cache && __builtin_cpu_is("amd");
   std::vector<float> qf, acc, m, l, s, kt, vbuf;
+  std::vector<uint32_t> kp;  // 16 keys as transposed bf16 pairs
   std::vector<c10::BFloat16> qb;  // bf16 query rows, for the pair dot products
   std::vector<const C*> keys, vals;
   std::vector<const float*> vals_f;
@@ -52,6 +56,7 @@ struct Worker {
     const int64_t first_pos = first_position(c, w), last_pos = first_pos + nq - 1;
     const bool direct = rows <= kDirectRows;
     const bool bf16_dot = kBf16Cache && direct && d % 32 == 0;
+    const bool pair_tiles = kPairTiles && !direct && d % 32 == 0;
     const int64_t chunk_blocks = std::max<int64_t>(1, (direct ? 512 : 256) / bs);
     const int64_t ss = (chunk_blocks * bs + 15) / 16 * 16;  // score row stride
     qf.resize(rows * d);
@@ -66,7 +71,7 @@ struct Worker {
         float* dst = qf.data() + (t * c.group + g) * d;
         for (int64_t x = 0; x < d; ++x) dst[x] = to_f(src[x]);
       }
-    if (bf16_dot) {
+    if (bf16_dot || pair_tiles) {
       qb.resize(rows * d);
       // exact: qf holds bf16 values
       for (int64_t i = 0; i < rows * d; ++i) qb[i] = c10::BFloat16(qf[i]);
@@ -86,7 +91,7 @@ struct Worker {
           scores_direct_rows<false>(rows, d, n, dv, ss);
         }
       } else {
-        scores_tiled(d, span, rows, ss);
+        scores_tiled(d, span, rows, ss, pair_tiles);
       }
       for (int64_t row = 0; row < rows; ++row) {
         const float alpha = softmax_step16(s.data() + row * ss, n, span.key_begin(row),
@@ -153,8 +158,9 @@ struct Worker {
 
   // Scores of the rows that see any of each 16 keys (the causal diagonal and the window's edge
   // skip the rest: softmax_step16 never reads those groups), the keys transposed to fp32 first.
-  void scores_tiled(int64_t d, const RowSpan& span, int64_t rows, int64_t ss) {
+  void scores_tiled(int64_t d, const RowSpan& span, int64_t rows, int64_t ss, bool pairs) {
     kt.resize(d * 16);
+    kp.resize(d * 8);
     const int64_t n = span.n;
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t mk = std::min<int64_t>(16, n - j0);
@@ -167,6 +173,22 @@ struct Worker {
                                     span.group, 0, rows)
           : rows;
       if (r0 >= r1) continue;
+      if constexpr (kBf16Cache) {
+        if (pairs) {  // 16 pairs (32 dims) of 16 keys a transpose, as 32-bit lanes
+          for (int64_t x0 = 0; x0 < d / 2; x0 += 16) {
+            __m512 r[16];
+            for (int64_t jj = 0; jj < 16; ++jj)
+              r[jj] = jj < mk ? _mm512_castsi512_ps(_mm512_loadu_si512(keys[j0 + jj] + 2 * x0))
+                              : _mm512_setzero_ps();
+            transpose16(r);
+            for (int i = 0; i < 16; ++i)
+              _mm512_storeu_ps(reinterpret_cast<float*>(kp.data() + (x0 + i) * 16), r[i]);
+          }
+          scores_tile_pairs_rows(qb.data() + r0 * d, d, kp.data(), s.data() + r0 * ss + j0, ss,
+                                 r1 - r0);
+          continue;
+        }
+      }
       for (int64_t x0 = 0; x0 < d; x0 += 16) {
         __m512 r[16];
         for (int64_t jj = 0; jj < 16; ++jj)

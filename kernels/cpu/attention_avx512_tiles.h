@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <type_traits>
 
 #include "attention_avx512_vec.h"
 
@@ -55,8 +56,7 @@ inline void scores_direct(const float* q, const c10::BFloat16* qb, int64_t d,
 }
 
 // s[r * ss + j] for R rows (fp32, row stride d) against 16 keys stored transposed as fp32
-// (kt[x * 16 + j]). (bf16 pair dot products gain nothing here: vdpbf16ps issues at half the
-// rate of FMAs, and the conversion is paid once per 16 keys for all rows.)
+// (kt[x * 16 + j]).
 template <int R>
 inline void scores_tile(const float* q, int64_t d, const float* kt, float* s, int64_t ss) {
   __m512 a[R];
@@ -68,22 +68,55 @@ inline void scores_tile(const float* q, int64_t d, const float* kt, float* s, in
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * ss, a[r]);
 }
 
-inline void scores_tile_rows(const float* q, int64_t d, const float* kt, float* s, int64_t ss,
-                             int64_t rows) {
+// f(std::integral_constant<int, R>{}, row) over [0, rows): eight rows a call, then the rest.
+template <typename F>
+inline void by_row_groups(int64_t rows, F&& f) {
   int64_t row = 0;
-  for (; row + 8 <= rows; row += 8) scores_tile<8>(q + row * d, d, kt, s + row * ss, ss);
-  q += row * d;
-  s += row * ss;
+  for (; row + 8 <= rows; row += 8) f(std::integral_constant<int, 8>{}, row);
   switch (rows - row) {
-    case 7: return scores_tile<7>(q, d, kt, s, ss);
-    case 6: return scores_tile<6>(q, d, kt, s, ss);
-    case 5: return scores_tile<5>(q, d, kt, s, ss);
-    case 4: return scores_tile<4>(q, d, kt, s, ss);
-    case 3: return scores_tile<3>(q, d, kt, s, ss);
-    case 2: return scores_tile<2>(q, d, kt, s, ss);
-    case 1: return scores_tile<1>(q, d, kt, s, ss);
+    case 7: return f(std::integral_constant<int, 7>{}, row);
+    case 6: return f(std::integral_constant<int, 6>{}, row);
+    case 5: return f(std::integral_constant<int, 5>{}, row);
+    case 4: return f(std::integral_constant<int, 4>{}, row);
+    case 3: return f(std::integral_constant<int, 3>{}, row);
+    case 2: return f(std::integral_constant<int, 2>{}, row);
+    case 1: return f(std::integral_constant<int, 1>{}, row);
     default: return;
   }
+}
+
+inline void scores_tile_rows(const float* q, int64_t d, const float* kt, float* s, int64_t ss,
+                             int64_t rows) {
+  by_row_groups(rows, [&](auto r, int64_t row) {
+    scores_tile<decltype(r)::value>(q + row * d, d, kt, s + row * ss, ss);
+  });
+}
+
+// The same for bf16 rows (row stride d) against 16 bf16 keys stored as transposed pairs
+// (kp[i * 16 + j] = dims 2i and 2i + 1 of key j): one vdpbf16ps per pair of dims, exact
+// products summed in fp32. Where the CPU issues it at the FMA's rate (AMD Zen 4) that is twice
+// the multiply-adds an instruction; Intel's cores issue it at half the rate of their two FMA
+// ports, so there the fp32 tile is as fast and stays (Worker::kPairTiles).
+template <int R>
+inline void scores_tile_pairs(const c10::BFloat16* qb, int64_t d, const uint32_t* kp, float* s,
+                              int64_t ss) {
+  const uint32_t* q = reinterpret_cast<const uint32_t*>(qb);
+  const int64_t pairs = d / 2;
+  __m512 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {
+    const __m512i kx = _mm512_loadu_si512(kp + i * 16);
+    for (int r = 0; r < R; ++r)
+      a[r] = dot_pairs(a[r], _mm512_set1_epi32(static_cast<int>(q[r * pairs + i])), kx);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * ss, a[r]);
+}
+
+inline void scores_tile_pairs_rows(const c10::BFloat16* qb, int64_t d, const uint32_t* kp,
+                                   float* s, int64_t ss, int64_t rows) {
+  by_row_groups(rows, [&](auto r, int64_t row) {
+    scores_tile_pairs<decltype(r)::value>(qb + row * d, d, kp, s + row * ss, ss);
+  });
 }
 
 // acc_r[x0 .. x0 + 16 NV) += sum_{j < n} p_r[j] * v_j[...] for R rows (p row stride ps, acc row

@@ -25,6 +25,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -63,6 +65,22 @@ struct Scales {
   const at::Tensor* v = nullptr;
 };
 
+// Item indices by descending cost (rows times the keys they see), ties in list order.
+std::vector<int64_t> costliest_first(const Ctx& c, const std::vector<Item>& items) {
+  std::vector<int64_t> cost(items.size()), order(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& w = items[i];
+    const int64_t last_pos = pd_attn::first_position(c, w) + (w.q1 - w.q0) - 1;
+    const int64_t first_key = c.window > 0
+        ? std::max<int64_t>(0, pd_attn::first_position(c, w) - c.window + 1) : 0;
+    cost[i] = (w.q1 - w.q0) * (last_pos + 1 - first_key);
+    order[i] = static_cast<int64_t>(i);
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  return order;
+}
+
 template <typename Q, typename C>
 void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
          const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -93,18 +111,30 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
       for (int64_t h = 0; h < hkv; ++h)
         items.push_back({r, h, q0, std::min<int64_t>(q0 + tile, c.qsl[r + 1])});
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+  // Items differ in cost (a causal chunk's last tile sees every key, its first few), so a
+  // static split of the list would leave one thread with most of a prompt's work: each thread
+  // takes the next item instead, costliest first. Each item writes rows of its own, so the
+  // output does not depend on which thread ran it.
+  const std::vector<int64_t> order = costliest_first(c, items);
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t n_workers = std::min<int64_t>(at::get_num_threads(), n_items);
+  at::parallel_for(0, n_workers, 1, [&](int64_t, int64_t) {
+    auto drain = [&](auto& worker) {
+      for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1))
+        worker.run(c, p, items[order[it]]);
+    };
 #if defined(__AVX512F__)
     if constexpr (!kFp8<C>) {
       if (fast) {
         pd_attn::avx512::Worker<Q, C> worker;
-        for (int64_t it = lo; it < hi; ++it) worker.run(c, p, items[it]);
+        drain(worker);
         return;
       }
     }
 #endif
     pd_attn::portable::Worker<Q, C> worker;
-    for (int64_t it = lo; it < hi; ++it) worker.run(c, p, items[it]);
+    drain(worker);
   });
 }
 

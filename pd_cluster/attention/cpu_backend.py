@@ -1,10 +1,9 @@
 """CPU attention backend: the C++ paged kernel (kernels/cpu/paged_attention.cpp), the default
 on CPU.
 
-The kernel serves decode tokens and short prefill chunks, reading K/V in place from the paged
-blocks. Long chunks go to ATen's flash kernel over gathered K/V instead (cpu_prefill.py): in
-bf16/fp16, where it runs on oneDNN's brgemm, 1.6-2.7x the paged kernel; in fp32 equal at one
-thread and a tenth faster at two on an AVX-512 CPU without AMX.
+The kernel serves decode tokens and prefill chunks, reading K/V in place from the paged
+blocks. On a CPU with AMX, long bf16/fp16 chunks go to ATen's flash kernel over gathered K/V
+instead (cpu_prefill.py), whose GEMMs run on the AMX tiles: 1.6-2.7x the paged kernel there.
 The torch backend, which gathers every request's context into dense tensors, stays as the
 reference this one is tested against.
 """
@@ -86,7 +85,8 @@ class CpuAttentionBackend(AttentionBackend):
             data, scales = split(kv_cache, query.shape[-1])
             out = paged_attention(query, data[0], data[1], meta, opts,
                                   scales=(scales[0], scales[1]))
-        elif cpu_prefill.applies(query, kv_cache[0], kv_cache[1], opts):
+        elif (cpu_prefill.flash_pays(query.dtype)
+              and cpu_prefill.applies(query, kv_cache[0], kv_cache[1], opts)):
             out = _split_forward(query, kv_cache[0], kv_cache[1], meta, opts)
         else:
             out = paged_attention(query, kv_cache[0], kv_cache[1], meta, opts)

@@ -1,11 +1,13 @@
-"""Long prefill chunks on CPU through ATen's flash attention, over K/V gathered from the blocks.
+"""Long prefill chunks on CPU through ATen's flash attention, over K/V gathered from the blocks,
+on CPUs with AMX.
 
-In bf16/fp16 ATen's CPU flash kernel runs its GEMMs through oneDNN's brgemm (AMX where the
-CPU has it): at one thread, bench-50m's heads, it is 1.6x the paged C++ kernel on a 512-token
-prompt and 2.7x on a 2048-token one (scripts/bench_attention.py --part prefill). In fp32 it
-takes a 2048-token prefill of that model on two AVX-512 cores a tenth faster than the paged
-kernel. Decode tokens and short chunks stay on the paged kernel, which reads the blocks in
-place.
+In bf16/fp16 ATen's CPU flash kernel runs its GEMMs through oneDNN's brgemm, on AMX tiles
+where the CPU has them: there, at one thread, bench-50m's heads, it is 1.6x the paged C++
+kernel on a 512-token prompt and 2.7x on a 2048-token one (scripts/bench_attention.py --part
+prefill). Without AMX (AVX-512 alone, with or without AVX512-BF16) the paged kernel, which
+reads the blocks in place and shares a prompt's tiles among the threads, is the faster one in
+every dtype, and fp32 has no AMX path to gain from; so only bf16/fp16 chunks on an AMX CPU
+come here (``flash_pays``). Decode tokens and short chunks stay on the paged kernel.
 
 A chunk after cached context (an earlier chunk of the prompt, or a prefix-cache hit) attends
 to that context without a mask and to itself causally: two calls whose softmaxes are merged by
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from pd_cluster import host_facts
 from pd_cluster.attention.metadata import AttentionMetadata
 from pd_cluster.attention.options import AttentionOptions
 
@@ -36,6 +39,12 @@ def applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
             and not opts.sliding_window and not opts.logit_softcap
             and opts.sinks is None and key_cache.shape[-1] == value_cache.shape[-1]
             and query.shape[-1] == key_cache.shape[-1])
+
+
+def flash_pays(dtype: torch.dtype) -> bool:
+    """Whether long chunks of ``dtype`` run faster through the flash kernel on this CPU: half
+    precision on a CPU with AMX tiles (module docstring)."""
+    return dtype in (torch.bfloat16, torch.float16) and "amx_tile" in host_facts.cpu_flags()
 
 
 def is_long(meta: AttentionMetadata, i: int) -> bool:

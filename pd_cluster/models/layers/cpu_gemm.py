@@ -24,7 +24,6 @@ the same tensor); packed would need a second copy.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import Optional
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pd_cluster import host_facts
 from pd_cluster.config import CPU_GEMM_MODES as MODES
 
 logger = logging.getLogger(__name__)
@@ -58,22 +58,10 @@ def _packing_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def native_bf16_dot() -> bool:
     """Whether this CPU multiplies bf16 in hardware (x86: AVX512-BF16 or AMX). Elsewhere, or
     where the flags cannot be read, assumed so: the packed bf16 GEMM stays the choice."""
-    flags = _cpu_flags()
+    flags = host_facts.cpu_flags()
     if not flags or "avx512f" not in flags:
         return True
     return bool(flags & {"avx512_bf16", "amx_bf16"})
