@@ -6,7 +6,9 @@ chunks ride in their steps (Sarathi-Serve's mixed step), and the chunk is bounde
 - with ``tpot_target_ms``, by what the decoding requests' TPOT slack pays for: a decode
   step's measured time plus the least slack of those that can still meet the target
   (tpot_budget.py; one block at least, so prompts always progress; requests past saving do
-  not hold prompts back, and when none can be saved a step is held to the target itself);
+  not hold prompts back, and when none can be saved the step takes the whole budget: held to
+  the target it would save nobody and slow every prompt behind, an overload that feeds
+  itself);
 - with ``ttft_target_ms`` as well, widened to what the queued prompts' TTFT deadlines need
   (ttft_budget.py), as far as the cap.
 Step times come from the engine's own measurements (step_time_model.py); until they are
@@ -49,14 +51,15 @@ def prompt_tokens(config: EngineConfig, step_times: StepTimeModel, now: float,
 def _within_tpot(step_times: StepTimeModel, decoding: list[Request], now: float,
                  target: float, max_model_len: int) -> int | None:
     """The widest step that keeps every decoding request that can still meet ``target``
-    TPOT within it; None: the step times are not known yet."""
+    TPOT within it; None: no bound (the step times are not known yet, or no request can
+    still meet the target)."""
     decode_step = step_times.seconds_for(len(decoding))
     if decode_step is None:
         return None
     slacks = [request_slack(_progress(r, now, max_model_len), decode_step, target)
               for r in decoding]
     within = [s for s in slacks if s >= 0]
-    return step_times.tokens_within(decode_step + min(within) if within else target)
+    return step_times.tokens_within(decode_step + min(within)) if within else None
 
 
 def _for_ttft(step_times: StepTimeModel, prompts: list[Request], decoding: int, now: float,
