@@ -24,6 +24,7 @@ def _feature_line() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """This CPU's instruction-set features (``avx512f``, ``amx_tile``, ...); empty where
     /proc/cpuinfo cannot be read."""

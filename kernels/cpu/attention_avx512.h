@@ -42,8 +42,12 @@ struct Worker {
 #else
   static constexpr bool kBf16Cache = false;
 #endif
-  // Prefill tiles by bf16 pair dot products (scores_tile_pairs), where they pay.
-  static inline const bool kPairTiles = kBf16Cache && __builtin_cpu_is("amd");
+  // Prefill tiles by bf16 pair dot products (scores_tile_pairs), where they pay. Set while
+  // the library's constructors run, perhaps before libgcc's CPU probe: it is run here first.
+  static inline const bool kPairTiles = kBf16Cache && [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") > 0;
+  }();
   std::vector<float> qf, acc, m, l, s, kt, vbuf;
   std::vector<uint32_t> kp;  // 16 keys as transposed bf16 pairs
   std::vector<c10::BFloat16> qb;  // bf16 query rows, for the pair dot products
