@@ -1,6 +1,7 @@
-"""Core lending between a decode and a prefill engine of one node (driver/core_lending.py):
-the board, the borrow that fits the decode engine's TPOT slack, the revoke that gives its
-cores back at once, and the spare OpenMP thread found on the engine thread."""
+"""Core sharing between a decode and a prefill engine of one node (driver/core_lending.py):
+the board, the prefill step's borrow that fits the decode engine's TPOT slack, the decode
+step's borrow of an idle prefill engine's cores, the revokes that give cores back at once,
+and the spare OpenMP thread found on the engine thread."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,8 @@ import time
 
 import pytest
 
-from pd_cluster.driver.core_lending import Borrower, Lender
+from pd_cluster.driver.core_lending import (Borrower, CoreSharing, DecodeSteps, IdleSlack,
+                                            Lender, PromptSteps, TpotSlack, make_sharing)
 from pd_cluster.driver.lend_board import Board, cores_of, mask
 
 pytestmark = pytest.mark.skipif(
@@ -66,11 +68,12 @@ class _Engine:
 
 def _pair(tmp_path, cores, target_s: float = 0.05):
     home, lent = cores
-    lender = Lender(Board.create(lent, folder=tmp_path), target_s, 90.0)
-    borrower = Borrower(home, 1, find_boards=lambda: Board.find(folder=tmp_path))
+    lender = Lender(Board.create(lent, folder=tmp_path), TpotSlack(target_s, 90.0))
+    borrower = Borrower(home, 1, "decode", PromptSteps(),
+                        find_boards=lambda: Board.find(folder=tmp_path))
     thread = _Thread(home)
     borrower.workers = [thread.tid]
-    borrower.rate["home"] = 1000.0  # tokens/s, as if measured: 512 tokens ~ 0.3 s lent
+    borrower.steps.rate["home"] = 1000.0  # tokens/s, as if measured: 512 tokens ~ 0.3 s lent
     return lender, borrower, thread
 
 
@@ -107,11 +110,11 @@ def test_idle_lender_lends_and_the_step_runs_on_its_cores(tmp_path, cores) -> No
 def test_no_borrow_beyond_the_published_slack(tmp_path, cores) -> None:
     lender, borrower, thread = _pair(tmp_path, cores, target_s=0.02)
     try:
-        lender.added("r", 129)
+        lender.slack.added("r", 129)
         now = time.monotonic()
         for i in range(65):  # decoding at 19 ms a token against a 20 ms target: no slack
-            lender.step_done(0.019, True)
-        lender.emitted("r", 65, False, now - 64 * 0.019)
+            lender.slack.step_done(0.019, True)
+        lender.slack.emitted("r", 65, False, now - 64 * 0.019)
         lender.publish()
         seen: list[set[int]] = []
         engine = _Engine(lambda: seen.append(thread.cores()), tokens=2048)
@@ -138,8 +141,8 @@ def test_lender_with_new_work_takes_its_cores_back_within_one_check(tmp_path, co
         t.start()
         assert in_step.wait(10) and thread.cores() == set(cores[1])
         # A request arrives whose TPOT cannot absorb the borrow's remaining ~0.3 s.
-        lender.added("r", 8)
-        lender.step_done(0.019, True)
+        lender.slack.added("r", 8)
+        lender.slack.step_done(0.019, True)
         t0 = time.monotonic()
         lender.before_step()
         assert time.monotonic() - t0 < 0.05  # no waiting out the borrow
@@ -168,7 +171,7 @@ def test_lender_waits_out_a_borrow_that_fits_its_slack(tmp_path, cores) -> None:
     try:
         t.start()
         assert in_step.wait(10)
-        lender.added("r", 64)  # 1 s a token allowed: the pause fits
+        lender.slack.added("r", 64)  # 1 s a token allowed: the pause fits
         lender.before_step()  # returns when the borrower gives the board back
         assert lender.board.get("borrow_until") == 0.0
         assert lender.counters["lend_pauses"] == 1 and lender.counters["lend_revokes"] == 0
@@ -182,7 +185,7 @@ def test_lender_waits_out_a_borrow_that_fits_its_slack(tmp_path, cores) -> None:
 def test_a_slack_smaller_than_the_prefill_sizes_the_lent_step(tmp_path, cores) -> None:
     lender, borrower, thread = _pair(tmp_path, cores)
     try:
-        borrower.rate["lent"] = 2000.0
+        borrower.steps.rate["lent"] = 2000.0
         lender.board.set("pause_ok_until", time.monotonic() + 0.25)  # 0.2 s after headroom
         engine = _Engine(lambda: None, tokens=2048)
         borrower.run_step(engine)
@@ -201,7 +204,7 @@ def test_spare_omp_thread_is_found_and_the_engine_keeps_its_thread_count(cores) 
     def engine_thread() -> None:  # as the engine loop: pin, set the threads, then prepare
         os.sched_setaffinity(0, cores[0])
         torch.set_num_threads(1)
-        b = Borrower(cores[0], 1, find_boards=list)
+        b = Borrower(cores[0], 1, "decode", PromptSteps(), find_boards=list)
         b.prepare()
         found.append((b.workers, torch.get_num_threads()))
 
@@ -211,3 +214,102 @@ def test_spare_omp_thread_is_found_and_the_engine_keeps_its_thread_count(cores) 
     ((workers, threads),) = found
     assert len(workers) == 1 and os.sched_getaffinity(workers[0]) == set(cores[0])
     assert threads == 1
+
+
+def _decode_pair(tmp_path, cores):
+    """A prefill engine lending its cores (``cores[1]``) to a decode engine (home ``cores[0]``)."""
+    home, lent = cores
+    lender = Lender(Board.create(lent, "prefill", folder=tmp_path), IdleSlack())
+    borrower = Borrower(home, 1, "prefill", DecodeSteps(),
+                        find_boards=lambda: Board.find("prefill", folder=tmp_path))
+    thread = _Thread(home)
+    borrower.workers = [thread.tid]
+    return lender, borrower, thread
+
+
+def test_an_idle_prefill_engine_lends_its_cores_to_a_decode_step(tmp_path, cores) -> None:
+    lender, borrower, thread = _decode_pair(tmp_path, cores)
+    try:
+        lender.publish(_Engine(lambda: None, tokens=0))  # no prompt to compute: all of it
+        seen: list[set[int]] = []
+        engine = _Engine(lambda: seen.append(thread.cores()) or "outputs", tokens=0)
+        assert borrower.run_step(engine) == "outputs"
+        assert seen == [set(cores[1])] and thread.cores() == set(cores[0])
+        assert engine.budgets == [None]  # a decode step is not resized
+        assert borrower.counters["lend_borrowed_steps"] == 1
+        assert borrower.steps.seconds["lent"] > 0  # what the next borrow asks for
+        # A decode engine with a prompt of its own to compute does not borrow for that step.
+        seen.clear()
+        borrower.run_step(_Engine(lambda: seen.append(thread.cores()), tokens=300))
+        assert seen == [set(cores[0])] and borrower.counters["lend_borrowed_steps"] == 1
+        # A prefill engine with a prompt to compute offers nothing.
+        lender.publish(_Engine(lambda: None, tokens=300))
+        borrower.run_step(_Engine(lambda: seen.append(thread.cores()), tokens=0))
+        assert seen[-1] == set(cores[0]) and borrower.counters["lend_refused_steps"] == 1
+    finally:
+        thread.close()
+        borrower.close()
+        lender.close()
+
+
+def test_a_prompt_at_the_prefill_engine_takes_its_cores_back_at_once(tmp_path, cores) -> None:
+    lender, borrower, thread = _decode_pair(tmp_path, cores)
+    lender.publish(_Engine(lambda: None, tokens=0))
+    in_step, release = threading.Event(), threading.Event()
+
+    def step() -> None:  # a decode step that lasts until the test lets it end
+        in_step.set()
+        assert release.wait(30)
+
+    t = threading.Thread(target=borrower.run_step, args=(_Engine(step, tokens=0),),
+                         daemon=True)
+    try:
+        t.start()
+        assert in_step.wait(10) and thread.cores() == set(cores[1])
+        # Waiting for its sends only (no prompt to compute), the prefill engine's step runs
+        # beside the borrow: it neither waits nor revokes.
+        t0 = time.monotonic()
+        lender.before_step(_Engine(lambda: None, tokens=0))
+        assert time.monotonic() - t0 < 0.05 and thread.cores() == set(cores[1])
+        assert lender.counters["lend_revokes"] == 0 and lender.counters["lend_pauses"] == 0
+        # A prompt arrives: its cores come back now, not when the decode step ends.
+        t0 = time.monotonic()
+        lender.before_step(_Engine(lambda: None, tokens=300))
+        assert time.monotonic() - t0 < 0.05
+        assert thread.cores() == set(cores[0]) and lender.counters["lend_revokes"] == 1
+        assert lender.board.get("pause_ok_until") <= time.monotonic()  # nothing offered now
+        release.set()
+        t.join(10)
+        assert thread.cores() == set(cores[0])
+    finally:
+        release.set()
+        t.join(10)
+        thread.close()
+        borrower.close()
+        lender.close()
+
+
+@pytest.mark.parametrize("lend,borrow", [(True, True), (True, False), (False, True)])
+def test_each_role_lends_and_borrows_as_configured(tmp_path, monkeypatch, cores, lend,
+                                                   borrow) -> None:
+    import pd_cluster.driver.lend_board as lend_board
+    monkeypatch.setattr(lend_board, "board_dir", lambda: tmp_path)
+    for role, slack, steps, other in (("decode", TpotSlack, DecodeSteps, "prefill"),
+                                      ("prefill", IdleSlack, PromptSteps, "decode")):
+        sharing = make_sharing(role, cores[0], lend, borrow, 0.05, 90.0)
+        assert isinstance(sharing, CoreSharing)
+        try:
+            assert (sharing.lender is not None) == lend
+            assert (sharing.borrower is not None) == borrow
+            if lend:
+                assert isinstance(sharing.lender.slack, slack)
+                assert sharing.lender.board.path.name.startswith(f"{role}-")
+            if borrow:
+                assert isinstance(sharing.borrower.steps, steps)
+                assert sharing.borrower.lender_role == other
+        finally:
+            sharing.close()
+    assert make_sharing("colocated", cores[0], True, True, 0.05, 90.0) is None
+    assert make_sharing("decode", (), True, True, 0.05, 90.0) is None  # not pinned
+    assert make_sharing("decode", cores[0], False, False, 0.05, 90.0) is None
+    assert list(tmp_path.iterdir()) == []  # every board removed on close

@@ -56,7 +56,7 @@ class EngineLoop:
                  num_threads: int = 1, cores: tuple[int, ...] = (), lending: Any = None):
         """``cores``: pin the engine thread (and the OpenMP threads it starts) to them
         (driver/cpu_setup.py); empty: leave its placement to the OS. ``lending``: this
-        engine's side of core lending (driver/core_lending.py: Lender or Borrower)."""
+        engine's part in core sharing (driver/core_lending.py: a CoreSharing)."""
         self.engine = engine
         self._emit = emit
         self._on_fatal = on_fatal
@@ -130,31 +130,22 @@ class EngineLoop:
             from pd_cluster.driver.cpu_setup import pin_thread
             pin_thread(self._cores)
         torch.set_num_threads(self._num_threads)  # OpenMP thread count is per calling thread
-        lender = borrower = None
         if self._lending is not None:
             self._lending.prepare()  # on this thread: its OpenMP pool is the one lent
-            lender = self._lending if hasattr(self._lending, "before_step") else None
-            borrower = self._lending if lender is None else None
         try:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished_requests()
-                if lender is not None and not busy:
-                    lender.publish()  # idle: what a newcomer absorbs (renewed every wait)
+                if self._lending is not None and not busy:
+                    self._lending.idle(self.engine)  # what a newcomer absorbs (every wait)
                 self._drain(block=not busy)
-                if self._lending is None:  # ended by end_lending (a role switch)
-                    lender = borrower = None
                 if not self.engine.has_unfinished_requests():
                     continue
-                if lender is not None:
-                    lender.before_step()
                 t0 = time.perf_counter()
-                if borrower is not None:
-                    outputs = borrower.run_step(self.engine)
+                if self._lending is not None:  # (None once end_lending ran: a role switch)
+                    outputs = self._lending.step(self.engine)
                 else:
                     outputs = self.engine.step()
                 dt = time.perf_counter() - t0
-                if lender is not None:
-                    lender.step_done(dt, bool(outputs))
                 self.counters["steps"] += 1
                 self.counters["step_seconds"] += dt
                 if outputs:

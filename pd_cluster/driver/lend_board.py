@@ -1,13 +1,15 @@
-"""A decode engine's lending board: 64 bytes of shared memory through which a prefill engine
-on the same node borrows the decode engine's cores for a prefill step (driver/core_lending.py).
+"""An engine's lending board: 64 bytes of shared memory through which an engine of the other
+role on the same node borrows this engine's cores for a step (driver/core_lending.py): a
+prefill engine a decode engine's for a prefill step, a decode engine a prefill engine's for a
+decode step.
 
-One file per decode engine in a per-user 0700 folder under the temp dir, mapped by both
-processes. Each field has one writer, so no lock is needed for the fields; a borrower holds
-an flock on the file while it borrows (one borrower at a time). Times are CLOCK_MONOTONIC,
-which every process of a node shares.
+One file per lending engine (``{role}-{pid}.board``) in a per-user 0700 folder under the temp
+dir, mapped by both processes. Each field has one writer, so no lock is needed for the fields;
+a borrower holds an flock on the file while it borrows (one borrower at a time). Times are
+CLOCK_MONOTONIC, which every process of a node shares.
 
-  lender (decode) writes:  pid, cores (bit mask), pause_ok_until, revoked (borrow number)
-  borrower (prefill) writes: borrow_until, borrower thread id, its home cores, borrow number
+  lender writes:   pid, cores (bit mask), pause_ok_until, revoked (borrow number)
+  borrower writes: borrow_until, borrower thread id, its home cores, borrow number
 """
 from __future__ import annotations
 
@@ -48,9 +50,10 @@ class Board:
         self._map = mmap.mmap(fd, _SIZE)
 
     @classmethod
-    def create(cls, cores: tuple[int, ...], folder: Path | None = None) -> "Board":
-        """The calling (decode) process's board, lending ``cores``."""
-        path = (folder or board_dir()) / f"decode-{os.getpid()}.board"
+    def create(cls, cores: tuple[int, ...], role: str = "decode",
+               folder: Path | None = None) -> "Board":
+        """The calling (``role``) engine process's board, lending ``cores``."""
+        path = (folder or board_dir()) / f"{role}-{os.getpid()}.board"
         fd = open_private(path)
         os.ftruncate(fd, _SIZE)
         board = cls(path, fd)
@@ -60,12 +63,12 @@ class Board:
         return board
 
     @classmethod
-    def find(cls, folder: Path | None = None) -> list["Board"]:
-        """The boards of live decode processes of this user on this node (stale ones of dead
-        processes are removed)."""
+    def find(cls, role: str = "decode", folder: Path | None = None) -> list["Board"]:
+        """The boards of live ``role`` engine processes of this user on this node (stale ones
+        of dead processes are removed)."""
         out = []
         root = folder or board_dir()
-        for path in sorted(root.glob("decode-*.board")):
+        for path in sorted(root.glob(f"{role}-*.board")):
             try:
                 fd = open_private(path, write=True)
             except OSError:

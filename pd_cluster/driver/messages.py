@@ -50,10 +50,12 @@ class EngineSpec(Msg, frozen=True):
     # ``reserve_cores`` last (the cluster config's ``cpu`` section; driver/cpu_setup.py).
     pin_threads: bool = False
     reserve_cores: int = 0
-    # Core lending between pinned engines of one node (driver/core_lending.py): a decode
-    # engine lends its cores within the TPOT target (s) at the percentile of its step times;
-    # a prefill engine runs one spare thread to borrow them with.
+    # Core sharing between pinned prefill and decode engines of one node
+    # (driver/core_lending.py): this engine lends its cores (a decode engine within the TPOT
+    # target (s) at the percentile of its step times, a prefill engine while it has no prompt
+    # to compute), and borrows the other role's with one spare thread.
     lend_cores: bool = False
+    borrow_cores: bool = False
     tpot_target_s: float = 0.05
     slo_percentile: float = 90.0
 

@@ -164,14 +164,21 @@ class ClusterConfig(ConfigSection):
                           engine_args=own_disk_tier(args, name), num_cpus=rc.num_cpus,
                           num_gpus=rc.num_gpus, pin_threads=self.cpu.pin_threads,
                           reserve_cores=self.cpu.reserve_cores,
-                          lend_cores=self._lends(role, rc),
+                          lend_cores=self._shares(role, rc, lends=True),
+                          borrow_cores=self._shares(role, rc, lends=False),
                           tpot_target_s=self.proxy.slo.tpot_ms / 1e3,
                           slo_percentile=self.proxy.slo.percentile)
 
-    def _lends(self, role: str, rc: RoleConfig) -> bool:
-        """Engines of ``role`` take part in core lending (disaggregated, CPU, one rank)."""
-        return (self.cpu.lend_decode_cores and self.cpu.pin_threads and role in _KV_ROLE
-                and rc.num_gpus == 0 and rc.tensor_parallel_size == 1)
+    def _shares(self, role: str, rc: RoleConfig, lends: bool) -> bool:
+        """Engines of ``role`` lend their cores (``lends``) or borrow the other role's, in
+        core sharing (disaggregated, CPU, one rank; driver/core_lending.py)."""
+        if not (self.cpu.pin_threads and role in _KV_ROLE and rc.num_gpus == 0
+                and rc.tensor_parallel_size == 1):
+            return False
+        decode_lends, prefill_lends = self.cpu.lend_decode_cores, self.cpu.lend_prefill_cores
+        if role == "decode":
+            return decode_lends if lends else prefill_lends
+        return prefill_lends if lends else decode_lends
 
     def required_cpus(self) -> float:
         return sum(rc.replicas * rc.num_cpus * rc.tensor_parallel_size

@@ -228,6 +228,12 @@ class CpuConfig(ConfigSection):
     # pause keeps its requests within proxy.slo.tpot_ms (the prefill step runs a thread on
     # them; the decode engine takes them back at its next step: driver/core_lending.py).
     lend_decode_cores: bool = True
+    # A prefill engine lends its cores to a decode engine pinned on the same node while it has
+    # no prompt to compute (a decode step runs a thread on them; the prefill engine takes them
+    # back as soon as a prompt arrives: driver/core_lending.py). Off: where P shares its core
+    # with serving, as on a 2-core node, the borrowed thread waits for serving at every
+    # parallel region and decode steps got slower (docs/benchmarks.md).
+    lend_prefill_cores: bool = False
 
 
 class RayConfig(ConfigSection):

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from pd_cluster import start_trace
-from pd_cluster.driver.core_lending import make_lending
+from pd_cluster.driver.core_lending import make_sharing
 from pd_cluster.driver.cpu_setup import CoreClaim, claim_cores
 from pd_cluster.driver.engine_loop import EngineLoop, build_engine
 from pd_cluster.driver.messages import (ERROR_ENGINE, ROLE_PREFILL, EngineDelta, EngineInfo,
@@ -56,10 +56,11 @@ class EngineActor:
         sys.setswitchinterval(_SWITCH_INTERVAL)
         threads = max(1, int(self.spec.num_cpus))
         self.cores = claim_engine_cores(self.spec, threads)
-        # A prefill engine that may borrow a decode engine's cores keeps a spare thread for
-        # its lent steps (driver/core_lending.py); its own steps use its own cores' count.
-        lending = make_lending(self.spec.role, self.cores.cores, 1, self.spec.tpot_target_s,
-                               self.spec.slo_percentile) if self.spec.lend_cores else None
+        # An engine that may borrow the other role's cores keeps a spare thread for its lent
+        # steps (driver/core_lending.py); its own steps use its own cores' count.
+        lending = make_sharing(self.spec.role, self.cores.cores, self.spec.lend_cores,
+                               self.spec.borrow_cores, self.spec.tpot_target_s,
+                               self.spec.slo_percentile)
         torch.set_num_threads(threads)  # tiny models on a shared CPU: more threads = slower
         self.node_ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()

@@ -106,20 +106,23 @@ ENGINE_SERIES: dict[str, EngineSeries] = {
         "Requests ended with an error because their grammar broke mid-request (a refused "
         "token or a backend error) rather than go on unconstrained", counter=True),
     "lend_borrowed_steps": EngineSeries(
-        "Prefill steps run with a decode engine's lent core (driver/core_lending.py)",
-        counter=True),
-    "lend_borrowed_seconds": EngineSeries("Seconds of prefill steps on lent cores",
-                                          counter=True),
+        "Steps run with another engine's lent core: a prefill engine's prefill steps on a "
+        "decode engine's, a decode engine's decode steps on an idle prefill engine's "
+        "(driver/core_lending.py)", counter=True),
+    "lend_borrowed_seconds": EngineSeries("Seconds of steps on lent cores", counter=True),
     "lend_refused_steps": EngineSeries(
-        "Prefill steps run at home because the decode engine's TPOT slack was too small to "
-        "lend its cores", counter=True),
+        "Steps run at home because the other engine could not spare its cores for them (the "
+        "decode engine's TPOT slack too small, or the prefill engine has a prompt to compute)",
+        counter=True),
     "lend_pauses": EngineSeries(
-        "Times this decode engine paused for a prefill step on its lent cores", counter=True),
+        "Times this engine paused for a step of another engine on its lent cores",
+        counter=True),
     "lend_pause_seconds": EngineSeries(
-        "Seconds this decode engine paused for prefill steps on its lent cores", counter=True),
+        "Seconds this engine paused for steps of another engine on its lent cores",
+        counter=True),
     "lend_revokes": EngineSeries(
-        "Borrows this decode engine ended early (new work beyond its TPOT slack, or an "
-        "overrun): it moved the borrowed thread back at once", counter=True),
+        "Borrows of this engine's cores it ended early (new work beyond what it could spare, "
+        "or an overrun): it moved the borrowed thread back at once", counter=True),
     "session_auth_failures": EngineSeries(
         "Proxy session connections refused: no valid proof of the cluster secret",
         counter=True),
