@@ -11,17 +11,30 @@ from pathlib import Path
 _FEATURE_FIELDS = ("flags", "features")
 
 
-@functools.lru_cache(maxsize=1)
-def _feature_line() -> str | None:
-    """The instruction-set list of /proc/cpuinfo; None where it cannot be read."""
+def _cpuinfo_field(names: tuple[str, ...]) -> str | None:
+    """The first /proc/cpuinfo line's value whose name is one of ``names``; None where there
+    is none or the file cannot be read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             name, _, value = line.partition(":")
-            if name.strip().lower() in _FEATURE_FIELDS:
+            if name.strip().lower() in names:
                 return value
     except OSError:
         pass
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _feature_line() -> str | None:
+    """The instruction-set list of /proc/cpuinfo; None where it cannot be read."""
+    return _cpuinfo_field(_FEATURE_FIELDS)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_vendor() -> str:
+    """The x86 vendor string (``GenuineIntel``, ``AuthenticAMD``); empty elsewhere or where
+    /proc/cpuinfo cannot be read."""
+    return (_cpuinfo_field(("vendor_id",)) or "").strip()
 
 
 @functools.lru_cache(maxsize=1)

@@ -114,8 +114,16 @@ def test_auto_upcasts_bf16_only_where_the_cpu_lacks_a_bf16_dot_product(monkeypat
         if want == "packed" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             want = "torch"
         assert cpu_gemm.layout_for(torch.bfloat16, "auto") == want, flags
-        assert cpu_gemm.layout_for(torch.float32, "auto") == "transposed"
         assert cpu_gemm.layout_for(torch.float16, "auto") == "torch"
+
+
+def test_auto_packs_fp32_where_mkl_runs_its_generic_path(monkeypatch) -> None:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN")
+    for vendor, want in (("GenuineIntel", "transposed"), ("", "transposed"),
+                         ("AuthenticAMD", "packed")):
+        monkeypatch.setattr(host_facts, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert cpu_gemm.layout_for(torch.float32, "auto") == want, vendor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -149,9 +157,9 @@ def test_mode_from_config_or_env(monkeypatch: pytest.MonkeyPatch) -> None:
         cpu_gemm.resolve_mode(None)
     with pytest.raises(ValueError, match="cpu_gemm"):
         EngineArgs(cpu_gemm="fast")
-    assert cpu_gemm.layout_for(torch.float32, "auto") == "transposed"
+    assert cpu_gemm.layout_for(torch.float32, "auto") in ("transposed", "packed")  # the CPU
     assert cpu_gemm.layout_for(torch.float16, "auto") == "torch"
-    assert cpu_gemm.layout_for(torch.bfloat16, "auto") in ("packed", "upcast", "torch")  # the CPU
+    assert cpu_gemm.layout_for(torch.bfloat16, "auto") in ("packed", "upcast", "torch")
     block = _Block(tied=False)
     assert cpu_gemm.prepare_model(block, torch.float32, torch.device("cuda"), "packed") == "torch"
     assert block.qkv.packed is None and block.qkv.weight.is_contiguous()  # CUDA: as loaded

