@@ -101,3 +101,6 @@ class KVConnectorBase_Worker(ABC):  # noqa: N801
 
     def close(self) -> None:
         pass
+
+
+ConnectorPair = tuple[KVConnectorBase_Scheduler, KVConnectorBase_Worker]

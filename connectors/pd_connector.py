@@ -1,4 +1,4 @@
-"""Worker half of the P/D connector (push, per layer) and its registration.
+"""Worker half of the P/D connector (push, per layer) and its pair (connectors/factory.py).
 
 Producer: after each attention layer, the request's new blocks of that layer are gathered
 into one contiguous tensor and handed to the pipe without waiting, so layer i is on the wire
@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 
-from connectors.base import FinishedTransfers, KVConnectorBase_Worker
+from connectors.base import ConnectorPair, FinishedTransfers, KVConnectorBase_Worker
 from connectors.config import KVTransferConfig
 from connectors.draft_layers import DraftLayers
-from connectors.factory import ConnectorPair, register_connector
 from connectors.hello import make_hello
 from connectors.kv_receiver import KVReceiver
 from connectors.granted_writes import Grants
@@ -43,6 +42,7 @@ from connectors.pd_producer import PDProducer
 from connectors.pd_roles import PDRoles
 from connectors.pd_scheduler import PDConnectorScheduler
 from connectors.pipes.base import PipeClosed, PipeError, create_pipe
+from connectors.pipes.faulty_pipe import with_faults
 from connectors.send_leases import SendLeases
 from connectors.staged_writes import StagingRanges, grant_staging, release_staging
 from connectors.tp_topology import Route, routes_for, split_endpoint
@@ -67,7 +67,10 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         # Each layer's sliding window: those layers ship only what decodes read.
         self.windows = layer_windows(self.hello["kv_specs"])
         self._routes: dict[str, list[tuple[str, Route]]] = {}  # consumer -> its ranks I feed
-        self.pipe = create_pipe(config.pipe, config.pipe_config, engine_info.get("faults"))
+        # With a KV fault site's rate set (test-only, pd_cluster/faults.py) the pipe comes
+        # wrapped (faulty_pipe.py), else as it is.
+        self.pipe = with_faults(create_pipe(config.pipe, config.pipe_config),
+                                engine_info.get("faults"))
         # Pipes that write into the consumer's blocks (nixl): granted_writes.py.
         self._in_place = self.writes_in_place = getattr(self.pipe, "writes_in_place", False)
         self.grants = Grants(config.kv_transfer_timeout / 2)
@@ -341,8 +344,8 @@ class PDConnectorWorker(PDRoles, PDProducer, DraftLayers, KVConnectorBase_Worker
         self._thread.join(timeout=2)
 
 
-@register_connector("pd")
-def _make_pd(config: KVTransferConfig, engine_info: dict[str, Any]) -> ConnectorPair:
+def make_pd(config: KVTransferConfig, engine_info: dict[str, Any]) -> ConnectorPair:
+    """The "pd" connector's pair (connectors/factory.py names it)."""
     worker = PDConnectorWorker(config, engine_info)
     windows = layer_windows(make_hello(engine_info)["kv_specs"])
     return (PDConnectorScheduler(engine_info["block_size"], windows, worker.writes_in_place),

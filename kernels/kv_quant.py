@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import torch
 
-from pd_cluster.config import KV_CACHE_DTYPES
-
 FP8_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn,
                                       "fp8_e5m2": torch.float8_e5m2}
 _TINY = 1e-12  # floor of a dynamic scale (an all-zero block still divides by something)
@@ -50,7 +48,7 @@ def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if name == "auto":
         return model_dtype
     if name not in FP8_DTYPES:
-        raise ValueError(f"kv_cache_dtype: {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+        raise ValueError(f"kv_cache_dtype: {name!r} is not one of auto, {', '.join(FP8_DTYPES)}")
     return FP8_DTYPES[name]
 
 

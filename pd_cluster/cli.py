@@ -43,11 +43,13 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
 def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     try:
         from pd_cluster.serving.cluster.cli_cluster import add_cluster_commands
+        from pd_cluster.serving.cluster.cli_scale import add_scale_command
         from pd_cluster.serving.cluster.serve_cli import add_serve_command
     except ImportError:  # serving extras not importable: the offline commands still work
         return
     add_serve_command(sub)
     add_cluster_commands(sub)
+    add_scale_command(sub)
 
 
 def _add_planner_commands(sub: argparse._SubParsersAction) -> None:

@@ -187,6 +187,7 @@ def pd_server(kind: str, model: str, dtype: str, progress: bool,
             print(f"  [{kind}] {name}: cores {cores}, torch threads {info['torch_threads']}, "
                   f"LD_PRELOAD {info['ld_preload'] or '-'}", flush=True)
             threads[name] = (info["pid"], info["engine_thread_id"])
+        wait_compiled(kind, cluster.engines)
         before = engine_time(cluster.engines, threads)
         yield cluster.url, "bench"
         print_engine_time(kind, before, engine_time(cluster.engines, threads))
@@ -194,6 +195,27 @@ def pd_server(kind: str, model: str, dtype: str, progress: bool,
         print_lending(kind, cluster.engines)
     finally:
         cluster.shutdown()
+
+
+def wait_compiled(kind: str, engines: dict[str, Any], timeout: float = 900.0) -> None:
+    """Until every engine's compiled step is ready (or its compile ended otherwise), as
+    vLLM's server is compiled before its port opens: an engine still compiling serves eagerly
+    and shares its cores with the compile."""
+    import ray
+    t0 = time.monotonic()
+    pending = dict(engines)
+    while pending and time.monotonic() - t0 < timeout:
+        for name, actor in list(pending.items()):
+            stats = ray.get(actor.stats.remote(), timeout=60)
+            if stats.get("compiled") or stats.get("compile_state") != "compiling":
+                del pending[name]
+        if pending:
+            time.sleep(1.0)
+    waited = time.monotonic() - t0
+    if pending:
+        print(f"  [{kind}] still compiling after {waited:.0f} s: {sorted(pending)}", flush=True)
+    elif waited > 1.0:
+        print(f"  [{kind}] waited {waited:.0f} s for the compiled step", flush=True)
 
 
 def serve_cli_config(over: dict[str, Any]) -> Any:

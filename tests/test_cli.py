@@ -98,7 +98,7 @@ def test_every_flag_has_help_text(tmp_path: Path, command: str) -> None:
 
 
 def test_serve_help_names_the_yaml_key_of_every_flag(tmp_path: Path) -> None:
-    from pd_cluster.serving.cluster.serve_cli import FLAGS
+    from pd_cluster.serving.cluster.serve_flags import FLAGS
     out = " ".join(_run("serve", "--help", tmp_path=tmp_path).stdout.split())
     for f in FLAGS:
         assert f"[{f.key}]" in out, f.flag

@@ -71,8 +71,8 @@ def test_flags_with_no_meaning_here_are_named(capsys: pytest.CaptureFixture) -> 
     args = build_parser().parse_args(["serve", "tiny-llama", "--trust-remote-code",
                                       "--swap-space", "4", "--disable-log-requests"])
     assert args.model == "tiny-llama"  # --swap-space's value is not taken for MODEL
-    from pd_cluster.serving.cluster import vllm_flags
-    notes = vllm_flags.ignored_notes(args.vllm_ignored)
+    from pd_cluster.serving.cluster import serve_flags
+    notes = serve_flags.ignored_notes(args.vllm_ignored)
     assert [n.split()[1] for n in notes] == ["--trust-remote-code", "--swap-space",
                                              "--disable-log-requests"]
     assert all(n.startswith("note: ") and "has no meaning here" in n for n in notes)

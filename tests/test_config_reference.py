@@ -38,7 +38,7 @@ def test_reference_lists_every_section_and_key() -> None:
 
 
 def test_every_serve_flag_is_a_documented_key() -> None:
-    from pd_cluster.serving.cluster.serve_cli import FLAGS
+    from pd_cluster.serving.cluster.serve_flags import FLAGS
     keys = set(re.findall(r"^\| `([\w.]+)`", render(), re.M))
     flags = {re.sub(r"^(decode|colocated)\.", "prefill.", f.key) for f in FLAGS}  # one table
     documented = {f for f in flags if f in keys or any(k.startswith(f + ".") for k in keys)}

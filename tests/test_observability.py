@@ -203,10 +203,10 @@ def test_stats_lines_only_while_there_is_work(caplog, monkeypatch) -> None:
 
 
 def test_missing_preloads_name_their_own_package(caplog, monkeypatch) -> None:
-    from pd_cluster.serving.cluster import launcher
-    monkeypatch.setattr(launcher, "preload_env", lambda _pre: ({}, ["libiomp5"]))
-    with caplog.at_level(logging.INFO, logger=launcher.__name__):
-        launcher.engine_env(parse_config({}))
+    from pd_cluster.serving.cluster import engine_starter
+    monkeypatch.setattr(engine_starter, "preload_env", lambda _pre: ({}, ["libiomp5"]))
+    with caplog.at_level(logging.INFO, logger=engine_starter.__name__):
+        engine_starter.engine_env(parse_config({}))
     text = caplog.records[-1].getMessage()
     assert "libiomp5: `pip install intel-openmp`" in text and "tcmalloc" not in text, text
 

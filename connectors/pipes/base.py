@@ -218,12 +218,8 @@ def available_pipes() -> list[str]:
     return sorted(found | set(_REGISTRY))
 
 
-def create_pipe(name: str, config: PipeConfig, faults: Any = None) -> KVPipe:
-    """``faults``: the engine's FaultsConfig (test-only, pd_cluster/faults.py); with a KV
-    site's rate set the pipe comes wrapped (faulty_pipe.py), else as it is."""
-    if faults is not None:
-        from connectors.pipes.faulty_pipe import with_faults
-        return with_faults(create_pipe(name, config), faults)
+def create_pipe(name: str, config: PipeConfig) -> KVPipe:
+    """The registered pipe ``name`` (its module imported on first use)."""
     if name not in _REGISTRY and name.isidentifier():
         # Convention over an if-chain: importing the module runs its @register_pipe.
         try:

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import importlib
 import logging
-from typing import Callable
 
 import torch
 
@@ -47,41 +47,34 @@ class AttentionBackend(ABC):
     # Whether forward_latent also serves prefill chunks (else latent layers decompress them).
     latent_prefill_in_place: bool = False
 
+    @abstractmethod
     def forward_latent(self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                        opts: AttentionOptions, value_dim: int, num_reqs: int) -> torch.Tensor:
         """Latent attention in absorbed form for the batch's first ``num_reqs`` requests (only
         decodes unless ``latent_prefill_in_place``): query [their tokens, heads, cache_dim]
         against ``cache`` [1, blocks, block_size, 1, cache_dim] (keys = the whole cached
         vector, values = its first ``value_dim`` entries) -> [their tokens, heads, value_dim]."""
-        from pd_cluster.attention.torch_backend import torch_latent_decode
-        if num_reqs > meta.num_decodes:
-            raise ValueError(f"{self.name} attention serves latent decodes only")
-        return torch_latent_decode(query, cache, meta, opts, value_dim)
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
-
-
-def register_backend(name: str) -> Callable:
-    def wrap(factory: Callable[[], AttentionBackend]) -> Callable[[], AttentionBackend]:
-        _BACKENDS[name] = factory
-        return factory
-    return wrap
+# name -> (module, class): a backend's module is imported when it is first asked for (the
+# Triton one imports no CUDA at load, but needs Triton).
+_BACKENDS: dict[str, tuple[str, str]] = {
+    "cpu": ("pd_cluster.attention.cpu_backend", "CpuAttentionBackend"),
+    "torch": ("pd_cluster.attention.torch_backend", "TorchAttentionBackend"),
+    "triton": ("pd_cluster.attention.triton_backend", "TritonAttentionBackend"),
+}
 
 
 def create_backend(name: str, device: torch.device) -> AttentionBackend:
     """``auto`` means Triton on CUDA, the C++ paged kernel on CPU (the torch reference, with a
     warning, where that kernel cannot be built)."""
-    # Importing registers the built-in backends; the Triton module imports no CUDA at load.
-    from pd_cluster.attention import cpu_backend, torch_backend  # noqa: F401
     if name == "auto":
         name = "triton" if device.type == "cuda" else _cpu_choice()
-    if name == "triton":
-        from pd_cluster.attention import triton_backend  # noqa: F401
     if name not in _BACKENDS:
         raise ValueError(f"attention_backend: unknown backend {name!r}; "
                          f"choose one of {sorted(_BACKENDS) + ['auto']}")
-    return _BACKENDS[name]()
+    module, cls = _BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)()
 
 
 def _cpu_choice() -> str:

@@ -13,7 +13,7 @@ import torch
 
 from kernels.kv_quant import is_fp8, split
 from pd_cluster.attention import cpu_prefill
-from pd_cluster.attention.base import AttentionBackend, register_backend
+from pd_cluster.attention.base import AttentionBackend
 from pd_cluster.attention.metadata import AttentionMetadata
 from pd_cluster.attention.options import AttentionOptions
 from pd_cluster.attention.torch_backend import write_kv_torch
@@ -58,7 +58,6 @@ def _split_forward(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     return out
 
 
-@register_backend("cpu")
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
     latent_prefill_in_place = True

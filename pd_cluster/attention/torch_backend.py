@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kv_quant import block_size_of, dequant_blocks, is_fp8, write_fp8
-from pd_cluster.attention.base import AttentionBackend, register_backend
+from pd_cluster.attention.base import AttentionBackend
 from pd_cluster.attention.metadata import AttentionMetadata
 from pd_cluster.attention.options import AttentionOptions
 
@@ -179,7 +179,16 @@ def torch_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: A
         out[start:end] = o.transpose(0, 1)
 
 
-@register_backend("torch")
+def reference_latent(backend: AttentionBackend, query: torch.Tensor, cache: torch.Tensor,
+                     meta: AttentionMetadata, opts: AttentionOptions, value_dim: int,
+                     num_reqs: int) -> torch.Tensor:
+    """``forward_latent`` for a backend without a latent kernel: the reference's absorbed
+    decode (decodes only)."""
+    if num_reqs > meta.num_decodes:
+        raise ValueError(f"{backend.name} attention serves latent decodes only")
+    return torch_latent_decode(query, cache, meta, opts, value_dim)
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -195,3 +204,7 @@ class TorchAttentionBackend(AttentionBackend):
             out[: meta.num_decodes] = torch_decode_attention(query, kv_cache, meta, opts)
         torch_prefill_attention(query, kv_cache, meta, opts, meta.num_decodes, out)
         return out
+
+    def forward_latent(self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                       opts: AttentionOptions, value_dim: int, num_reqs: int) -> torch.Tensor:
+        return reference_latent(self, query, cache, meta, opts, value_dim, num_reqs)

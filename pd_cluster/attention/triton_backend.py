@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from pd_cluster.attention.base import AttentionBackend, register_backend
+from pd_cluster.attention.base import AttentionBackend
 from pd_cluster.attention.metadata import AttentionMetadata
 from pd_cluster.attention.options import AttentionOptions
-from pd_cluster.attention.torch_backend import torch_decode_attention, torch_prefill_attention
+from pd_cluster.attention.torch_backend import (reference_latent, torch_decode_attention,
+                                                torch_prefill_attention)
 
 
-@register_backend("triton")
 class TritonAttentionBackend(AttentionBackend):
     """``num_splits`` forces the decode split-K factor (None: chosen from context length);
     ``prefill_kernel=False`` routes prefill chunks through torch instead."""
@@ -61,6 +61,10 @@ class TritonAttentionBackend(AttentionBackend):
         if query.shape[0] > n_real:  # padding tokens (e.g. graph padding): defined zeros
             out[n_real:].zero_()
         return out
+
+    def forward_latent(self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                       opts: AttentionOptions, value_dim: int, num_reqs: int) -> torch.Tensor:
+        return reference_latent(self, query, cache, meta, opts, value_dim, num_reqs)
 
     @staticmethod
     def _kernel_runs(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:

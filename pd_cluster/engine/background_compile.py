@@ -101,11 +101,10 @@ class BackgroundCompile:
 
     def _compile_in_child(self) -> bool:
         """Run the compile child to its end: whether it left the artifact."""
-        from pd_cluster.engine.compiled_model import logger as compile_logger
         tp = self._target.model.tp
         cmd = child_command(self._config_json, tp.rank, tp.size, str(self._target.path))
-        compile_logger.info("compiling the model in the background (serving eagerly until it "
-                            "is ready) ...")
+        logger.info("compiling the model in the background (serving eagerly until it is "
+                    "ready) ...")
         with self._lock:
             if self._stop.is_set():
                 return False

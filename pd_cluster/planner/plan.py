@@ -9,6 +9,9 @@ from typing import Any
 
 from pd_cluster.planner.perf_model import PerfModel
 
+# The sections that describe a P/D part (a config as colocated drops them).
+PD_SECTIONS = ("prefill", "decode", "kv_transfer")
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -101,10 +104,19 @@ def plan_config(plan: Plan, base: dict[str, Any], model: PerfModel) -> dict[str,
     return out
 
 
+def as_colocated(data: dict[str, Any], cores: float) -> dict[str, Any]:
+    """``data`` as one colocated engine on ``cores``: the P/D sections dropped, the prefill
+    role's other keys (and a colocated section's) kept."""
+    role = {k: v for k, v in (data.get("prefill") or {}).items() if k != "num_cpus"}
+    out = {k: v for k, v in data.items() if k not in PD_SECTIONS}
+    out["colocated"] = {**role, **(data.get("colocated") or {}), "replicas": 1,
+                        "num_cpus": cores}
+    return {**out, "mode": "colocated"}
+
+
 def colocated_config(choice: Any, base: dict[str, Any], model: PerfModel) -> dict[str, Any]:
     """``base`` as one colocated engine on the compared cores, with the targets it mixes
     prompts into its decodes under."""
-    from pd_cluster.serving.cluster.auto_shape import as_colocated
     out = as_colocated({k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()},
                        choice.cores)
     out["proxy"] = {**out.get("proxy", {}), "slo": _slo_section(model)}

@@ -26,7 +26,6 @@ _NO_PROFILES = ("disaggregated (1P1D): no profiles to compare shapes by (planner
 _SMALL = ("colocated: one engine on {cores:g} cores, where P/D would give prefill and decode "
           "one each (too few for the split to pay); profiles decide instead "
           "(planner.profile, planner.colocated_profile), `mode: disaggregated` forces P/D")
-_PD_SECTIONS = ("prefill", "decode", "kv_transfer")
 
 
 def resolve_shape(data: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -34,6 +33,7 @@ def resolve_shape(data: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     mode = data.get("mode", MODE_AUTO)
     if mode != MODE_AUTO:
         return data, None
+    from pd_cluster.planner.plan import PD_SECTIONS, as_colocated
     if "colocated" in data:
         return {**data, "mode": "colocated"}, "colocated: the config has a colocated section"
     roles = {r: data.get(r) or {} for r in ("prefill", "decode")}
@@ -48,7 +48,7 @@ def resolve_shape(data: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
                             for v in roles.values()))
     if not isinstance(planner, dict) or not (planner.get("profile")
                                              and planner.get("colocated_profile")):
-        if cpu_only and not any(k in data for k in _PD_SECTIONS):
+        if cpu_only and not any(k in data for k in PD_SECTIONS):
             cores = 2 * RoleConfig.model_fields["num_cpus"].default
             return as_colocated(data, cores), _SMALL.format(cores=cores)
         return {**data, "mode": "disaggregated"}, _NO_PROFILES
@@ -62,16 +62,6 @@ def resolve_shape(data: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     out["prefill"] = {**roles["prefill"], "replicas": choice.n_prefill}
     out["decode"] = {**roles["decode"], "replicas": choice.n_decode}
     return out, choice.line
-
-
-def as_colocated(data: dict[str, Any], cores: float) -> dict[str, Any]:
-    """``data`` as one colocated engine on ``cores``: the P/D sections dropped, the prefill
-    role's other keys (and a colocated section's) kept."""
-    role = {k: v for k, v in (data.get("prefill") or {}).items() if k != "num_cpus"}
-    out = {k: v for k, v in data.items() if k not in _PD_SECTIONS}
-    out["colocated"] = {**role, **(data.get("colocated") or {}), "replicas": 1,
-                        "num_cpus": cores}
-    return {**out, "mode": "colocated"}
 
 
 def _compare(data: dict[str, Any], roles: dict[str, dict[str, Any]],

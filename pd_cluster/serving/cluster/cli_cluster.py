@@ -34,26 +34,23 @@ def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_launch)
 
     s = sub.add_parser("status", help="engines, health and load of a running cluster")
-    _add_target_args(s)
+    add_target_args(s)
     s.add_argument("--url", default=None, help="proxy URL (default: from the launch record)")
     s.add_argument("--json", action="store_true", help="print the raw status JSON")
     s.set_defaults(run=run_status)
 
     t = sub.add_parser("stop", help="stop a cluster started with `pd-cluster launch`")
-    _add_target_args(t)
+    add_target_args(t)
     t.add_argument("--address", default=None, help="Ray address (default: the launch record)")
     t.set_defaults(run=run_stop)
 
-    from pd_cluster.serving.cluster.cli_scale import add_scale_command
-    add_scale_command(sub)
 
-
-def _add_target_args(p: argparse.ArgumentParser) -> None:
+def add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default=None, help=f"default: {_DEFAULT_NAMESPACE}")
     p.add_argument("--config", default=None, help="take the namespace from this config")
 
 
-def _namespace(args: argparse.Namespace) -> str:
+def target_namespace(args: argparse.Namespace) -> str:
     if args.namespace:
         return args.namespace
     if args.config:
@@ -202,7 +199,7 @@ def run_status(args: argparse.Namespace) -> int:
     from pd_cluster.serving.observability.offload_series import tier_line
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no per-request INFO lines here
-    ns = _namespace(args)
+    ns = target_namespace(args)
     url = args.url
     if url is None:
         st = ClusterState.load(ns)
@@ -308,7 +305,7 @@ def run_stop(args: argparse.Namespace) -> int:
     from pd_cluster.serving.cluster.placement import named_groups, remove_groups
     from pd_cluster.serving.cluster.ray_runtime import connect, pid_alive, stop_head
 
-    ns = _namespace(args)
+    ns = target_namespace(args)
     st = ClusterState.load(ns)
     if st is not None and not st.detached and pid_alive(st.launcher_pid):
         os.kill(st.launcher_pid, signal.SIGTERM)  # a foreground launcher cleans up itself

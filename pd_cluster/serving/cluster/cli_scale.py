@@ -15,10 +15,10 @@ _TIMEOUT = 1800.0  # s: engines load their model before they serve
 
 
 def add_scale_command(sub: argparse._SubParsersAction) -> None:
-    from pd_cluster.serving.cluster.cli_cluster import _add_target_args
+    from pd_cluster.serving.cluster.cli_cluster import add_target_args
     p = sub.add_parser("scale", help="add, remove (drained, nothing lost) or switch engines of "
                                      "a running cluster")
-    _add_target_args(p)
+    add_target_args(p)
     p.add_argument("--url", default=None, help="proxy URL (default: from the launch record)")
     for role in ("prefill", "decode", "colocated"):
         p.add_argument(f"--{role}", type=int, default=None, metavar="N",
@@ -79,11 +79,11 @@ def post(url: str, path: str, body: dict[str, Any]) -> tuple[bool, list[str]]:
 
 
 def _proxy_url(args: argparse.Namespace) -> str | None:
-    from pd_cluster.serving.cluster.cli_cluster import _namespace
+    from pd_cluster.serving.cluster.cli_cluster import target_namespace
     from pd_cluster.serving.cluster.launch_record import ClusterState
     if args.url:
         return args.url
-    ns = _namespace(args)
+    ns = target_namespace(args)
     st = ClusterState.load(ns)
     if st is None:
         _fail(f"no cluster is running in namespace {ns!r}: --namespace NAME, or --url URL")

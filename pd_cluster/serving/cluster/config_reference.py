@@ -92,7 +92,7 @@ def all_keys() -> list[str]:
 
 def _flag_note(path: str) -> str:
     """`pd-cluster serve`'s flag(s) for this key, as the reference shows them."""
-    from pd_cluster.serving.cluster.serve_cli import flags_by_key
+    from pd_cluster.serving.cluster.serve_flags import flags_by_key
     by_key = flags_by_key()
     parts = path.split(".")  # a flag for a section (a JSON object) shows on its keys
     flags = next((by_key[k] for k in (".".join(parts[:i]) for i in range(len(parts), 0, -1))

@@ -11,12 +11,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from typing import Any, Callable
 
+from pd_cluster.driver.cpu_setup import preload_env
 from pd_cluster.driver.messages import EngineSpec
 from pd_cluster.serving.cluster.cluster_config import ClusterConfig
 
 logger = logging.getLogger(__name__)
+
+PROXY_NAME = "proxy"  # the proxy actor's name in its namespace (the engines have theirs)
+# How to get each preload where it is missing (the names preload_env reports).
+_INSTALL_HINT = {"tcmalloc": "apt install libtcmalloc-minimal4",
+                 "libiomp5": "pip install intel-openmp"}
 
 _AUTOSCALING_KEY = "__autoscaling_status"  # written by Ray's autoscaler monitor on each update
 
@@ -159,3 +166,38 @@ def kill(handle: Any) -> None:
 def _available_resources() -> dict[str, float]:
     import ray
     return dict(ray.available_resources())
+
+
+def engine_env(config: ClusterConfig, quiet: bool = False) -> dict[str, str]:
+    """The preloads engines start with (tcmalloc, Intel OpenMP) where this node has them;
+    a missing one is said once, by the launcher, and the engines go on without it
+    (``quiet``: the proxy's copy, for engines it adds, says nothing)."""
+    if not config.cpu.preload_libraries:
+        return {}
+    env, missing = preload_env(os.environ.get("LD_PRELOAD"))
+    if quiet:
+        return env
+    if missing:
+        hints = ", ".join(f"{lib}: `{_INSTALL_HINT.get(lib, lib)}`" for lib in missing)
+        logger.info("engines start without %s (not found on this node; %s)",
+                    " and ".join(missing), hints)
+    if env:
+        logger.info("engines preload %s", env["LD_PRELOAD"])
+    return env
+
+
+def named_engines(namespace: str) -> dict[str, Any]:
+    """Every engine actor alive in ``namespace`` by name (the proxy excluded)."""
+    import ray
+    try:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == namespace and a["name"] != PROXY_NAME]
+    except Exception:  # noqa: BLE001 - Ray gone: the launched ones are killed anyway
+        return {}
+    out = {}
+    for name in names:
+        try:
+            out[name] = ray.get_actor(name, namespace=namespace)
+        except ValueError:  # gone meanwhile
+            pass
+    return out

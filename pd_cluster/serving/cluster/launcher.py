@@ -13,20 +13,16 @@ from typing import Any
 
 from pd_cluster import start_trace
 from pd_cluster.serving.cluster.cluster_config import ClusterConfig
+from pd_cluster.serving.cluster.engine_starter import PROXY_NAME, engine_env, named_engines
 from pd_cluster.serving.cluster.launch_record import ClusterState, state_dir
-from pd_cluster.driver.cpu_setup import preload_env
 from pd_cluster.driver.messages import ROLE_DECODE, ROLE_PREFILL, EngineSpec
 from pd_cluster.serving.cluster.placement import Placement, check_feasible
 from pd_cluster.serving.cluster.ray_runtime import RayRuntime, start_ray, stop_head
 
 logger = logging.getLogger(__name__)
 
-PROXY_NAME = "proxy"
 _READY_TIMEOUT = 600.0  # s: model loading (and first-use generation of a preset) per engine
 _STOP_TIMEOUT = 10.0
-# How to get each preload where it is missing (the names preload_env reports).
-_INSTALL_HINT = {"tcmalloc": "apt install libtcmalloc-minimal4",
-                 "libiomp5": "pip install intel-openmp"}
 _LINK_TIMEOUT = 15.0  # s: every launch-time P -> D handshake, all in parallel
 
 
@@ -83,23 +79,6 @@ def drain_proxy(proxy: Any) -> None:
         print(f"drained: {result['in_flight'] - result['ended']} of {result['in_flight']} "
               f"request(s) in flight finished, {result['ended']} ended with 'server shutting "
               f"down' ({result['seconds']}s)", flush=True)
-
-
-def named_engines(namespace: str) -> dict[str, Any]:
-    """Every engine actor alive in ``namespace`` by name (the proxy excluded)."""
-    import ray
-    try:
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a.get("namespace") == namespace and a["name"] != PROXY_NAME]
-    except Exception:  # noqa: BLE001 - Ray gone: the launched ones are killed anyway
-        return {}
-    out = {}
-    for name in names:
-        try:
-            out[name] = ray.get_actor(name, namespace=namespace)
-        except ValueError:  # gone meanwhile
-            pass
-    return out
 
 
 def kill_actors(proxy: Any, engines: Any) -> None:
@@ -183,24 +162,6 @@ def launch(config: ClusterConfig, *, address: str | None = None, detach: bool = 
     cluster = Cluster(config, runtime, url, engines, specs, proxy, placement, detached=detach)
     cluster.state().save()
     return cluster
-
-
-def engine_env(config: ClusterConfig, quiet: bool = False) -> dict[str, str]:
-    """The preloads engines start with (tcmalloc, Intel OpenMP) where this node has them;
-    a missing one is said once, by the launcher, and the engines go on without it
-    (``quiet``: the proxy's copy, for engines it adds, says nothing)."""
-    if not config.cpu.preload_libraries:
-        return {}
-    env, missing = preload_env(os.environ.get("LD_PRELOAD"))
-    if quiet:
-        return env
-    if missing:
-        hints = ", ".join(f"{lib}: `{_INSTALL_HINT.get(lib, lib)}`" for lib in missing)
-        logger.info("engines start without %s (not found on this node; %s)",
-                    " and ".join(missing), hints)
-    if env:
-        logger.info("engines preload %s", env["LD_PRELOAD"])
-    return env
 
 
 def link_engines(engines: dict[str, Any], infos: dict[str, dict[str, Any]],

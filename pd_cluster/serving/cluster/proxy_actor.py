@@ -83,7 +83,7 @@ class ProxyActor:
         cfg = ClusterConfig.from_dict(config)
         handles = current_engines(engines, namespace)
         from pd_cluster.serving.cluster.engine_starter import EngineStarter
-        from pd_cluster.serving.cluster.launcher import engine_env
+        from pd_cluster.serving.cluster.engine_starter import engine_env
         starter = EngineStarter(cfg, namespace, secrets.get("cluster"), detached,
                                 engine_env(cfg, quiet=True))
         self.app = create_app(cfg, handles, secrets.get("api_keys"), starter, self._tokenizer)
@@ -171,7 +171,7 @@ def current_engines(launched: list[dict[str, str]], namespace: str
     proxy that Ray restarted. An engine that does not answer keeps its launch role."""
     import ray
 
-    from pd_cluster.serving.cluster.launcher import named_engines
+    from pd_cluster.serving.cluster.engine_starter import named_engines
     roles = {e["name"]: e["role"] for e in launched}
     handles = named_engines(namespace)  # a launched engine scaled down since is not among them
     for e in launched:

@@ -19,7 +19,6 @@ import asyncio
 import logging
 import re
 import time
-from dataclasses import dataclass
 from typing import Any, Coroutine
 
 from pd_cluster.driver.messages import ROLE_DECODE, ROLE_PREFILL
