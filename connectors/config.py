@@ -115,7 +115,7 @@ class KVTransferConfig(BaseModel):
 
 
 def _digest_alias(data: dict[str, Any]) -> None:
-    """``digest`` (before issue 38: a CRC-32 per layer, on or off) -> ``integrity``."""
+    """``digest`` (the older key: a CRC-32 per layer, on or off) -> ``integrity``."""
     if "digest" not in data:
         return
     digest = data.pop("digest")

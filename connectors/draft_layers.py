@@ -1,4 +1,4 @@
-"""A proposer's KV through P/D (speculative ``draft_model`` and ``mtp``, issue 41), the worker's
+"""A proposer's KV through P/D (speculative ``draft_model`` and ``mtp``), the worker's
 side: a draft model's layers, or the MTP layer's (one layer; "draft" below means either).
 
 The prefill engine runs the draft's prefill too (pd_cluster/engine/spec/draft_pd.py) and its

@@ -19,7 +19,7 @@ class SendSpec:
     # The prompt's length: a sliding-window layer ships only the blocks the consumer's
     # decodes can read (window_shipping.py); 0: unknown, every block goes.
     num_prompt_tokens: int = 0
-    # The same blocks of the draft model's own cache (speculative draft_model, issue 41): its
+    # The same blocks of the draft model's own cache (speculative draft_model): its
     # layers ship after the target's as layers num_layers.. (pd_cluster/engine/spec/draft_pd.py);
     # empty: no draft KV goes with this request.
     draft_block_ids: tuple[int, ...] = ()

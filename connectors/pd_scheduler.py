@@ -29,7 +29,7 @@ class PDConnectorScheduler(KVConnectorBase_Scheduler):
         self._finishes: list[FinishSpec] = []
         self._cancels: list[str] = []
         self._sent_upto: dict[str, int] = {}  # producer: prompt tokens already planned to send
-        # Speculative draft_model (issue 41): the draft's blocks for a request's prompt, from
+        # Speculative draft_model: the draft's blocks for a request's prompt, from
         # the engine (pd_cluster/engine/spec/draft_pd.py), () when its draft KV does not move;
         # None: no draft model here.
         self.draft_blocks: Callable[[Any], tuple[int, ...]] | None = None

@@ -1,5 +1,5 @@
 """AES-GMAC with its hash in the C++ kernel (kernels/cpu/ghash_copy.cpp), fused with a block
-copy where the bytes are being copied anyway (the shm pipe's writes, issue 42): the source is
+copy where the bytes are being copied anyway (the shm pipe's writes): the source is
 read once, stored and hashed from registers, instead of a copy then OpenSSL's pass over the
 same bytes.
 

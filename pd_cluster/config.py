@@ -213,8 +213,9 @@ class EngineArgs(BaseModel):
     # before serving the first request). None: $PD_CLUSTER_COMPILE_MODE, else background.
     compile_mode: str | None = None
     # CPU linear weights' layout after loading (models/layers/cpu_gemm.py): auto (per dtype,
-    # as measured: fp32 transposed, bf16 oneDNN-packed, or packed in fp32 where the CPU has no
-    # bf16 dot product; fp16 as loaded) | torch (as loaded) | transposed | packed | upcast.
+    # as measured: fp32 transposed on Intel CPUs and oneDNN-packed on other x86 ones, bf16
+    # oneDNN-packed, or packed in fp32 where the CPU has no bf16 dot product; fp16 as loaded)
+    # | torch (as loaded) | transposed | packed | upcast.
     # None: $PD_CLUSTER_CPU_GEMM decides (default auto). CUDA: as loaded.
     cpu_gemm: str | None = None
     # On CUDA: decode steps replay CUDA graphs captured at start per batch size and context

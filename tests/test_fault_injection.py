@@ -19,6 +19,7 @@ import msgspec
 import pytest
 
 from connectors.pipes import PipeConfig, create_pipe
+from connectors.pipes.faulty_pipe import with_faults
 from pd_cluster import SamplingParams
 from pd_cluster.config import EngineArgs, EngineConfig
 from pd_cluster.driver.engine_loop import EngineLoop
@@ -299,8 +300,8 @@ def test_bad_rates_are_errors_naming_the_field_and_off_is_the_default(tiny_model
                                   "integrity": "none"})
     with pytest.raises(ValueError, match=r"faults\.kv_send\.corrupt: the GlooPipe has no "
                                          r"integrity channel"):
-        create_pipe("gloo", PipeConfig(), FaultsConfig(kv_send={"corrupt": 0.1}))
-    plain = create_pipe("zmq", PipeConfig(), FaultsConfig(token={"drop": 0.1}))
+        with_faults(create_pipe("gloo", PipeConfig()), FaultsConfig(kv_send={"corrupt": 0.1}))
+    plain = with_faults(create_pipe("zmq", PipeConfig()), FaultsConfig(token={"drop": 0.1}))
     assert type(plain).__name__ == "ZmqPipe"  # no KV rate: the pipe itself, unwrapped
     plain.close()
 

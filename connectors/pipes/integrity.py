@@ -9,7 +9,7 @@
   receiver takes only numbers above the last it accepted: a frame cannot be forged, altered,
   replayed, reordered, or moved to another connection (or direction) without the check
   failing. Needs the secret (``security: token`` or ``curve``); the default there.
-  GMAC (issue 42) rather than HMAC-SHA256: OpenSSL's GHASH runs on the CPU's carry-less
+  GMAC rather than HMAC-SHA256: OpenSSL's GHASH runs on the CPU's carry-less
   multiply (12-14 GB/s per core on this project's CPU machine against HMAC-SHA256's 1.2,
   which was 60-70% of both ends' CPU in a ZMQ transfer and capped it at ~0.6 GB/s). The
   handshake sends ``mac`` as ``MAC_WIRE_NAME``: an engine of the HMAC era is refused there,

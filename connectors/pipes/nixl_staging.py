@@ -1,4 +1,4 @@
-"""Consumer-side staging for the nixl pipe's fragmented writes (issue 42).
+"""Consumer-side staging for the nixl pipe's fragmented writes.
 
 UCX pays ~10 us per descriptor here, and a shuffled grant (a fragmented block pool) makes a
 layer's write one descriptor per 16 KiB block: 24k descriptors at 16k tokens, 0.5-1 GB/s

@@ -259,7 +259,7 @@ class ShmPipe(WrittenCheck, ZmqPipe):
         # With another copy queued, let the I/O thread send this notification first:
         # copy_and_seal holds the GIL (numpy's indexed copy and the GMAC keep it), so that
         # thread would otherwise run only at the next forced switch
-        # (sys.getswitchinterval(), 5 ms) or once no copy is queued. Measured (issue 42):
+        # (sys.getswitchinterval(), 5 ms) or once no copy is queued. Measured:
         # every notification of a 1k-token transfer left after the last copy, and the
         # consumer checked its 12 layers after the copies instead of alongside them. This
         # wait releases the GIL (_HANDOFF_WAIT at most); with nothing queued this thread

@@ -2,7 +2,7 @@
 consumer recomputes over the bytes now in its granted blocks, under the connection's
 notification key (each pipe derives its own: ``notif_label``).
 
-One MAC for both pipes (issue 42): AES-GMAC under a one-time key, HMAC-SHA256 (the notification
+One MAC for both pipes: AES-GMAC under a one-time key, HMAC-SHA256 (the notification
 key) of the write's random nonce and head (request, layer, blocks), so the GMAC nonce can be
 fixed. Measured on this project's CPU machine (one core, 256 KiB / 16 KiB updates): GMAC 10.0 /
 8.9 GB/s, Poly1305 (the nixl pipe's until then) 6.3 / 5.5, BLAKE3 keyed 5.0 / 4.5 (the
@@ -14,7 +14,7 @@ machine (shm_efficiency 0.29 against 0.45 in-pass, runs half an hour apart): wit
 consumer checking on the other core, three streams share two cores. With the CPU kernels
 (kernels/ghash_copy.py) the copy and the hash are one pass (GHASH on VPCLMULQDQ, tags equal
 to OpenSSL's GMAC): shm_efficiency 0.248 / 0.284 without -> 0.365 / 0.363 with, two
-alternating runs here (issue 42; 4.3-5.2 against 2.5-3.8 GB/s at 16k tokens).
+alternating runs here (4.3-5.2 against 2.5-3.8 GB/s at 16k tokens).
 
 crc32: CRC-32 over the head and the bytes (accidents only). none: nothing. No message
 number: the head names the request's blocks and the bytes are in them, so a replayed

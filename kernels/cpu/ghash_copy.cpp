@@ -1,5 +1,5 @@
 // GHASH (GCM's hash over associated data) fused with a block copy, for the shm pipe's
-// written-check (issue 42): the bytes are read once, stored to the destination and folded
+// written-check: the bytes are read once, stored to the destination and folded
 // into the hash while in registers. Python (kernels/ghash_copy.py) derives H = AES_K(0) and
 // E_K(J0) with OpenSSL and turns the hash into the AES-GMAC tag (GHASH ^ E_K(J0)), so tags
 // are bit-identical to `cryptography`'s.

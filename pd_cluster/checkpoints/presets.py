@@ -14,7 +14,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-random-llama": {"arch": "llama"},
     "tiny-qwen2": {"arch": "qwen2"},
     "tiny-mistral": {"arch": "mistral"},
-    # One per served family (issue 18), each exercising what sets it apart, at the default
+    # One per served family, each exercising what sets it apart, at the default
     # tiny size: windows shorter than test prompts, RoPE scalings, soft-caps, fused tensors.
     "tiny-llama3": {"arch": "llama", "config_overrides": {"rope_parameters": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -37,7 +37,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 2.0, 2.5, 3.0],
             "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 9.0]}}},
     "tiny-olmo2": {"arch": "olmo2"},
-    # DeepSeek-V3 in small (issue 20): latent attention with q LoRA (a latent of 64 + a rope
+    # DeepSeek-V3 in small: latent attention with q LoRA (a latent of 64 + a rope
     # key of 16 = 80 cached values per token and layer), yarn RoPE with mscale, a dense first
     # layer then MoE layers (shared expert, sigmoid group-limited routing over 2 groups),
     # and one MTP layer (speculative method mtp; HF's DeepseekV3 skips it).

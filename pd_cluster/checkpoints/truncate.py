@@ -1,4 +1,4 @@
-"""A draft model made from a checkpoint: the same weights with only the first layers (issue 41's
+"""A draft model made from a checkpoint: the same weights with only the first layers (a
 cheap draft pair for ``engine.speculative: {method: draft_model}``). Same tokenizer, same
 embeddings and LM head, so it often agrees with the full model; all layers make a draft equal
 to the target, which must accept every draft."""

@@ -1,5 +1,4 @@
-"""Cores shared both ways between a prefill and a decode engine on one machine (issue: serve
-to the SLO at equal compute).
+"""Cores shared both ways between a prefill and a decode engine on one machine.
 
 In 1P1D on one node each engine has its own cores, and each sits partly idle while the other
 has work: the decode engine's while prompts queue at the prefill engine, the prefill engine's

@@ -71,7 +71,7 @@ def engine_info(config: EngineConfig, runner: ModelRunner, tp: Any = None) -> di
 
 
 def spec_state(config: EngineConfig) -> dict[str, Any] | None:
-    """The speculative proposer's state a request carries (compared at handshake, issue 41):
+    """The speculative proposer's state a request carries (compared at handshake):
     None without one (speculation off, or ngram: drafts are a function of the tokens); for
     draft_model, which draft (its checkpoint's fingerprint), whose KV P and D must agree on."""
     spec = config.speculative

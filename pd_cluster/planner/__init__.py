@@ -1,4 +1,4 @@
-"""Sizing and steering a P/D cluster (issue 40): a cost model measured on this machine
+"""Sizing and steering a P/D cluster: a cost model measured on this machine
 (profiler.py -> profile_table.py), the capacity arithmetic over it (perf_model.py), `pd-cluster
 plan` (plan.py), an SLO controller acting through an Actuator (controller.py, actuator.py) and a
 discrete-event simulator that implements the Actuator (simulator.py).

@@ -1,4 +1,4 @@
-"""The draft model's KV through P/D (speculative ``draft_model``, issue 41), the engine's side;
+"""The draft model's KV through P/D (speculative ``draft_model``), the engine's side;
 the wire (layers after the target's, who ships where) is connectors/draft_layers.py.
 
 Prefill engine (requests with SendKV): when the connector first plans a request's send, the

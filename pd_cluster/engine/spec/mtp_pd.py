@@ -1,4 +1,4 @@
-"""The MTP layer's state through P/D (speculative ``mtp``, issue 41): draft_pd.py's path (the
+"""The MTP layer's state through P/D (speculative ``mtp``): draft_pd.py's path (the
 proposer's blocks reserved on D at admission, taken on P at the first send, its layer shipped
 after the target's: connectors/draft_layers.py), with the MTP layer's prefill in place of a
 draft model's, and the one hidden state D's first proposal needs riding in the FIN.
