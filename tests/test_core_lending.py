@@ -4,14 +4,16 @@ step's borrow of an idle prefill engine's cores, the revokes that give cores bac
 and the spare OpenMP thread found on the engine thread."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 
 import pytest
 
-from pd_cluster.driver.core_lending import (Borrower, CoreSharing, DecodeSteps, IdleSlack,
-                                            Lender, PromptSteps, TpotSlack, make_sharing)
+from pd_cluster.driver.core_borrower import Borrower, DecodeSteps, PromptSteps
+from pd_cluster.driver.core_lender import IdleSlack, Lender, TpotSlack
+from pd_cluster.driver.core_lending import CoreSharing, make_sharing
 from pd_cluster.driver.lend_board import Board, cores_of, mask
 
 pytestmark = pytest.mark.skipif(
@@ -127,19 +129,35 @@ def test_no_borrow_beyond_the_published_slack(tmp_path, cores) -> None:
         lender.close()
 
 
-def test_lender_with_new_work_takes_its_cores_back_within_one_check(tmp_path, cores) -> None:
-    lender, borrower, thread = _pair(tmp_path, cores, target_s=0.02)
-    lender.publish()
+@contextlib.contextmanager
+def _held_step(lender, borrower, thread, tokens: int = 512):
+    """A borrowed step that lasts until the test sets the event it is given (everything is
+    released and closed at the block's end)."""
     in_step, release = threading.Event(), threading.Event()
 
-    def step() -> None:  # a prefill step that lasts until the test lets it end
+    def step() -> None:
         in_step.set()
         assert release.wait(30)
 
-    t = threading.Thread(target=borrower.run_step, args=(_Engine(step),), daemon=True)
+    t = threading.Thread(target=borrower.run_step, args=(_Engine(step, tokens=tokens),),
+                         daemon=True)
     try:
         t.start()
-        assert in_step.wait(10) and thread.cores() == set(cores[1])
+        assert in_step.wait(10)
+        yield release, t
+    finally:
+        release.set()
+        t.join(10)
+        thread.close()
+        borrower.close()
+        lender.close()
+
+
+def test_lender_with_new_work_takes_its_cores_back_within_one_check(tmp_path, cores) -> None:
+    lender, borrower, thread = _pair(tmp_path, cores, target_s=0.02)
+    lender.publish()
+    with _held_step(lender, borrower, thread) as (release, t):
+        assert thread.cores() == set(cores[1])
         # A request arrives whose TPOT cannot absorb the borrow's remaining ~0.3 s.
         lender.slack.added("r", 8)
         lender.slack.step_done(0.019, True)
@@ -150,12 +168,6 @@ def test_lender_with_new_work_takes_its_cores_back_within_one_check(tmp_path, co
         release.set()
         t.join(10)
         assert thread.cores() == set(cores[0])  # the step ended at home
-    finally:
-        release.set()
-        t.join(10)
-        thread.close()
-        borrower.close()
-        lender.close()
 
 
 def test_lender_waits_out_a_borrow_that_fits_its_slack(tmp_path, cores) -> None:
@@ -255,17 +267,8 @@ def test_an_idle_prefill_engine_lends_its_cores_to_a_decode_step(tmp_path, cores
 def test_a_prompt_at_the_prefill_engine_takes_its_cores_back_at_once(tmp_path, cores) -> None:
     lender, borrower, thread = _decode_pair(tmp_path, cores)
     lender.publish(_Engine(lambda: None, tokens=0))
-    in_step, release = threading.Event(), threading.Event()
-
-    def step() -> None:  # a decode step that lasts until the test lets it end
-        in_step.set()
-        assert release.wait(30)
-
-    t = threading.Thread(target=borrower.run_step, args=(_Engine(step, tokens=0),),
-                         daemon=True)
-    try:
-        t.start()
-        assert in_step.wait(10) and thread.cores() == set(cores[1])
+    with _held_step(lender, borrower, thread, tokens=0) as (release, t):
+        assert thread.cores() == set(cores[1])
         # Waiting for its sends only (no prompt to compute), the prefill engine's step runs
         # beside the borrow: it neither waits nor revokes.
         t0 = time.monotonic()
@@ -281,12 +284,6 @@ def test_a_prompt_at_the_prefill_engine_takes_its_cores_back_at_once(tmp_path, c
         release.set()
         t.join(10)
         assert thread.cores() == set(cores[0])
-    finally:
-        release.set()
-        t.join(10)
-        thread.close()
-        borrower.close()
-        lender.close()
 
 
 @pytest.mark.parametrize("lend,borrow", [(True, True), (True, False), (False, True)])
